@@ -1,0 +1,31 @@
+# Everything starts from nothing: `make test` and `make quickstart` build .venv first.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test test-unit test-distributed clean
+
+setup: $(STAMP)
+
+# One pinned requirements file (torch CPU wheel + megatron-core). The repo root goes on the venv's
+# path through a .pth file, so `megatron.training` merges with the installed `megatron.core`
+# namespace package and the tools run from anywhere.
+$(STAMP): requirements.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -c "import site, os; open(os.path.join(site.getsitepackages()[0], 'seq1f1b-repo.pth'), 'w').write(os.path.abspath('.') + '\n')"
+	$(PY) -c "import torch, megatron.core, seq1f1b; print('setup ok: torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-unit: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+
+test-distributed: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/distributed
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,78 @@
+"""Name -> schedule builder. The one list that CLI choices, tools and the runtime read.
+
+A builder is `(pp, microbatches, splits, chunks) -> list of per-rank action lists`; `build` checks
+the arguments every family shares, calls it and wraps the result in a `Schedule`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from seq1f1b.plan.actions import Action, Schedule, ScheduleError
+
+Builder = Callable[[int, int, int, int], list[list[Action]]]
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """What the registry knows of one schedule name."""
+
+    name: str
+    builder: Builder
+    description: str
+    chunked: bool = False      # uses V >= 2 model chunks per rank (interleaving)
+    placement: str = "loop"    # how (rank, chunk) maps to a virtual stage
+
+
+_REGISTRY: dict[str, ScheduleInfo] = {}
+
+
+def register(name: str, *, description: str, chunked: bool = False, placement: str = "loop"
+             ) -> Callable[[Builder], Builder]:
+    """Decorator: register `builder` under `name`."""
+
+    def wrap(builder: Builder) -> Builder:
+        if name in _REGISTRY:
+            raise ValueError(f"schedule {name!r} registered twice")
+        _REGISTRY[name] = ScheduleInfo(name, builder, description, chunked, placement)
+        return builder
+
+    return wrap
+
+
+def _load_families() -> None:
+    # Imported for their registration side effect; deferred so that families may import us.
+    import seq1f1b.plan.schedules  # noqa: F401
+
+
+def names() -> list[str]:
+    """Registered schedule names, in registration order (used for CLI choices)."""
+    _load_families()
+    return list(_REGISTRY)
+
+
+def get(name: str) -> ScheduleInfo:
+    _load_families()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ScheduleError(
+            f"--schedule: unknown schedule {name!r}; choose from {', '.join(_REGISTRY)}") from None
+
+
+def build(name: str, pp: int, microbatches: int, splits: int = 1, chunks: int = 1) -> Schedule:
+    """The schedule `name` for P=pp ranks, m micro-batches, k=splits spans, V=chunks chunks."""
+    info = get(name)
+    for flag, value in (("--pp", pp), ("--microbatches", microbatches), ("--splits", splits),
+                        ("--chunks", chunks)):
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{flag} must be a positive integer, got {value!r}")
+    if not info.chunked and chunks != 1:
+        raise ScheduleError(f"--chunks: schedule {name!r} runs one model chunk per rank, "
+                            f"got {chunks}; use an interleaved schedule for chunks > 1")
+    if info.chunked and chunks < 2:
+        raise ScheduleError(f"--chunks: schedule {name!r} interleaves model chunks and needs "
+                            f"chunks >= 2, got {chunks}")
+    programs = info.builder(pp, microbatches, splits, chunks)
+    return Schedule(name=name, pp=pp, microbatches=microbatches, splits=splits, chunks=chunks,
+                    programs=tuple(tuple(p) for p in programs), placement=info.placement)

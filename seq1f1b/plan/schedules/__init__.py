@@ -1,0 +1,1 @@
+"""Schedule families. Each module registers its names on import."""
