@@ -1,0 +1,249 @@
+"""Is a parallel configuration exact? One iteration against the unsplit single-process model.
+
+Every rank first builds the whole model (TP=1, PP=1) from the seed and runs the global batch through
+it unsplit: that is the reference loss and gradient. Then it builds its own chunks for the asked
+TP x PP x DP x V layout, copies the reference weights into them through megatron's sharded state
+dict (which knows each shard's place in the global tensor), runs one iteration of the asked
+schedule through megatron DDP and `finalize_model_grads`, and compares the loss and every gradient
+shard with the matching slice of the reference. Data: random tokens and a loss mask with holes, so
+uneven spans hold different numbers of loss tokens and a biased normalisation shows.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+from seq1f1b import megatron_adapter
+from seq1f1b.plan import registry
+from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
+                                              get_forward_backward_func)
+
+
+@dataclass
+class EquivalenceCase:
+    """One configuration to check (the flags of tools/check_equivalence.py)."""
+
+    schedule: str = "seq1f1b"
+    num_layers: int = 4
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    vocab_size: int = 96
+    seq_length: int = 24
+    micro_batch_size: int = 2
+    num_microbatches: int = 4
+    tp: int = 1
+    pp: int = 1
+    chunks: int = 1
+    splits: int = 1
+    partition: str = "even"
+    span_lengths: Optional[list[int]] = None
+    position_embedding_type: str = "rope"
+    sequence_parallel: bool = False
+    untie_embeddings: bool = False
+    attention_backend: str = "auto"
+    seed: int = 1234
+    loss_tolerance: float = 1e-6
+    grad_tolerance: float = 1e-5
+
+
+@dataclass
+class EquivalenceResult:
+    loss: float
+    ref_loss: float
+    loss_rel_diff: float
+    max_rel_grad_diff: float
+    worst_param: str
+    params_compared: int
+    passed: bool
+    case: dict = field(default_factory=dict)
+
+
+def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_parallel: bool):
+    return megatron_adapter.make_transformer_config(
+        num_layers=case.num_layers, hidden_size=case.hidden_size,
+        num_attention_heads=case.num_attention_heads, num_query_groups=case.num_query_groups,
+        ffn_hidden_size=case.ffn_hidden_size, tp=tp, pp=pp,
+        virtual_pipeline_size=chunks if chunks > 1 else None,
+        sequence_parallel=sequence_parallel)
+
+
+def _build(case: EquivalenceCase, config, *, pre_process: bool, post_process: bool,
+           vp_stage: Optional[int]) -> torch.nn.Module:
+    return megatron_adapter.build_model_chunk(
+        config, vocab_size=case.vocab_size, max_sequence_length=case.seq_length,
+        position_embedding_type=case.position_embedding_type, pre_process=pre_process,
+        post_process=post_process, vp_stage=vp_stage,
+        share_embeddings_and_output_weights=not case.untie_embeddings,
+        attention_backend=case.attention_backend,
+        stock=case.schedule in MEGATRON_SCHEDULES)
+
+
+def _global_batch(case: EquivalenceCase, dp: int) -> list[dict]:
+    """DP x m micro-batches of random tokens, next-token labels and a loss mask with holes."""
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    shape = (case.micro_batch_size, case.seq_length)
+    batches = []
+    for _ in range(dp * case.num_microbatches):
+        tokens = torch.randint(0, case.vocab_size, (shape[0], shape[1] + 1), generator=gen)
+        batches.append({
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": (torch.rand(shape, generator=gen) > 0.25).float(),
+            "position_ids": torch.arange(shape[1]).unsqueeze(0).expand(shape).contiguous(),
+        })
+    return batches
+
+
+def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Megatron's per-token loss form: (sum of masked token losses, token count, report)."""
+    losses = output.float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator) if data_iterator is not None else None
+    if batch is None:
+        return model(None, None, None), None
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(_loss_func, batch["loss_mask"])
+
+
+def _shard_index(model: torch.nn.Module) -> dict[int, tuple[str, ShardedTensor]]:
+    """data_ptr of each parameter -> (its name, its ShardedTensor)."""
+    names = {p.data_ptr(): n for n, p in model.named_parameters()}
+    index = {}
+    for sharded in model.sharded_state_dict().values():
+        if isinstance(sharded, ShardedTensor) and sharded.data.data_ptr() in names:
+            index[sharded.data.data_ptr()] = (names[sharded.data.data_ptr()], sharded)
+    return index
+
+
+def _place(sharded: ShardedTensor) -> tuple[str, tuple[int, ...]]:
+    """(key, offsets of the prepended layer axes): where a shard's whole tensor lives."""
+    return sharded.key, tuple(sharded.global_offset[:sharded.prepend_axis_num])
+
+
+def _slice(full: torch.Tensor, sharded: ShardedTensor) -> torch.Tensor:
+    offsets = sharded.global_offset[sharded.prepend_axis_num:]
+    return full[tuple(slice(o, o + n) for o, n in zip(offsets, sharded.local_shape))]
+
+
+def _reference(case: EquivalenceCase, batches: list[dict]) -> tuple[float, dict, dict]:
+    """Loss, weights and grads of the whole model on the whole global batch, in one process."""
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
+    config = _config(case, 1, 1, 1, False)
+    model = _build(case, config, pre_process=True, post_process=True, vp_stage=None)
+    total = 0.0
+    for batch in batches:
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss, tokens, _ = _loss_func(batch["loss_mask"], output)
+        scaled = loss / max(int(tokens), 1) / len(batches)
+        scaled.backward()
+        total += float(scaled)
+    weights, grads = {}, {}
+    for name, sharded in _shard_index(model).values():
+        param = dict(model.named_parameters())[name]
+        weights[_place(sharded)] = param.detach().clone()
+        grads[_place(sharded)] = param.grad.detach().clone()
+    parallel_state.destroy_model_parallel()
+    return total, weights, grads
+
+
+def run_case(case: EquivalenceCase) -> EquivalenceResult:
+    """Run `case` on the current process group (world = TP x PP x DP); same result on all ranks."""
+    world = dist.get_world_size()
+    if world % (case.tp * case.pp):
+        raise ValueError(f"world size {world} is not divisible by --tp {case.tp} x --pp {case.pp}")
+    dp = world // (case.tp * case.pp)
+    chunked = case.schedule in MEGATRON_SCHEDULES[1:] or (
+        case.schedule not in MEGATRON_SCHEDULES and registry.get(case.schedule).chunked)
+    if chunked != (case.chunks > 1):
+        raise ValueError(f"--chunks {case.chunks} does not fit schedule {case.schedule!r}")
+    batches = _global_batch(case, dp)
+    ref_loss, ref_weights, ref_grads = _reference(case, batches)
+
+    parallel_state.initialize_model_parallel(
+        case.tp, case.pp, virtual_pipeline_model_parallel_size=case.chunks if chunked else None)
+    tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
+    config = _config(case, case.tp, case.pp, case.chunks, case.sequence_parallel)
+    chunks = []
+    for chunk in range(case.chunks):
+        vp = chunk if chunked else None
+        model = _build(case, config, vp_stage=vp,
+                       pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                                          vp_stage=vp),
+                       post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                                          vp_stage=vp))
+        for name, sharded in _shard_index(model).values():
+            with torch.no_grad():
+                dict(model.named_parameters())[name].copy_(_slice(ref_weights[_place(sharded)],
+                                                                  sharded))
+        chunks.append(model)
+    index = [_shard_index(model) for model in chunks]
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    chunks = [DistributedDataParallel(config, ddp_config, model) for model in chunks]
+    no_sync = [model.no_sync for model in chunks]
+    config.no_sync_func = no_sync if chunked else no_sync[0]
+    config.finalize_model_grads_func = finalize_model_grads
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    mine = batches[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
+    iterators = [iter(mine) for _ in chunks]
+    settings = SpanSettings(case.splits, case.partition,
+                            tuple(case.span_lengths) if case.span_lengths else None)
+    func = get_forward_backward_func(case.schedule, settings)
+    losses = func(forward_step_func=_forward_step,
+                  data_iterator=iterators if chunked else iterators[0],
+                  model=chunks if chunked else chunks[0], num_microbatches=case.num_microbatches,
+                  seq_length=case.seq_length, micro_batch_size=case.micro_batch_size)
+
+    # Loss as megatron reports it: mean over micro-batches of each one's token mean, then over DP.
+    loss = torch.zeros(())
+    if losses:
+        loss += sum(float(x["lm loss"][0]) / max(float(x["lm loss"][1]), 1.0)
+                    for x in losses) / case.num_microbatches
+    dist.all_reduce(loss)
+    loss = float(loss) / dp
+
+    worst, worst_name, compared = 0.0, "", 0
+    for model, shards in zip(chunks, index):
+        params = dict(model.module.named_parameters())
+        for name, sharded in shards.values():
+            grad = params[name].main_grad.float()
+            ref = _slice(ref_grads[_place(sharded)], sharded)
+            scale = ref.abs().max().item()
+            diff = (grad - ref).abs().max().item() / (scale if scale > 0 else 1.0)
+            compared += 1
+            if diff > worst or math.isnan(diff):
+                worst, worst_name = diff, name
+        if len(shards) != len(params):
+            missing = sorted(set(params) - {n for n, _ in shards.values()})
+            raise RuntimeError(f"parameters without a reference shard: {missing}")
+    stats = torch.tensor([worst, float(compared)])
+    gathered = [torch.zeros(2) for _ in range(world)]
+    dist.all_gather(gathered, stats)
+    names = [None] * world
+    dist.all_gather_object(names, worst_name)
+    rank_of_worst = max(range(world), key=lambda r: float(gathered[r][0]))
+    worst = float(gathered[rank_of_worst][0])
+    compared = int(sum(float(g[1]) for g in gathered) / dp)
+    parallel_state.destroy_model_parallel()
+    loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+    passed = (loss_rel <= case.loss_tolerance and worst <= case.grad_tolerance
+              and not math.isnan(worst))
+    return EquivalenceResult(loss, ref_loss, loss_rel, worst, names[rank_of_worst], compared,
+                             passed, asdict(case))

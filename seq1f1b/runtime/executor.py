@@ -1,0 +1,248 @@
+"""Walks this rank's program of a plan on its megatron-core model chunks.
+
+One executor runs every schedule of the registry: F = receive the activation (or cut the span out
+of the micro-batch on the first stage), run the chunk on the span with its KV context, send; B =
+receive the output grad (or scale the span's loss on the last stage), back-propagate from the
+output and from this span's K/V with the dK/dV later spans left, send the input grad. The order is
+the plan's; the executor adds none of its own, so what the validator and simulator saw is what runs.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.utils import get_attr_wrapped_model
+
+from seq1f1b.plan.actions import Action, Schedule, ScheduleError
+from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
+from seq1f1b.runtime.loss import MicrobatchLoss
+from seq1f1b.runtime.p2p import PipelineChannels
+from seq1f1b.runtime.span_data import SpanDataSource
+
+
+@dataclass
+class StepInputs:
+    """Everything one call of a forward-backward function runs with, resolved by the adapter."""
+
+    schedule: Schedule
+    spans: Sequence[tuple[int, int]]       # [start, end) of each span of a micro-batch
+    rank: int                               # this rank's index in the pipeline group
+    pp_group: Optional[dist.ProcessGroup]
+    forward_step_func: Callable
+    data_iterators: Sequence[Optional[Iterator]]   # one per model chunk
+    model_chunks: Sequence[torch.nn.Module]        # one per model chunk of this rank
+    config: Any                                     # megatron ModelParallelConfig
+    seq_length: int
+    micro_batch_size: int
+    tp_size: int = 1
+    cp_size: int = 1
+    forward_only: bool = False
+    collect_non_loss_data: bool = False
+    p2p_timeout_s: float = 600.0
+
+
+def _backward(roots: list[torch.Tensor], grads: list[Optional[torch.Tensor]],
+              deallocated: bool) -> None:
+    if deallocated:
+        # The output's data was freed after its send (megatron's deallocate_pipeline_outputs):
+        # call the engine directly, as megatron's custom_backward does, to skip the shape check.
+        torch.autograd.Variable._execution_engine.run_backward(
+            tensors=tuple(roots), grad_tensors=tuple(grads), keep_graph=False,
+            create_graph=False, inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
+    else:
+        torch.autograd.backward(roots, grad_tensors=grads)
+
+
+class _GradSync:
+    """Megatron's no-sync protocol: grad reductions off until the last backward of the rank."""
+
+    def __init__(self, no_sync_func) -> None:
+        funcs = no_sync_func if isinstance(no_sync_func, (list, tuple)) else [no_sync_func]
+        self._funcs = [f for f in funcs if f is not None]
+        self._stack: Optional[contextlib.ExitStack] = None
+
+    def disable(self) -> None:
+        if self._stack is None and self._funcs:
+            self._stack = contextlib.ExitStack()
+            for func in self._funcs:
+                self._stack.enter_context(func())
+
+    def enable(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+
+class Executor:
+    """Runs one iteration of `inputs.schedule` on this rank; `run()` returns megatron's data."""
+
+    def __init__(self, inputs: StepInputs) -> None:
+        self.inp = inputs
+        sched = inputs.schedule
+        if sched.split_backward:
+            raise ScheduleError(f"--pipeline-schedule: {sched.name} splits backward into B and W; "
+                                "this runtime runs full backward actions only")
+        if len(inputs.model_chunks) != sched.chunks:
+            raise ScheduleError(f"the schedule has {sched.chunks} model chunks per rank, the model "
+                                f"has {len(inputs.model_chunks)}")
+        if len(inputs.spans) != sched.splits:
+            raise ScheduleError(f"{len(inputs.spans)} span boundaries for {sched.splits} splits")
+        program = sched.programs[inputs.rank]
+        if inputs.forward_only:
+            program = tuple(a for a in program if a.op == "F")
+            programs = tuple(tuple(a for a in p if a.op == "F") for p in sched.programs)
+            sched = Schedule(sched.name, sched.pp, sched.microbatches, sched.splits, sched.chunks,
+                             programs, sched.placement)
+        self.schedule = sched
+        self.program = program
+        config = inputs.config
+        self.config = config
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if torch.cuda.is_available() else torch.device("cpu"))
+        dtype = config.pipeline_dtype or (torch.bfloat16 if config.bf16 else
+                                          torch.float16 if config.fp16 else torch.float32)
+        self.channels = PipelineChannels(sched, inputs.rank, inputs.pp_group, self._shape_of,
+                                         dtype, self.device, inputs.p2p_timeout_s)
+        self.sources = [SpanDataSource(it, inputs.seq_length) for it in inputs.data_iterators]
+        self.caches: dict[tuple[int, int], MicrobatchKVCache] = {}
+        self.saved: dict[Action, tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        self.losses: dict[int, MicrobatchLoss] = {}
+        self.forward_data_store: list = []
+        self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.grad_sync = _GradSync(config.no_sync_func)
+        self.deallocate = bool(config.deallocate_pipeline_outputs)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _shape_of(self, span: int) -> tuple[int, int, int]:
+        start, end = self.inp.spans[span]
+        length = (end - start) // self.inp.cp_size
+        if self.config.sequence_parallel:
+            length //= self.inp.tp_size
+        return (length, self.inp.micro_batch_size, self.config.hidden_size)
+
+    def _stage(self, action: Action) -> int:
+        return self.schedule.stage_of(self.inp.rank, action.chunk)
+
+    def _is_last_stage(self, action: Action) -> bool:
+        return self._stage(action) == self.schedule.num_stages - 1
+
+    def _autocast(self):
+        if self.config.enable_autocast:
+            return torch.autocast(self.device.type, dtype=self.config.autocast_dtype)
+        return contextlib.nullcontext()
+
+    # -- actions ---------------------------------------------------------------------------------
+    def forward(self, action: Action) -> None:
+        i, j, c = action.microbatch, action.span, action.chunk
+        start, end = self.inp.spans[j]
+        last_span = j == self.schedule.splits - 1
+        if j == 0:
+            self.caches[(i, c)] = MicrobatchKVCache(i, c)
+        cache = self.caches[(i, c)]
+        input_tensor = self.channels.receive(action)
+        if input_tensor is not None and not self.inp.forward_only:
+            input_tensor.requires_grad_()
+        model = self.inp.model_chunks[c]
+        _set_input_tensor(model, input_tensor)
+        data = self.sources[c].span_iterator(i, start, end, last_span)
+        with span_context(SpanContext(i, j, start, end, cache)), self._autocast():
+            output, loss_func = self.inp.forward_step_func(data, model)
+        if self._is_last_stage(action):
+            output = self._record_loss(action, output, loss_func)
+        else:
+            self.channels.send(action, output)
+        if self.inp.forward_only:
+            if last_span:
+                del self.caches[(i, c)]
+            return
+        if not self._is_last_stage(action) and self.deallocate:
+            output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+        self.saved[action] = (input_tensor, output)
+
+    def _record_loss(self, action: Action, output: Any, loss_func: Optional[Callable]) -> Any:
+        i, j = action.microbatch, action.span
+        lengths = [e - s for s, e in self.inp.spans]
+        if loss_func is None or self.inp.collect_non_loss_data:
+            record = self.losses.setdefault(i, MicrobatchLoss(lengths))
+            value = output if loss_func is None else loss_func(output, non_loss_data=True)
+            record.reduced[j] = value
+            if len(record.reduced) == len(lengths):
+                spans = [record.reduced[s] for s in range(len(lengths))]
+                self.forward_data_store.append(spans[0] if len(spans) == 1 else spans)
+                del self.losses[i]
+            return output
+        record = self.losses.setdefault(i, MicrobatchLoss(lengths))
+        record.add(j, loss_func(output))
+        if record.complete:
+            self.total_num_tokens += record.total_tokens().to(self.device)
+            self.forward_data_store.append(record.combined_reduced())
+            if self.inp.forward_only:
+                del self.losses[i]
+        return record.losses[j]
+
+    def backward(self, action: Action, is_last_backward: bool) -> None:
+        i, j, c = action.microbatch, action.span, action.chunk
+        input_tensor, output = self.saved.pop(action)
+        cache = self.caches[(i, c)]
+        if self._is_last_stage(action):
+            record = self.losses[i]
+            scale = record.backward_scale(j, self.schedule.microbatches,
+                                          self.config.calculate_per_token_loss, self.inp.cp_size)
+            output = output * scale
+            if self.config.grad_scale_func is not None:
+                output = self.config.grad_scale_func(output)
+            grad = torch.ones_like(output)
+            deallocated = False
+            if j == 0:
+                del self.losses[i]
+        else:
+            grad = self.channels.receive(action)
+            deallocated = self.deallocate
+        kv_roots, kv_grads = cache.backward_roots(j)
+        if is_last_backward:
+            self.grad_sync.enable()
+        if output.requires_grad or kv_roots:
+            roots = [output] if output.requires_grad else []
+            grads = [grad] if output.requires_grad else []
+            _backward(roots + kv_roots, grads + kv_grads, deallocated)
+        cache.release(j)
+        if j == 0:
+            del self.caches[(i, c)]
+        if input_tensor is not None:
+            input_grad = input_tensor.grad
+            if input_grad is None:
+                input_grad = torch.zeros_like(input_tensor)
+            self.channels.send(action, input_grad)
+
+    # -- the iteration ---------------------------------------------------------------------------
+    def run(self) -> list:
+        """Run the whole program; returns one entry per micro-batch on the last stage, else []."""
+        if not self.inp.forward_only:
+            self.grad_sync.disable()
+        last_backward = max((n for n, a in enumerate(self.program) if a.op == "B"), default=-1)
+        for n, action in enumerate(self.program):
+            if n + 1 < len(self.program):
+                self.channels.prefetch(self.program[n + 1])
+            if action.op == "F":
+                self.forward(action)
+            else:
+                self.backward(action, n == last_backward)
+        self.channels.finish()
+        self.grad_sync.enable()
+        leftovers = len(self.saved) + sum(len(cache) for cache in self.caches.values())
+        if leftovers or self.caches or self.losses:
+            raise RuntimeError(f"pipeline rank {self.inp.rank}: {len(self.saved)} activations and "
+                               f"{len(self.caches)} KV caches left after the iteration")
+        return self.forward_data_store if self._holds_last_stage() else []
+
+    def _holds_last_stage(self) -> bool:
+        last = self.schedule.num_stages - 1
+        return self.schedule.owner_of(last)[0] == self.inp.rank
+
+
+def _set_input_tensor(model: torch.nn.Module, tensor: Optional[torch.Tensor]) -> None:
+    """Megatron's `set_input_tensor`, found through any DDP / Float16Module wrappers."""
+    get_attr_wrapped_model(model, "set_input_tensor")([tensor])

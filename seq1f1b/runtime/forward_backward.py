@@ -1,0 +1,167 @@
+"""Forward-backward functions with megatron-core's signature, one per registry name.
+
+`get_forward_backward_func(name, ...)` returns what `megatron.core.pipeline_parallel.
+get_forward_backward_func()` returns for stock schedules: a function taking megatron 0.16's whole
+keyword set and returning one loss entry per micro-batch on the last stage and [] elsewhere. Our
+names run the plan executor; `megatron-1f1b` and `megatron-interleaved-1f1b` are megatron's own,
+unmodified functions, so any run can be compared with the engine it extends.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import schedules as megatron_schedules
+from megatron.core.utils import get_model_config
+
+from seq1f1b.plan import partition as span_partition
+from seq1f1b.plan import registry
+from seq1f1b.plan.actions import ScheduleError
+from seq1f1b.plan.costs import ModelConfig
+from seq1f1b.runtime.executor import Executor, StepInputs
+
+MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved-1f1b")
+
+
+@dataclass(frozen=True)
+class SpanSettings:
+    """How micro-batches are cut into spans (the --seq1f1b-* flags)."""
+
+    splits: int = 1
+    partition: str = "even"                       # even | compute | explicit
+    span_lengths: Optional[tuple[int, ...]] = None
+    p2p_timeout_s: float = 600.0
+
+
+def schedule_names() -> list[str]:
+    """Every name `get_forward_backward_func` accepts: the registry's plus megatron's own."""
+    return registry.names() + list(MEGATRON_SCHEDULES)
+
+
+def _megatron_function(name: str) -> Callable:
+    def run(**kwargs):
+        pp_group = _pp_group(kwargs.get("p2p_communicator"), kwargs.get("pg_collection"))
+        if name == "megatron-interleaved-1f1b":
+            return megatron_schedules.forward_backward_pipelining_with_interleaving(**kwargs)
+        if pp_group.size() == 1:
+            for key in ("p2p_communicator", "adjust_tensor_shapes_fn"):
+                kwargs.pop(key, None)
+            return megatron_schedules.forward_backward_no_pipelining(**kwargs)
+        return megatron_schedules.forward_backward_pipelining_without_interleaving(**kwargs)
+
+    run.__name__ = name.replace("-", "_")
+    return run
+
+
+def _pp_group(p2p_communicator, pg_collection) -> dist.ProcessGroup:
+    if p2p_communicator is not None:
+        return p2p_communicator.pp_group
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        return pg_collection.pp
+    return parallel_state.get_pipeline_model_parallel_group()
+
+
+def _group_size(pg_collection, attr: str, fallback: Callable[[], int]) -> int:
+    group = getattr(pg_collection, attr, None) if pg_collection is not None else None
+    return group.size() if group is not None else fallback()
+
+
+@functools.lru_cache(maxsize=64)
+def _spans(settings: SpanSettings, seq_length: int, model: Optional[ModelConfig], tp: int,
+           sequence_parallel: bool) -> tuple[tuple[int, int], ...]:
+    lengths = span_partition.partition(
+        seq_length, settings.splits, settings.partition, model=model, tp=tp,
+        sequence_parallel=sequence_parallel, lengths=settings.span_lengths)
+    return tuple(span_partition.span_bounds(lengths))
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, pp: int, microbatches: int, splits: int, chunks: int):
+    return registry.build(name, pp, microbatches, splits, chunks)
+
+
+def _cost_model(config) -> Optional[ModelConfig]:
+    """The cost-model shape of megatron's TransformerConfig (None for toy configs without one)."""
+    try:
+        return ModelConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                           num_attention_heads=config.num_attention_heads,
+                           ffn_hidden_size=config.ffn_hidden_size,
+                           num_query_groups=config.num_query_groups)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _check_interleaving_like_megatron(num_microbatches: int, pp: int, config) -> None:
+    """Refuse what megatron's interleaved schedule refuses, with the exception type it uses."""
+    group = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp
+    if group != pp:
+        raise ValueError(f"microbatch_group_size_per_vp_stage={group}: the interleaved plan "
+                         f"groups micro-batches by the pipeline size {pp}")
+    if group > num_microbatches:
+        raise ValueError(f"The number of microbatches ({num_microbatches}) must be at least the "
+                         f"pipeline parallel size ({pp}) for an interleaved schedule")
+    remainder = num_microbatches % group
+    if 0 < remainder < pp:
+        raise RuntimeError(f"The number of microbatches ({num_microbatches}) leaves a final group "
+                           f"of {remainder}, smaller than the pipeline parallel size ({pp})")
+
+
+def get_forward_backward_func(name: str = "seq1f1b",
+                              settings: SpanSettings = SpanSettings()) -> Callable:
+    """The forward-backward function for schedule `name` (megatron's keyword signature)."""
+    if name in MEGATRON_SCHEDULES:
+        return _megatron_function(name)
+    info = registry.get(name)
+
+    def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches: int,
+                         seq_length: int, micro_batch_size: int,
+                         decoder_seq_length: Optional[int] = None, forward_only: bool = False,
+                         collect_non_loss_data: bool = False, first_val_step=None,
+                         adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
+                         force_all_reduce: Optional[bool] = False) -> list:
+        chunks: Sequence = model if isinstance(model, list) else [model]
+        iterators = (data_iterator if isinstance(data_iterator, list)
+                     else [data_iterator] * len(chunks))
+        config = get_model_config(chunks[0])
+        if adjust_tensor_shapes_fn is not None:
+            raise ValueError("adjust_tensor_shapes_fn: span shapes come from the plan; "
+                             f"schedule {name!r} cannot adjust them")
+        if decoder_seq_length not in (None, seq_length):
+            raise ValueError("decoder_seq_length: encoder-decoder models are not supported")
+        pp_group = _pp_group(p2p_communicator, pg_collection)
+        pp = pp_group.size()
+        tp = _group_size(pg_collection, "tp", parallel_state.get_tensor_model_parallel_world_size)
+        cp = _group_size(pg_collection, "cp", parallel_state.get_context_parallel_world_size)
+        if cp != 1:
+            raise ValueError("context parallelism is not supported by span schedules")
+        if info.chunked:
+            if not isinstance(model, list) or len(model) < 2:
+                raise AssertionError("interleaved pipeline parallelism expected model chunking")
+            _check_interleaving_like_megatron(num_microbatches, pp, config)
+        spans = _spans(settings, seq_length, _cost_model(config), tp,
+                       bool(config.sequence_parallel))
+        schedule = _schedule(name, pp, num_microbatches, settings.splits, len(chunks))
+        executor = Executor(StepInputs(
+            schedule=schedule, spans=spans, rank=pp_group.rank(), pp_group=pp_group,
+            forward_step_func=forward_step_func, data_iterators=iterators, model_chunks=chunks,
+            config=config, seq_length=seq_length, micro_batch_size=micro_batch_size,
+            tp_size=tp, cp_size=cp, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, p2p_timeout_s=settings.p2p_timeout_s))
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(
+                barrier=config.barrier_with_L1_time)
+        store = executor.run()
+        if config.finalize_model_grads_func is not None and not forward_only:
+            config.finalize_model_grads_func(
+                list(chunks),
+                executor.total_num_tokens if config.calculate_per_token_loss else None,
+                pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        return store
+
+    forward_backward.__name__ = f"forward_backward_{name.replace('-', '_')}"
+    return forward_backward

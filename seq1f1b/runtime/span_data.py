@@ -1,0 +1,60 @@
+"""Cut each micro-batch that a Megatron data iterator yields into the spans of the plan.
+
+Megatron's `forward_step_func(data_iterator, model)` calls `next(data_iterator)` once per
+micro-batch. For span j the executor hands it an iterator that yields the micro-batch sliced to the
+span's tokens, so users' forward steps run unchanged. Slicing rule (batch-first data, as Megatron's):
+a tensor whose dim 1 is the sequence length is cut to [start, end) on dim 1 (tokens, labels,
+loss_mask, position_ids — absolute positions, so learned position embeddings need nothing else); a
+[b, 1, L, L] attention mask becomes its rows [start, end) and columns [0, end) (the span's queries
+against every key up to its end); anything else passes through unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+def slice_span(item: Any, seq_length: int, start: int, end: int) -> Any:
+    """`item` (tensor, dict, list, tuple or other) cut to tokens [start, end)."""
+    if isinstance(item, torch.Tensor):
+        if item.dim() == 4 and item.shape[-1] == seq_length and item.shape[-2] == seq_length:
+            return item[:, :, start:end, :end]
+        if item.dim() >= 2 and item.shape[1] == seq_length:
+            return item[:, start:end]
+        return item
+    if isinstance(item, dict):
+        return {key: slice_span(value, seq_length, start, end) for key, value in item.items()}
+    if isinstance(item, (list, tuple)):
+        return type(item)(slice_span(value, seq_length, start, end) for value in item)
+    return item
+
+
+class SpanDataSource:
+    """Pulls micro-batches from one chunk's data iterator in order and serves them span by span."""
+
+    def __init__(self, iterator: Optional[Iterator], seq_length: int) -> None:
+        self.iterator = iterator
+        self.seq_length = seq_length
+        self._held: dict[int, Any] = {}
+        self._next_microbatch = 0
+
+    def span_iterator(self, microbatch: int, start: int, end: int, last_span: bool
+                      ) -> Optional[Iterator]:
+        """A one-item iterator over micro-batch `microbatch` cut to [start, end).
+
+        Micro-batch i is pulled from the wrapped iterator at its first span and dropped after its
+        last span; forwards of a chunk reach micro-batches in increasing order in every schedule.
+        """
+        if self.iterator is None:
+            return None
+        if microbatch not in self._held:
+            if microbatch != self._next_microbatch:
+                raise RuntimeError(f"micro-batch {microbatch} requested before micro-batch "
+                                   f"{self._next_microbatch}: data must be read in order")
+            self._held[microbatch] = next(self.iterator)
+            self._next_microbatch += 1
+        item = self._held[microbatch]
+        if last_span:
+            del self._held[microbatch]
+        return iter([slice_span(item, self.seq_length, start, end)])

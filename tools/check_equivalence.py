@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Is my configuration exact? One iteration of a schedule against the unsplit model.
+
+    torchrun --nproc-per-node 4 tools/check_equivalence.py --pp 2 --tp 2 --schedule seq1f1b \
+        --splits 3 --partition compute
+
+prints JSON {"loss", "ref_loss", "max_rel_grad_diff", "params_compared", "passed", ...} on rank 0
+and exits 1 when the loss or any gradient differs beyond the tolerances. DP = world / (TP x PP).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from seq1f1b.runtime.forward_backward import schedule_names
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--schedule", default="seq1f1b", choices=schedule_names())
+    add("--num-layers", type=int, default=4)
+    add("--hidden-size", type=int, default=32)
+    add("--num-attention-heads", type=int, default=4)
+    add("--num-query-groups", type=int, default=None)
+    add("--ffn-hidden-size", type=int, default=None)
+    add("--vocab-size", type=int, default=96)
+    add("--seq-length", type=int, default=24)
+    add("--micro-batch-size", type=int, default=2)
+    add("--num-microbatches", type=int, default=4)
+    add("--tp", type=int, default=1, help="tensor-parallel size")
+    add("--pp", type=int, default=1, help="pipeline-parallel size")
+    add("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedules)")
+    add("--splits", type=int, default=1, help="spans per micro-batch (k)")
+    add("--partition", choices=["even", "compute", "explicit"], default="even")
+    add("--span-lengths", type=int, nargs="+", default=None,
+        help="explicit span lengths (implies --partition explicit)")
+    add("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    add("--sequence-parallel", action="store_true")
+    add("--untie-embeddings-and-output-weights", action="store_true")
+    add("--attention-backend", choices=["auto", "eager", "sdpa", "flex", "flash", "te"],
+        default="auto")
+    add("--seed", type=int, default=1234)
+    add("--loss-tolerance", type=float, default=1e-6)
+    add("--grad-tolerance", type=float, default=1e-5)
+    add("--json", action="store_true", help="print only the JSON result")
+    args = parser.parse_args(argv)
+    if args.span_lengths:
+        args.partition = "explicit"
+    return args
+
+
+def case_from_args(args: argparse.Namespace):
+    from seq1f1b.equivalence import EquivalenceCase
+
+    return EquivalenceCase(
+        schedule=args.schedule, num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        num_microbatches=args.num_microbatches, tp=args.tp, pp=args.pp, chunks=args.chunks,
+        splits=args.splits, partition=args.partition, span_lengths=args.span_lengths,
+        position_embedding_type=args.position_embedding_type,
+        sequence_parallel=args.sequence_parallel,
+        untie_embeddings=args.untie_embeddings_and_output_weights,
+        attention_backend=args.attention_backend, seed=args.seed,
+        loss_tolerance=args.loss_tolerance, grad_tolerance=args.grad_tolerance)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from seq1f1b.distributed import init_distributed
+    from seq1f1b.equivalence import run_case
+
+    init_distributed()
+    import torch.distributed as dist
+
+    try:
+        result = run_case(case_from_args(args))
+    except ValueError as err:
+        if dist.get_rank() == 0:
+            print(f"check_equivalence.py: error: {err}", file=sys.stderr)
+        return 2
+    if dist.get_rank() == 0:
+        payload = {k: v for k, v in vars(result).items() if k != "case"}
+        print(json.dumps(payload if args.json else {**payload, "case": result.case}))
+    dist.destroy_process_group()
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
