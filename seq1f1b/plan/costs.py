@@ -1,0 +1,229 @@
+"""FLOPs, bytes and parameter counts of GPT spans: the one cost formula of the project.
+
+The span partitioner balances with it, the simulator turns it into action durations and memory,
+and the runtime's TFLOPS logging and any memory estimate call it, so every number the project
+reports about compute or memory comes from the functions below.
+
+Notation: a span holds `s` tokens of one micro-batch (batch `b` sequences) and its last token sits
+at absolute position `E` (E counts the span itself); h hidden, n heads, g query groups (K/V heads),
+d = h/n, f FFN hidden, Vv vocabulary, N layers, TP tensor-parallel size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seq1f1b.plan.actions import ScheduleError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a GPT model as far as cost is concerned."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int | None = None        # None: 4 * hidden_size
+    vocab_size: int = 50257                   # GPT-2 BPE; pass the padded size where it matters
+    num_query_groups: int | None = None       # None: one K/V head per query head (no GQA)
+    seq_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        for flag, value in (("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
+                            ("--num-attention-heads", self.num_attention_heads),
+                            ("--ffn-hidden-size", self.ffn_hidden_size),
+                            ("--vocab-size", self.vocab_size),
+                            ("--num-query-groups", self.num_query_groups)):
+            if not isinstance(value, int) or value < 1:
+                raise ScheduleError(f"{flag} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ScheduleError(f"--hidden-size {self.hidden_size} is not divisible by "
+                                f"--num-attention-heads {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ScheduleError(f"--num-attention-heads {self.num_attention_heads} is not "
+                                f"divisible by --num-query-groups {self.num_query_groups}")
+
+    @property
+    def kv_channels(self) -> int:
+        """d: channels per attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "1.3b": ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16),
+    "2.7b": ModelConfig(num_layers=32, hidden_size=2560, num_attention_heads=32),
+    "7b": ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32),
+    "13b": ModelConfig(num_layers=40, hidden_size=5120, num_attention_heads=40),
+    "30b": ModelConfig(num_layers=64, hidden_size=6144, num_attention_heads=64),
+}
+"""The paper's GPT configurations (authors' scripts): FFN 4h, GPT-2 vocabulary, no GQA."""
+
+
+def preset(name: str) -> ModelConfig:
+    """The paper's model `name` (case-insensitive, e.g. "7b")."""
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise ScheduleError(f"--model: unknown model {name!r}; choose from "
+                            f"{', '.join(PRESETS)}") from None
+
+
+# -- FLOPs ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpanFlops:
+    """Forward FLOPs of one span split by kind, so that backward costs follow from them.
+
+    `linear`: GEMMs against weights. Their backward costs twice the forward, half of it for the
+    input gradient and half for the weight gradient. `attention`: the core attention (QK^T,
+    softmax, AV), which has no weights; its backward costs twice its forward, all input gradient.
+    """
+
+    linear: float
+    attention: float
+
+    @property
+    def forward(self) -> float:
+        return self.linear + self.attention
+
+    @property
+    def input_grad(self) -> float:
+        """FLOPs of B when backward is split into B (input grad) and W (weight grad)."""
+        return self.linear + 2 * self.attention
+
+    @property
+    def weight_grad(self) -> float:
+        """FLOPs of W when backward is split."""
+        return self.linear
+
+    @property
+    def backward(self) -> float:
+        """FLOPs of a full (unsplit) backward: twice the forward."""
+        return self.input_grad + self.weight_grad
+
+    def __add__(self, other: "SpanFlops") -> "SpanFlops":
+        return SpanFlops(self.linear + other.linear, self.attention + other.attention)
+
+    def scaled(self, factor: float) -> "SpanFlops":
+        return SpanFlops(self.linear * factor, self.attention * factor)
+
+
+def _check_span(span_length: int, end: int) -> None:
+    if span_length < 1 or end < span_length:
+        raise ScheduleError(f"a span of {span_length} tokens cannot end at position {end}")
+
+
+def layer_flops(model: ModelConfig, span_length: int, end: int, batch: int = 1) -> SpanFlops:
+    """Forward FLOPs of one transformer layer on a span of `span_length` tokens ending at `end`.
+
+    linear = 4*s*h*d*(n + g) + 4*s*h*f, i.e. QKV and output projections (8*s*h*(n*d) without
+    GQA) plus the two MLP GEMMs; attention = (4d + 3) * n * (s*E - s^2/2): 4d per query-key pair
+    for QK^T and AV, 3 for scale, mask and softmax, over the causal pairs of the span. The pair
+    count s*E - s^2/2 = (E^2 - (E-s)^2)/2 telescopes, so the spans of a sequence sum exactly to
+    the whole causal sequence's cost (L^2/2 pairs).
+    """
+    _check_span(span_length, end)
+    h, n, g = model.hidden_size, model.num_attention_heads, model.num_query_groups
+    d, f = model.kv_channels, model.ffn_hidden_size
+    linear = 4 * span_length * h * d * (n + g) + 4 * span_length * h * f
+    start = end - span_length
+    attention = (4 * d + 3) * n * (end * end - start * start) / 2
+    return SpanFlops(float(linear * batch), attention * batch)
+
+
+def logits_flops(model: ModelConfig, span_length: int, batch: int = 1,
+                 embedding_as_gemm: bool = False) -> SpanFlops:
+    """FLOPs of the output layer on a span: 2*s*h*Vv (once per model, on the last stage).
+
+    `embedding_as_gemm` adds another 2*s*h*Vv for the input embedding, as the paper's TFLOPS
+    formula counts it; the lookup costs nothing in reality, so partitioning and simulation leave
+    it out.
+    """
+    gemms = 2 if embedding_as_gemm else 1
+    return SpanFlops(float(gemms * 2 * span_length * model.hidden_size * model.vocab_size * batch),
+                     0.0)
+
+
+def model_forward_flops(model: ModelConfig, span_length: int, end: int, batch: int = 1,
+                        embedding_as_gemm: bool = False) -> float:
+    """Forward FLOPs of the whole model (all layers and the logits) on one span."""
+    layers = layer_flops(model, span_length, end, batch).scaled(model.num_layers)
+    return (layers + logits_flops(model, span_length, batch, embedding_as_gemm)).forward
+
+
+def iteration_flops(model: ModelConfig, seq_length: int, global_batch_size: int) -> float:
+    """Model FLOPs of one training iteration as the paper counts them for TFLOPS.
+
+    3 x forward FLOPs of the global batch (forward + twice for backward), causal attention counted
+    at half, the input embedding counted as a GEMM, no recompute term. Divide by iteration time
+    and GPU count for TFLOPS per GPU.
+    """
+    return 3 * model_forward_flops(model, seq_length, seq_length, global_batch_size,
+                                   embedding_as_gemm=True)
+
+
+# -- bytes ------------------------------------------------------------------------------------
+def activation_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int = 1,
+                     sequence_parallel: bool = False, bytes_per_element: int = 2,
+                     dropout: bool = False) -> float:
+    """Bytes one transformer layer keeps for the backward of one span, excluding the span's K/V.
+
+    Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer Models", 2022)
+    count, per token of a layer in 16-bit, 34*h bytes + 5*n*s for the materialised attention
+    matrix. With flash attention that matrix is replaced by the softmax statistics (4*n bytes,
+    fp32 logsumexp), so, per token:
+      - LayerNorm inputs (2h), inputs of the QKV and FC1 GEMMs (2h), dropout masks (2h bytes of
+        1 byte each, only when dropout > 0: with p = 0 torch keeps no mask): split over TP only
+        with sequence parallelism, else replicated;
+      - Q (n*d), attention output = input of the output projection (n*d), softmax statistics,
+        FC1 output = GeLU input (f), GeLU output = FC2 input (f): split over TP.
+    K and V (2*g*d) are the span's entry in the KV cache: see `kv_cache_bytes`; the cache and the
+    graph share their storage, so adding the two gives the span's whole footprint.
+    Assumptions: no activation recompute, the runtime keeps no concatenated copy of the prefix's
+    K/V, embeddings and logits (first and last stage only) are not included.
+    """
+    h, n, d, f = model.hidden_size, model.num_attention_heads, model.kv_channels, \
+        model.ffn_hidden_size
+    e = bytes_per_element
+    per_token_replicated = 4 * h * e + (2 * h if dropout else 0)
+    per_token_sharded = 2 * n * d * e + 4 * n + 2 * f * e
+    replicated_divisor = tp if sequence_parallel else 1
+    per_token = per_token_replicated / replicated_divisor + per_token_sharded / tp
+    return span_length * batch * per_token
+
+
+def kv_cache_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int = 1,
+                   bytes_per_element: int = 2) -> float:
+    """Bytes of one layer's K and V for one span: 2*s*b*g*d*bytes/TP.
+
+    Held from the span's forward (later spans read them) until its own backward B, which is the
+    last reader (backward runs spans in reverse order).
+    """
+    return 2 * span_length * batch * model.num_query_groups * model.kv_channels \
+        * bytes_per_element / tp
+
+
+# -- parameters -------------------------------------------------------------------------------
+def stage_parameters(model: ModelConfig, num_layers: int, *, first: bool, last: bool,
+                     tp: int = 1) -> float:
+    """Parameters one GPU of a pipeline stage holds: `num_layers` layers, plus the word embedding
+    on the first stage and the final LayerNorm and (untied) output layer on the last stage.
+
+    Megatron GPT with biases and LayerNorm, RoPE (no position-embedding table). TP splits the
+    QKV, FC1 (weights and biases), output projection and FC2 weights and the vocabulary; the
+    LayerNorms and the row-parallel biases are replicated.
+    """
+    h, n, g, d, f = model.hidden_size, model.num_attention_heads, model.num_query_groups, \
+        model.kv_channels, model.ffn_hidden_size
+    qkv = (n + 2 * g) * d
+    sharded = (h + 1) * qkv + n * d * h + (h + 1) * f + f * h
+    replicated = 2 * h + 4 * h       # row-parallel biases of the projection and FC2; 2 LayerNorms
+    params = num_layers * (sharded / tp + replicated)
+    vocab = model.vocab_size * h / tp
+    if first:
+        params += vocab
+    if last:
+        params += vocab + 2 * h
+    return params

@@ -1,0 +1,135 @@
+"""The one cost formula: FLOPs telescope over spans, bytes match Korthikanti et al., presets."""
+import random
+
+import pytest
+
+from seq1f1b.plan.actions import ScheduleError
+from seq1f1b.plan.costs import (PRESETS, ModelConfig, activation_bytes, iteration_flops,
+                                kv_cache_bytes, layer_flops, logits_flops, model_forward_flops,
+                                preset, stage_parameters)
+
+PAPER_TABLE = {  # PAPER.md: layers, hidden, heads (FFN 4h)
+    "1.3b": (24, 2048, 16), "2.7b": (32, 2560, 32), "7b": (32, 4096, 32),
+    "13b": (40, 5120, 40), "30b": (64, 6144, 64)}
+
+
+def test_presets_are_the_papers_configs():
+    assert set(PRESETS) == set(PAPER_TABLE)
+    for name, (layers, hidden, heads) in PAPER_TABLE.items():
+        model = preset(name.upper())
+        assert (model.num_layers, model.hidden_size, model.num_attention_heads) == \
+            (layers, hidden, heads)
+        assert model.ffn_hidden_size == 4 * hidden
+        assert model.num_query_groups == heads
+        assert model.vocab_size == 50257
+
+
+def test_unknown_preset_names_the_flag_and_the_choices():
+    with pytest.raises(ScheduleError, match=r"--model.*1\.3b, 2\.7b, 7b, 13b, 30b"):
+        preset("8b")
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(num_layers=0, hidden_size=64, num_attention_heads=4), "--num-layers"),
+    (dict(num_layers=2, hidden_size=66, num_attention_heads=4), "--hidden-size"),
+    (dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=3),
+     "--num-query-groups"),
+])
+def test_bad_model_config_names_the_flag(kwargs, flag):
+    with pytest.raises(ScheduleError, match=flag):
+        ModelConfig(**kwargs)
+
+
+def test_layer_flops_are_the_papers_formula_without_gqa():
+    model = preset("7b")
+    h, n, d, f = 4096, 32, 128, 4 * 4096
+    s, end = 3000, 10000
+    got = layer_flops(model, s, end)
+    assert got.linear == 8 * s * h * (n * d) + 4 * s * h * f
+    assert got.attention == (4 * d + 3) * n * (s * end - s * s / 2)
+
+
+def test_gqa_shrinks_only_the_kv_projection():
+    full = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8)
+    gqa = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2)
+    s, d = 100, 32
+    # K and V projections: 2 GEMMs of h x (g*d) each, 2 FLOPs per multiply-add.
+    assert full.num_query_groups == 8
+    assert layer_flops(full, s, s).linear - layer_flops(gqa, s, s).linear == \
+        2 * 2 * s * 256 * (8 - 2) * d
+    assert layer_flops(full, s, s).attention == layer_flops(gqa, s, s).attention
+
+
+@pytest.mark.parametrize("model", [preset("7b"), preset("30b"),
+                                   ModelConfig(num_layers=3, hidden_size=35, num_attention_heads=5,
+                                               vocab_size=101)])
+def test_span_costs_sum_exactly_to_the_whole_sequence(model):
+    rng = random.Random(0)
+    seq_length = 131072
+    whole = model_forward_flops(model, seq_length, seq_length)
+    for splits in (2, 3, 7):
+        cuts = sorted(rng.sample(range(1, seq_length), splits - 1))
+        bounds = list(zip([0] + cuts, cuts + [seq_length]))
+        parts = sum(model_forward_flops(model, end - start, end) for start, end in bounds)
+        assert parts == whole
+
+
+def test_backward_is_twice_forward_and_w_holds_no_attention():
+    flops = layer_flops(preset("2.7b"), 4096, 8192)
+    assert flops.backward == 2 * flops.forward
+    assert flops.input_grad + flops.weight_grad == flops.backward
+    assert flops.weight_grad == flops.linear
+    assert flops.input_grad - flops.weight_grad == 2 * flops.attention
+
+
+def test_logits_and_embedding_gemm():
+    model = preset("1.3b")
+    assert logits_flops(model, 10).forward == 2 * 10 * 2048 * 50257
+    assert logits_flops(model, 10, embedding_as_gemm=True).forward == 2 * 2 * 10 * 2048 * 50257
+    L = 8192
+    assert iteration_flops(model, L, global_batch_size=4) == \
+        3 * 4 * model_forward_flops(model, L, L, embedding_as_gemm=True)
+
+
+def test_activation_bytes_match_korthikanti_with_flash_attention():
+    """34*s*b*h bytes per layer (16-bit, dropout masks kept), the 5*a*s^2*b attention matrix
+    replaced by fp32 softmax statistics (4*n*s*b); K/V counted in the KV cache."""
+    model = preset("13b")
+    h, n = 5120, 40
+    s, b, t = 2048, 2, 4
+
+    def total(**kw):
+        return activation_bytes(model, s, b, dropout=True, **kw) + \
+            kv_cache_bytes(model, s, b, tp=kw.get("tp", 1))
+
+    assert total() == s * b * (34 * h + 4 * n)
+    # Tensor parallel only: 10*s*b*h stay replicated, 24*s*b*h are split (their table 2).
+    assert total(tp=t) == s * b * (10 * h + 24 * h / t + 4 * n / t)
+    # With sequence parallelism everything is split.
+    assert total(tp=t, sequence_parallel=True) == s * b * (34 * h + 4 * n) / t
+    # Dropout p = 0 keeps no masks: 2*s*b*h bytes less.
+    assert activation_bytes(model, s, b) == activation_bytes(model, s, b, dropout=True) - 2 * s * b * h
+
+
+def test_kv_cache_bytes_follow_query_groups():
+    model = ModelConfig(num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2)
+    assert kv_cache_bytes(model, 1000, batch=3, tp=2) == 2 * 1000 * 3 * 2 * 64 * 2 / 2
+
+
+@pytest.mark.parametrize("name, billions", [("1.3b", 1.3), ("2.7b", 2.7), ("7b", 7), ("13b", 13),
+                                            ("30b", 30)])
+def test_parameter_counts_match_the_model_names(name, billions):
+    model = preset(name)
+    whole = stage_parameters(model, model.num_layers, first=True, last=True)
+    assert abs(whole / 1e9 - billions) / billions < 0.1
+
+
+def test_stage_parameters_add_up_and_shard():
+    model = preset("7b")
+    pp = 4
+    stages = [stage_parameters(model, model.num_layers // pp, first=r == 0, last=r == pp - 1)
+              for r in range(pp)]
+    assert sum(stages) == stage_parameters(model, model.num_layers, first=True, last=True)
+    assert stages[0] > stages[1] == stages[2] < stages[3]
+    sharded = stage_parameters(model, 8, first=False, last=False, tp=2)
+    assert stages[1] / 2 < sharded < stages[1] / 2 * 1.001
