@@ -1,0 +1,30 @@
+"""torchrun worker: runs each equivalence case in turn; rank 0 writes the results as JSON."""
+import json
+import sys
+import traceback
+
+import torch.distributed as dist
+
+from seq1f1b.distributed import init_distributed
+from seq1f1b.equivalence import EquivalenceCase, run_case
+
+
+def main(cases_path: str, results_path: str) -> None:
+    init_distributed(timeout_s=120)
+    results = []
+    for spec in json.load(open(cases_path)):
+        try:
+            result = vars(run_case(EquivalenceCase(**spec)))
+        except Exception as err:  # reported per case; the other cases still run
+            result = {"passed": False, "error": f"{type(err).__name__}: {err}",
+                      "traceback": traceback.format_exc()[-3000:], "case": spec}
+            from megatron.core import parallel_state
+            parallel_state.destroy_model_parallel()
+        results.append(result)
+    if dist.get_rank() == 0:
+        json.dump(results, open(results_path, "w"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
