@@ -1,0 +1,110 @@
+"""Draw a simulated schedule: a timeline PNG (matplotlib, Agg) and a chrome-trace JSON.
+
+Both read a `SimulationReport`, so what is drawn is exactly what was simulated.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib.colors import to_rgb  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from seq1f1b.plan.simulate import SimulationReport  # noqa: E402
+
+OP_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+OP_NAMES = {"F": "F forward", "B": "B backward", "W": "W weight grad"}
+_LABEL_FONT_PT = 6.5
+_CHAR_WIDTH = 0.62        # of the font size, for the label fitting test
+_MAX_WIDTH_IN = 24.0
+
+
+def _colour(op: str, chunk: int, chunks: int) -> tuple[float, float, float]:
+    """The op's colour; later chunks are lighter so chunks stay apart without new hues."""
+    lighten = 0.45 * chunk / (chunks - 1) if chunks > 1 else 0.0
+    return tuple(c + (1 - c) * lighten for c in to_rgb(OP_COLOURS[op]))
+
+
+def _text_colour(background: tuple[float, float, float]) -> str:
+    """White on dark boxes, near-black on light ones (Rec. 601 luma)."""
+    red, green, blue = background
+    return "#222222" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.6 else "white"
+
+
+def title(report: SimulationReport) -> str:
+    return (f"{report.schedule}   P={report.pp} m={report.microbatches} k={report.splits} "
+            f"V={report.chunks}   makespan {report.makespan:.4g}   "
+            f"bubble {report.bubble_ratio:.1%}")
+
+
+def plot_timeline(report: SimulationReport, path: str | Path, time_unit: str = "") -> Path:
+    """Write the timeline of `report` to `path` (PNG): one row per rank, rank 0 on top."""
+    makespan = report.makespan or 1.0
+    show_chunk = report.chunks > 1
+    # Wide enough for the shortest box to carry its label, within sane bounds.
+    shortest = min((t.end - t.start for r in report.ranks for t in r.timeline
+                    if t.end > t.start), default=makespan)
+    label_pt = len("00.0@0" if show_chunk else "00.0") * _LABEL_FONT_PT * _CHAR_WIDTH + 2
+    width = min(max(8.0, label_pt * makespan / shortest / 72 / 0.85 + 1.2), _MAX_WIDTH_IN)
+    fig, ax = plt.subplots(figsize=(width, 0.55 * report.pp + 1.6), dpi=120)
+    axes_width_pt = width * 72 * ax.get_position().width
+    for rank in report.ranks:
+        for timed in rank.timeline:
+            a = timed.action
+            duration = timed.end - timed.start
+            colour = _colour(a.op, a.chunk, report.chunks)
+            ax.barh(rank.rank, duration, left=timed.start, height=0.8, color=colour,
+                    edgecolor="white", linewidth=0.4)
+            label = f"{a.microbatch}.{a.span}" + (f"@{a.chunk}" if show_chunk else "")
+            box_pt = duration / makespan * axes_width_pt
+            if box_pt >= len(label) * _LABEL_FONT_PT * _CHAR_WIDTH + 2:
+                ax.text(timed.start + duration / 2, rank.rank, label, ha="center", va="center",
+                        fontsize=_LABEL_FONT_PT, color=_text_colour(colour))
+    ax.set_yticks(range(report.pp), [f"rank {r}" for r in range(report.pp)])
+    ax.set_ylim(report.pp - 0.5, -0.5)          # rank 0 on top
+    ax.set_xlim(0, makespan)
+    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    ax.set_title(title(report), fontsize=10, loc="left")
+    ops = [op for op in OP_COLOURS if any(t.action.op == op for r in report.ranks
+                                          for t in r.timeline)]
+    handles = [Patch(color=_colour(op, chunk, report.chunks),
+                     label=OP_NAMES[op] + (f" @{chunk}" if show_chunk else ""))
+               for op in ops for chunk in range(report.chunks)]
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles),
+              fontsize=8, frameon=False, borderaxespad=0.2)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def chrome_trace(report: SimulationReport, microseconds_per_unit: float = 1.0) -> dict:
+    """The timeline as chrome://tracing / Perfetto JSON: one process, one thread per rank."""
+    show_chunk = report.chunks > 1
+    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": 0,
+                           "args": {"name": title(report)}}]
+    for rank in report.ranks:
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank.rank,
+                       "args": {"name": f"rank {rank.rank}"}})
+        for timed in rank.timeline:
+            a = timed.action
+            events.append({"name": a.format(show_chunk), "cat": a.op, "ph": "X", "pid": 0,
+                           "tid": rank.rank, "ts": timed.start * microseconds_per_unit,
+                           "dur": (timed.end - timed.start) * microseconds_per_unit,
+                           "args": {"microbatch": a.microbatch, "span": a.span,
+                                    "chunk": a.chunk}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(report: SimulationReport, path: str | Path,
+                       microseconds_per_unit: float = 1.0) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(chrome_trace(report, microseconds_per_unit)))
+    return path

@@ -1,0 +1,124 @@
+"""tools/plan.py: show / partition / simulate, their JSON, the pictures, and one-line errors."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("plan_cli", REPO / "tools" / "plan.py")
+plan_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan_cli)
+
+
+def run(capsys, *argv):
+    code = plan_cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv):
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_show_text_and_json(capsys):
+    code, out, _ = run(capsys, "show", "--schedule", "seq1f1b", "--pp", "4", "--microbatches",
+                       "8", "--splits", "2")
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == 4
+    assert lines[0].startswith("rank 0: F0.0 F0.1 F1.0 F1.1 F2.0 B0.1 F2.1 B0.0")
+    data = run_json(capsys, "show", "--schedule", "seq1f1b-interleaved", "--pp", "2",
+                    "--microbatches", "2", "--splits", "2", "--chunks", "2")
+    assert {k: data[k] for k in ("schedule", "pp", "microbatches", "splits", "chunks")} == \
+        {"schedule": "seq1f1b-interleaved", "pp": 2, "microbatches": 2, "splits": 2, "chunks": 2}
+    assert len(data["ranks"]) == 2 and data["ranks"][0][0] == "F0.0@0"
+    assert all(len(actions) == 2 * 2 * 2 * 2 for actions in data["ranks"])
+
+
+@pytest.mark.parametrize("seq_length", [32768, 65536, 131072])
+def test_partition_compute_7b_tp2_sequence_parallel(capsys, seq_length):
+    data = run_json(capsys, "partition", "--seq-length", str(seq_length), "--splits", "4",
+                    "--method", "compute", "--model", "7b", "--tp", "2", "--sequence-parallel")
+    assert sum(data["spans"]) == seq_length and all(n % 2 == 0 for n in data["spans"])
+    assert len(data["flops"]) == 4
+    assert data["imbalance"] == max(data["flops"]) * 4 / sum(data["flops"]) <= 1.01
+
+
+def test_partition_with_model_dimensions_and_text_output(capsys):
+    code, out, _ = run(capsys, "partition", "--seq-length", "4096", "--splits", "2", "--method",
+                       "even", "--num-layers", "4", "--hidden-size", "256",
+                       "--num-attention-heads", "4")
+    assert code == 0 and out.splitlines()[0] == "spans: 2048 2048"
+    assert "imbalance" in out
+    assert run_json(capsys, "partition", "--seq-length", "10", "--splits", "3", "--method",
+                    "explicit", "--span-lengths", "5", "3", "2") == {"spans": [5, 3, 2]}
+
+
+def test_simulate_uniform_json_matches_the_closed_form(capsys):
+    data = run_json(capsys, "simulate", "--schedule", "seq1f1b", "--pp", "4", "--microbatches",
+                    "8", "--splits", "4", "--uniform-cost", "1", "2")
+    assert data["bubble_ratio"] == 3 / (8 * 4 + 3)
+    assert data["makespan"] == 3 * (8 * 4 + 3)
+    assert [r["peak_live_spans"] for r in data["ranks"]] == [7, 6, 5, 4]
+    assert all(r["busy"] + r["idle"] == data["makespan"] for r in data["ranks"])
+    assert "actions" not in data["ranks"][0]
+
+
+def test_simulate_model_writes_plot_and_trace(capsys, tmp_path):
+    png, trace = tmp_path / "timeline.png", tmp_path / "trace.json"
+    code, out, err = run(capsys, "simulate", "--schedule", "seq1f1b-interleaved", "--pp", "2",
+                         "--microbatches", "4", "--splits", "2", "--chunks", "2", "--model",
+                         "1.3b", "--seq-length", "8192", "--tp", "2", "--sequence-parallel",
+                         "--partition", "compute", "--plot", str(png), "--trace", str(trace))
+    assert code == 0, err
+    assert "bubble" in out and "act GiB" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace.read_text())["traceEvents"]
+    boxes = [e for e in events if e["ph"] == "X"]
+    assert len(boxes) == 2 * (2 * 4 * 2 * 2)                # P ranks x F,B of m*k*V units
+    assert {e["tid"] for e in boxes} == {0, 1} and {e["pid"] for e in boxes} == {0}
+    assert all(e["dur"] > 0 for e in boxes)
+    data = run_json(capsys, "simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches",
+                    "2", "--splits", "2", "--model", "1.3b", "--seq-length", "8192",
+                    "--timeline")
+    assert data["ranks"][0]["peak_activation_bytes"] > data["ranks"][1]["peak_activation_bytes"]
+    assert len(data["ranks"][0]["actions"]) == 8
+
+
+BAD_INPUTS = [
+    (["show", "--schedule", "seq1f1b", "--pp", "0", "--microbatches", "2"], "--pp"),
+    (["show", "--schedule", "nope", "--pp", "2", "--microbatches", "2"], "--schedule"),
+    (["partition", "--seq-length", "3", "--splits", "4"], "--splits"),
+    (["partition", "--seq-length", "1024", "--splits", "2", "--model", "8b"], "--model"),
+    (["partition", "--seq-length", "65535", "--splits", "4", "--tp", "2", "--sequence-parallel"],
+     "--seq-length"),
+    (["partition", "--seq-length", "64", "--splits", "2", "--method", "compute"], "--method"),
+    (["partition", "--seq-length", "64", "--splits", "2", "--num-layers", "2"], "--hidden-size"),
+    (["simulate", "--schedule", "seq1f1b", "--pp", "3", "--microbatches", "2", "--splits", "2",
+      "--model", "7b", "--seq-length", "4096"], "--pp"),
+    (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2"],
+     "--uniform-cost"),
+    (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--uniform-cost",
+      "1"], "--uniform-cost"),
+]
+
+
+@pytest.mark.parametrize("argv, flag", BAD_INPUTS)
+def test_bad_input_is_one_line_naming_the_flag(capsys, argv, flag):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and flag in err
+
+
+def test_bad_input_from_a_shell_exits_2_with_one_line():
+    for argv, flag in (BAD_INPUTS[0], BAD_INPUTS[2], BAD_INPUTS[7]):
+        done = subprocess.run([sys.executable, str(REPO / "tools" / "plan.py"), *argv],
+                              capture_output=True, text=True, cwd="/", timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and flag in done.stderr
+        assert "Traceback" not in done.stderr

@@ -1,0 +1,167 @@
+"""The simulator: closed-form bubbles and memory peaks of the registry's schedules, latency, model
+costs, deadlocks."""
+import json
+
+import pytest
+
+from seq1f1b.plan import registry
+from seq1f1b.plan.actions import Schedule, ScheduleError, dependencies
+from seq1f1b.plan.costs import (ModelConfig, activation_bytes, kv_cache_bytes, layer_flops,
+                                logits_flops, preset)
+from seq1f1b.plan.partition import partition
+from seq1f1b.plan.simulate import model_costs, simulate, uniform_costs
+
+GRID = [(pp, m, k) for pp in (1, 2, 3, 4) for m in (1, 2, 3, 8) for k in (1, 2, 3, 4)]
+
+
+def _uniform(schedule, *costs):
+    return simulate(schedule, uniform_costs(schedule, *costs))
+
+
+@pytest.mark.parametrize("pp, m, k", GRID)
+def test_seq1f1b_bubble_and_rank0_peak(pp, m, k):
+    report = _uniform(registry.build("seq1f1b", pp, m, k), 1, 2)
+    assert report.bubble_ratio == (pp - 1) / (m * k + pp - 1)
+    assert report.makespan == 3 * (m * k + pp - 1)
+    assert report.ranks[0].peak_live_spans == min(pp + k - 1, m * k)
+
+
+@pytest.mark.parametrize("pp, m", [(pp, m) for pp in (1, 2, 3, 4, 5) for m in (1, 2, 4, 8)])
+def test_1f1b_bubble_and_peak(pp, m):
+    report = _uniform(registry.build("1f1b", pp, m), 1, 2)
+    assert report.bubble_ratio == (pp - 1) / (m + pp - 1)
+    assert [r.peak_live_spans for r in report.ranks] == [min(pp - r, m) for r in range(pp)]
+
+
+@pytest.mark.parametrize("pp, m, k, chunks", [(2, 4, 2, 2), (4, 8, 3, 2), (4, 4, 4, 3),
+                                              (3, 3, 1, 2)])
+def test_interleaved_bubble_shrinks_by_the_chunk_count(pp, m, k, chunks):
+    report = _uniform(registry.build("seq1f1b-interleaved", pp, m, k, chunks), 1, 2)
+    assert report.bubble_ratio == pytest.approx((pp - 1) / (chunks * m * k + pp - 1), abs=1e-12)
+
+
+def test_timeline_respects_program_order_and_dependencies():
+    schedule = registry.build("seq1f1b-interleaved", 3, 4, 2, 2)
+    report = simulate(schedule, uniform_costs(schedule, 1, 2), p2p_latency=0.25)
+    ends = {}
+    for rank in report.ranks:
+        assert [t.action for t in rank.timeline] == list(schedule.programs[rank.rank])
+        for before, after in zip(rank.timeline, rank.timeline[1:]):
+            assert before.end <= after.start
+        ends.update({(rank.rank, t.action): t for t in rank.timeline})
+    for (rank, action), timed in ends.items():
+        for dep_rank, dep in dependencies(schedule, rank, action):
+            latency = 0.25 if dep_rank != rank else 0.0
+            assert ends[(dep_rank, dep)].end + latency <= timed.start
+        assert rank < 3 and timed.end - timed.start == {"F": 1, "B": 2}[action.op]
+    assert all(r.busy + r.idle == report.makespan for r in report.ranks)
+
+
+def test_p2p_latency_is_paid_on_every_cross_rank_hop():
+    schedule = registry.build("1f1b", 2, 1)
+    # F on rank 0, hop, F and B on rank 1, hop, B on rank 0.
+    assert simulate(schedule, uniform_costs(schedule, 1, 2), p2p_latency=0.5).makespan == 7.0
+
+
+def test_split_backward_needs_w_costs_and_frees_kv_at_b():
+    schedule = Schedule.from_text("rank 0: F0.0 B0.0 F1.0 W0.0 B1.0 W1.0", "w-toy")
+    with pytest.raises(ScheduleError, match="--uniform-cost"):
+        uniform_costs(schedule, 1, 2)
+    report = _uniform(schedule, 1, 1, 1)
+    assert report.makespan == 6
+    assert report.ranks[0].peak_live_spans == 2          # span 0 lives until W0.0
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    costs = model_costs(schedule, model, [32], flops_per_second=1e9)
+    rank = simulate(schedule, costs).ranks[0]
+    assert rank.peak_activation_bytes == 2 * 2 * activation_bytes(model, 32)
+    assert rank.peak_kv_cache_bytes == 2 * kv_cache_bytes(model, 32)   # K/V freed at B0.0
+    flops = layer_flops(model, 32, 32).scaled(2) + logits_flops(model, 32)
+    assert costs.backward[0][0] == flops.input_grad / 1e9
+    assert costs.weight[0][0] == flops.weight_grad / 1e9
+
+
+def test_model_costs_follow_the_cost_formula():
+    model = preset("7b")
+    spans = partition(65536, 4, "compute", model, tp=2, sequence_parallel=True)
+    schedule = registry.build("seq1f1b", 4, 8, 4)
+    costs = model_costs(schedule, model, spans, flops_per_second=312e12, tp=2,
+                        sequence_parallel=True)
+    ends = [sum(spans[:j + 1]) for j in range(4)]
+    for stage in range(4):
+        for j, (length, end) in enumerate(zip(spans, ends)):
+            flops = layer_flops(model, length, end).scaled(8)
+            if stage == 3:
+                flops = flops + logits_flops(model, length)
+            assert costs.forward[stage][j] == pytest.approx(flops.forward / 2 / 312e12)
+            assert costs.backward[stage][j] == pytest.approx(2 * costs.forward[stage][j])
+            assert costs.activation_bytes[stage][j] == 8 * activation_bytes(
+                model, length, tp=2, sequence_parallel=True)
+    assert costs.weight is None
+    report = simulate(schedule, costs)
+    assert report.ranks[0].peak_live_spans == 7
+
+    def peak(table):
+        """Bytes of rank 0's live spans, maximised over its program (a set-based replay)."""
+        live, best = set(), 0.0
+        for action in schedule.programs[0]:
+            if action.op == "F":
+                live.add(action.key())
+                best = max(best, sum(table(spans[j]) for _, j, _ in live))
+            else:
+                live.discard(action.key())
+        return best
+
+    assert report.ranks[0].peak_activation_bytes == pytest.approx(
+        peak(lambda n: 8 * activation_bytes(model, n, tp=2, sequence_parallel=True)))
+    assert report.ranks[0].peak_kv_cache_bytes == pytest.approx(
+        peak(lambda n: 8 * kv_cache_bytes(model, n, tp=2)))
+    # The byte peak is not where the span count first peaks (all of micro-batch 0 and three
+    # spans of micro-batch 1): the first span is the longest, so a later window holding two
+    # first spans is heavier.
+    first_window = spans + spans[:3]
+    assert report.ranks[0].peak_activation_bytes > sum(
+        8 * activation_bytes(model, n, tp=2, sequence_parallel=True) for n in first_window)
+    # Fewer live spans further down the pipe.
+    peaks = [r.peak_activation_bytes for r in report.ranks]
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def test_balanced_spans_beat_even_spans():
+    model = preset("7b")
+    schedule = registry.build("seq1f1b", 4, 8, 4)
+
+    def makespan(method):
+        spans = partition(131072, 4, method, model, tp=2, sequence_parallel=True)
+        return simulate(schedule, model_costs(schedule, model, spans, flops_per_second=312e12,
+                                              tp=2, sequence_parallel=True)).makespan
+
+    assert makespan("compute") < 0.97 * makespan("even")
+
+
+def test_layers_must_divide_over_virtual_stages():
+    schedule = registry.build("seq1f1b", 3, 2, 2)
+    with pytest.raises(ScheduleError, match="--pp"):
+        model_costs(schedule, preset("7b"), [8, 8], flops_per_second=1e12)
+
+
+def test_deadlock_and_incomplete_schedules_are_refused():
+    deadlock = Schedule.from_text("rank 0: F0.0 B0.0\nrank 1: B0.0 F0.0", "bad-order")
+    with pytest.raises(ScheduleError, match="F0.0"):
+        _uniform(deadlock, 1, 2)
+    crossed = Schedule.from_text("rank 0: F0.0 B0.0 F1.0 B1.0\nrank 1: F1.0 F0.0 B0.0 B1.0",
+                                 "crossed")
+    with pytest.raises(ScheduleError, match="deadlock"):
+        _uniform(crossed, 1, 2)
+    missing = Schedule.from_text("rank 0: F0.0 B0.0\nrank 1: F0.0", "missing")
+    with pytest.raises(ScheduleError, match="B0.0"):
+        _uniform(missing, 1, 2)
+
+
+def test_report_to_dict_is_json():
+    report = _uniform(registry.build("seq1f1b", 2, 2, 2), 1, 2)
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["makespan"] == report.makespan and data["bubble_ratio"] == report.bubble_ratio
+    assert data["ranks"][0]["actions"][0] == {"action": "F0.0", "start": 0.0, "end": 1.0}
+    assert data["ranks"][1]["peak_live_spans"] == 2
+    assert data["ranks"][0]["peak_activation_bytes"] is None
+    assert "actions" not in report.to_dict(timeline=False)["ranks"][0]

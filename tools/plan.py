@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Inspect pipeline plans without running a model.
+
+  plan.py show      --schedule seq1f1b --pp 4 --microbatches 8 --splits 2
+  plan.py partition --seq-length 65536 --splits 4 --method compute --model 7b --tp 2 \\
+                    --sequence-parallel
+  plan.py simulate  --schedule seq1f1b --pp 4 --microbatches 8 --splits 4 --uniform-cost 1 2 \\
+                    --plot timeline.png --trace trace.json
+
+Every subcommand takes --json for other tools. Bad arguments print one line on stderr and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from seq1f1b.plan import registry  # noqa: E402
+from seq1f1b.plan.actions import ScheduleError  # noqa: E402
+from seq1f1b.plan.costs import PRESETS, ModelConfig, preset  # noqa: E402
+from seq1f1b.plan.partition import imbalance, partition, span_flops  # noqa: E402
+from seq1f1b.plan.simulate import (SimulationReport, model_costs, simulate,  # noqa: E402
+                                   uniform_costs)
+
+A100_BF16_TFLOPS = 312.0
+
+
+class UsageError(Exception):
+    """Bad command line: reported as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:      # argparse prints usage + message; we want one line
+        raise UsageError(message)
+
+
+def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--schedule", required=True, choices=registry.names(), metavar="NAME",
+                        help=f"one of: {', '.join(registry.names())}")
+    parser.add_argument("--pp", type=int, required=True, help="pipeline stages P")
+    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
+    parser.add_argument("--splits", type=int, default=1, help="spans per micro-batch k")
+    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank V")
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model (a preset or its dimensions)")
+    group.add_argument("--model", type=str.lower, choices=list(PRESETS), metavar="NAME",
+                       help=f"the paper's configs: {', '.join(PRESETS)}")
+    group.add_argument("--num-layers", type=int)
+    group.add_argument("--hidden-size", type=int)
+    group.add_argument("--num-attention-heads", type=int)
+    group.add_argument("--ffn-hidden-size", type=int)
+    group.add_argument("--vocab-size", type=int)
+    group.add_argument("--num-query-groups", type=int)
+
+
+def _add_span_args(parser: argparse.ArgumentParser, method_flag: str) -> None:
+    parser.add_argument("--seq-length", type=int, required=method_flag == "--method")
+    parser.add_argument(method_flag, dest="method", default="even",
+                        choices=["even", "compute", "explicit"])
+    parser.add_argument("--span-lengths", type=int, nargs="+", help="with the explicit method")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="spans must then be multiples of --tp")
+    parser.add_argument("--align", type=int, default=1, help="spans are multiples of this")
+
+
+def _model(args: argparse.Namespace) -> ModelConfig | None:
+    dims = {name: getattr(args, name) for name in
+            ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+             "vocab_size", "num_query_groups")}
+    given = {name: value for name, value in dims.items() if value is not None}
+    if args.model:
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise UsageError(f"--model {args.model} cannot be combined with {flags}")
+        return preset(args.model)
+    if not given:
+        return None
+    missing = [name for name in ("num_layers", "hidden_size", "num_attention_heads")
+               if name not in given]
+    if missing:
+        raise UsageError(f"--{missing[0].replace('_', '-')} is required without --model")
+    return ModelConfig(**given)
+
+
+def _spans(args: argparse.Namespace, model: ModelConfig | None, splits: int) -> list[int]:
+    return partition(args.seq_length, splits, args.method, model, tp=args.tp,
+                     sequence_parallel=args.sequence_parallel, align=args.align,
+                     lengths=args.span_lengths)
+
+
+def _schedule(args: argparse.Namespace):
+    return registry.build(args.schedule, args.pp, args.microbatches, args.splits, args.chunks)
+
+
+def cmd_show(args: argparse.Namespace) -> None:
+    schedule = _schedule(args)
+    if args.json:
+        print(json.dumps({"schedule": schedule.name, "pp": schedule.pp,
+                          "microbatches": schedule.microbatches, "splits": schedule.splits,
+                          "chunks": schedule.chunks,
+                          "ranks": [schedule.format_rank(r) for r in range(schedule.pp)]}))
+    else:
+        print(schedule.to_text())
+
+
+def cmd_partition(args: argparse.Namespace) -> None:
+    model = _model(args)
+    spans = _spans(args, model, args.splits)
+    out: dict = {"spans": spans}
+    if model is not None:
+        flops = span_flops(model, spans)
+        out.update(flops=flops, imbalance=imbalance(flops))
+    if args.json:
+        print(json.dumps(out))
+        return
+    print("spans: " + " ".join(map(str, spans)))
+    if model is not None:
+        total = sum(out["flops"])
+        print("FLOP shares: " + " ".join(f"{f / total:.3f}" for f in out["flops"]))
+        print(f"imbalance (max/mean): {out['imbalance']:.4f}")
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    schedule = _schedule(args)
+    model = _model(args)
+    if (args.uniform_cost is None) == (model is None):
+        raise UsageError("--uniform-cost F B [W] or a model (--model or its dimensions) is "
+                         "required, not both")
+    if args.uniform_cost is not None:
+        if len(args.uniform_cost) not in (2, 3):
+            raise UsageError("--uniform-cost takes two or three numbers: F B [W]")
+        costs = uniform_costs(schedule, *args.uniform_cost)
+        unit, microseconds = "", 1.0
+    else:
+        if args.seq_length is None:
+            raise UsageError("--seq-length is required with a model")
+        costs = model_costs(schedule, model, _spans(args, model, schedule.splits),
+                            flops_per_second=args.device_tflops * 1e12, tp=args.tp,
+                            sequence_parallel=args.sequence_parallel)
+        unit, microseconds = "s", 1e6
+    report = simulate(schedule, costs, args.p2p_latency)
+    if args.plot or args.trace:
+        from seq1f1b.plan import render     # matplotlib only when a picture is asked for
+        if args.plot:
+            render.plot_timeline(report, args.plot, unit)
+        if args.trace:
+            render.write_chrome_trace(report, args.trace, microseconds)
+    if args.json:
+        print(json.dumps(report.to_dict(timeline=args.timeline)))
+    else:
+        _print_report(report, unit)
+
+
+def _print_report(report: SimulationReport, unit: str) -> None:
+    suffix = f" {unit}" if unit else ""
+    print(f"{report.schedule}: P={report.pp} m={report.microbatches} k={report.splits} "
+          f"V={report.chunks}  makespan {report.makespan:.6g}{suffix}  "
+          f"bubble {report.bubble_ratio:.2%}")
+    with_bytes = report.ranks and report.ranks[0].peak_activation_bytes is not None
+    header = f"{'rank':>4} {'busy':>10} {'idle':>10} {'live spans':>10}"
+    print(header + (f" {'act GiB':>9} {'KV GiB':>8}" if with_bytes else ""))
+    for rank in report.ranks:
+        line = (f"{rank.rank:>4} {rank.busy:>10.4g} {rank.idle:>10.4g} "
+                f"{rank.peak_live_spans:>10}")
+        if with_bytes:
+            line += (f" {rank.peak_activation_bytes / 2**30:>9.2f}"
+                     f" {rank.peak_kv_cache_bytes / 2**30:>8.2f}")
+        print(line)
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="plan.py", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    show = commands.add_parser("show", help="print each rank's action list")
+    _add_schedule_args(show)
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(run=cmd_show)
+
+    part = commands.add_parser("partition", help="cut a sequence into spans")
+    part.add_argument("--splits", type=int, required=True, help="spans k")
+    _add_span_args(part, "--method")
+    _add_model_args(part)
+    part.add_argument("--json", action="store_true")
+    part.set_defaults(run=cmd_partition)
+
+    sim = commands.add_parser("simulate", help="replay a schedule with per-action costs")
+    _add_schedule_args(sim)
+    sim.add_argument("--uniform-cost", type=float, nargs="+", metavar="COST",
+                     help="durations F B [W] of every span")
+    _add_model_args(sim)
+    _add_span_args(sim, "--partition")
+    sim.add_argument("--device-tflops", type=float, default=A100_BF16_TFLOPS,
+                     help="FLOP rate of one GPU, in TFLOPS (default: A100 bf16 peak)")
+    sim.add_argument("--p2p-latency", type=float, default=0.0,
+                     help="added to every cross-rank dependency, in the costs' time unit")
+    sim.add_argument("--plot", metavar="FILE.png")
+    sim.add_argument("--trace", metavar="FILE.json", help="chrome://tracing / Perfetto JSON")
+    sim.add_argument("--json", action="store_true")
+    sim.add_argument("--timeline", action="store_true",
+                     help="with --json: include every action's start and end")
+    sim.set_defaults(run=cmd_simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        args.run(args)
+    except (UsageError, ScheduleError) as err:
+        print(f"plan.py: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
