@@ -108,7 +108,8 @@ def test_activation_bytes_match_korthikanti_with_flash_attention():
     # With sequence parallelism everything is split.
     assert total(tp=t, sequence_parallel=True) == s * b * (34 * h + 4 * n) / t
     # Dropout p = 0 keeps no masks: 2*s*b*h bytes less.
-    assert activation_bytes(model, s, b) == activation_bytes(model, s, b, dropout=True) - 2 * s * b * h
+    assert activation_bytes(model, s, b) == \
+        activation_bytes(model, s, b, dropout=True) - 2 * s * b * h
 
 
 def test_kv_cache_bytes_follow_query_groups():
