@@ -1,0 +1,147 @@
+"""Where Seq1F1B meets megatron-core: the span-aware layer spec and model chunks.
+
+Everything here is megatron's own GPT model, built through ModuleSpec injection instead of patches:
+the local layer spec with `SpanAttention` as core attention, a norm that also works under sequence
+parallelism, and a rotary embedding that knows the absolute positions of a span.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from seq1f1b.runtime.attention import SpanAttention
+from seq1f1b.runtime.positions import make_span_aware
+
+POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+
+
+class SequenceParallelNorm(MegatronModule):
+    """LayerNorm / RMSNorm (per `config.normalization`) usable with sequence parallelism.
+
+    megatron's torch fallback norm refuses sequence parallelism (TE and Apex norms accept it). A
+    norm is per token, so it works on a sequence shard unchanged; what SP needs is that each TP rank's
+    partial weight grads get summed: the params are marked `sequence_parallel`, which megatron's
+    `finalize_model_grads` all-reduces over the TP group. Parameter names match torch's norms.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(config=config)
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"--normalization {config.normalization}: only LayerNorm and RMSNorm")
+        if config.persist_layer_norm or config.memory_efficient_layer_norm:
+            raise ValueError("persist/memory-efficient layer norm need Apex; turn them off")
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        make = functools.partial(torch.empty, hidden_size, device=device,
+                                 dtype=config.params_dtype)
+        gamma_init = torch.nn.init.zeros_ if self.zero_centered_gamma else torch.nn.init.ones_
+        self.weight = torch.nn.Parameter(gamma_init(make()))
+        self.bias = (torch.nn.Parameter(torch.nn.init.zeros_(make()))
+                     if config.normalization == "LayerNorm" else None)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        if self.bias is None:
+            return F.rms_norm(hidden, (self.hidden_size,), weight, self.eps)
+        return F.layer_norm(hidden, (self.hidden_size,), weight, self.bias, self.eps)
+
+
+def span_layer_spec(config: TransformerConfig, attention_backend: str = "auto") -> ModuleSpec:
+    """megatron's local GPT layer spec with `SpanAttention` and `SequenceParallelNorm` injected."""
+    if config.num_moe_experts or config.multi_latent_attention:
+        raise NotImplementedError("Seq1F1B's layer spec covers dense GPT layers (no MoE, no MLA)")
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                    normalization=config.normalization)
+    layer = spec.submodules
+    layer.input_layernorm = SequenceParallelNorm
+    layer.pre_mlp_layernorm = SequenceParallelNorm
+    attention = layer.self_attention.submodules
+    attention.core_attention = functools.partial(SpanAttention, backend=attention_backend)
+    if config.qk_layernorm:
+        attention.q_layernorm = SequenceParallelNorm
+        attention.k_layernorm = SequenceParallelNorm
+    return spec
+
+
+def span_block_spec(config: TransformerConfig, attention_backend: str = "auto",
+                    vp_stage: Optional[int] = None,
+                    pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """The decoder block of one model chunk: its layers plus a final norm that allows SP."""
+    layer = span_layer_spec(config, attention_backend)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count,
+                                      layer_norm=SequenceParallelNorm)
+
+
+def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
+                      position_embedding_type: str = "rope", pre_process: bool = True,
+                      post_process: bool = True, vp_stage: Optional[int] = None,
+                      attention_backend: str = "auto",
+                      share_embeddings_and_output_weights: bool = False,
+                      parallel_output: bool = True, rotary_percent: float = 1.0,
+                      rotary_base: int = 10000,
+                      pg_collection: Optional[ProcessGroupCollection] = None) -> GPTModel:
+    """One GPTModel chunk (the layers of `vp_stage` on this pipeline rank) that can run spans."""
+    if position_embedding_type not in POSITION_EMBEDDINGS:
+        raise ValueError(f"--position-embedding-type {position_embedding_type!r}: Seq1F1B spans "
+                         f"support {', '.join(POSITION_EMBEDDINGS)}")
+    pp_group = getattr(pg_collection, "pp", None)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=span_block_spec(
+            config, attention_backend, vp_stage,
+            pp_rank=pp_group.rank() if pp_group is not None else None),
+        vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+        pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type, rotary_percent=rotary_percent,
+        rotary_base=rotary_base, pg_collection=pg_collection, vp_stage=vp_stage)
+    if position_embedding_type == "rope":
+        make_span_aware(model.rotary_pos_emb)
+    return model
+
+
+def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_heads: int,
+                            ffn_hidden_size: Optional[int] = None,
+                            num_query_groups: Optional[int] = None,
+                            tensor_model_parallel_size: int = 1,
+                            pipeline_model_parallel_size: int = 1,
+                            virtual_pipeline_model_parallel_size: Optional[int] = None,
+                            sequence_parallel: bool = False, fp32: bool = True,
+                            hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
+                            **overrides) -> TransformerConfig:
+    """A TransformerConfig for tests and tools from a few numbers.
+
+    Dropout defaults to 0 (exact comparisons), fp32 or bf16, CPU initialisation when there is no
+    GPU; megatron-core's dataclass defaults already keep the fused kernels off (on the CPU each
+    costs seconds of inductor compilation). `overrides` go to TransformerConfig unchanged.
+    """
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    fields = dict(
+        num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+        ffn_hidden_size=ffn_hidden_size, num_query_groups=num_query_groups,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        sequence_parallel=sequence_parallel, hidden_dropout=hidden_dropout,
+        attention_dropout=attention_dropout, params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=not fp32, use_cpu_initialization=not torch.cuda.is_available())
+    fields.update(overrides)
+    return TransformerConfig(**fields)

@@ -1,0 +1,193 @@
+"""CPU platform layer: lets megatron-core 0.16.1 run on a machine without CUDA.
+
+megatron-core has no CPU switch: it allocates on `torch.cuda.current_device()`, writes literal
+`device="cuda"` tensors in its schedules, keeps its RNG tracker in CUDA generator states and checks
+`param.type() == 'torch.cuda.FloatTensor'` in its optimizers. `activate()` makes all of that land on
+the CPU, without copying or patching any megatron-core file:
+
+1. a process-wide `TorchFunctionMode` rewrites every CUDA device (`"cuda"`, `"cuda:N"`, a cuda
+   `torch.device` or a bare int, as `torch.cuda.current_device()` returns) to the CPU in `device=`
+   arguments and in `Tensor.to(...)`; `Tensor.cuda()` and `Tensor.pin_memory()` become the identity
+   (`pin_memory=True` becomes False); `Tensor.type()` answers the CUDA type name
+   (`torch.cuda.FloatTensor`) so megatron's clip_grads / (distributed) optimizer accept CPU params;
+2. `torch.cuda.current_device` (0), `set_device`, `synchronize` and `nvtx.range_push/range_pop/mark`
+   become harmless, each its own function object (megatron's jit_fuser registers torch functions with
+   dynamo, which refuses one object under two names: "Duplicate torch object");
+3. the CUDA RNG calls (`torch.cuda.{get,set}_rng_state[_all]`, `manual_seed[_all]` and megatron's
+   `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`) act on the CPU default
+   generator, so `model_parallel_cuda_manual_seed`, the RNG tracker's `fork()` (attention dropout)
+   and activation recompute work. The "CUDA" stream *is* the CPU stream here, so `fork()`'s warning
+   "CPU RNG state changed within GPU RNG context" is expected and filtered out.
+
+Limits: a `TorchFunctionMode` is thread-local, so threads started by user code run without it; on a
+machine with CUDA `activate()` does nothing and returns False.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
+_active_mode: TorchFunctionMode | None = None
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # a CUDA ordinal: torch.cuda.current_device() answers 0 under this layer
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cpu_if_cuda(device: Any) -> Any:
+    return _CPU if _is_cuda_device(device) else device
+
+
+def _cpu_type_name(name: str) -> str:
+    return "torch." + name[len("torch.cuda."):] if name.startswith("torch.cuda.") else name
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placements of every torch call to the CPU (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.type:
+            return self._tensor_type(func, args, kwargs)
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _tensor_type(func: Callable, args: tuple, kwargs: dict) -> Any:
+        target = args[1] if len(args) > 1 else kwargs.pop("dtype", None)
+        if target is None:  # a query: answer as a CUDA tensor would
+            name = func(args[0])
+            return name if name.startswith("torch.cuda.") else "torch.cuda." + name[len("torch."):]
+        if isinstance(target, str):
+            target = _cpu_type_name(target)
+        elif isinstance(target, type) and target.__module__ == "torch.cuda":
+            target = getattr(torch, target.__name__)
+        return func(args[0], target, *args[2:], **kwargs)
+
+
+class _DropRngForkWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _RNG_WARNING not in record.getMessage()
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Never torch.manual_seed: it calls torch.cuda.manual_seed_all, i.e. this function again.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _rng_functions() -> dict[str, Callable[..., Any]]:
+    """Fresh CPU-generator replacements of the torch.cuda RNG API (new objects on every call)."""
+
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        torch.set_rng_state(new_state)
+
+    def get_rng_state_all() -> list[torch.Tensor]:
+        return [torch.get_rng_state()]
+
+    def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+        torch.set_rng_state(new_states[0])
+
+    def manual_seed(seed: int) -> None:
+        _cpu_manual_seed(seed)
+
+    def manual_seed_all(seed: int) -> None:
+        _cpu_manual_seed(seed)
+
+    return {f.__name__: f for f in (get_rng_state, set_rng_state, get_rng_state_all,
+                                    set_rng_state_all, manual_seed, manual_seed_all)}
+
+
+def _device_functions() -> dict[str, Callable[..., Any]]:
+    def current_device() -> int:
+        return 0
+
+    def set_device(device: Any) -> None:
+        return None
+
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    return {f.__name__: f for f in (current_device, set_device, synchronize)}
+
+
+def _nvtx_functions() -> dict[str, Callable[..., Any]]:
+    def range_push(msg: str) -> int:
+        return 0
+
+    def range_pop() -> int:
+        return 0
+
+    def mark(msg: str) -> None:
+        return None
+
+    return {f.__name__: f for f in (range_push, range_pop, mark)}
+
+
+def _megatron_rng_functions() -> dict[str, Callable[..., Any]]:
+    def _get_cuda_rng_state(device: Any = "cuda", clone: bool = False,
+                            graph_safe: bool = False) -> torch.Tensor:
+        if graph_safe:
+            raise NotImplementedError("CUDA-graph-safe RNG states have no CPU equivalent")
+        return torch.get_rng_state()
+
+    def _set_cuda_rng_state(new_state: torch.Tensor, device: Any = -1,
+                            graph_safe: bool = False) -> None:
+        if graph_safe:
+            raise NotImplementedError("CUDA-graph-safe RNG states have no CPU equivalent")
+        torch.set_rng_state(new_state)
+
+    return {f.__name__: f for f in (_get_cuda_rng_state, _set_cuda_rng_state)}
+
+
+def _patch(namespace: object, functions: dict[str, Callable[..., Any]]) -> None:
+    for name, function in functions.items():
+        setattr(namespace, name, function)
+
+
+def activate() -> bool:
+    """Install the CPU layer when CUDA is absent; idempotent. Returns whether the layer is active."""
+    global _active_mode
+    if _active_mode is not None:
+        return True
+    if torch.cuda.is_available():
+        return False
+    # megatron.core first: its import registers torch.cuda functions with dynamo (see docstring).
+    import megatron.core  # noqa: F401
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    _patch(torch.cuda, _device_functions())
+    _patch(torch.cuda.nvtx, _nvtx_functions())
+    _patch(torch.cuda, _rng_functions())
+    _patch(torch.cuda.random, _rng_functions())
+    _patch(megatron_random, _megatron_rng_functions())
+    logging.getLogger(megatron_random.__name__).addFilter(_DropRngForkWarning())
+    mode = _CudaToCpuMode()
+    mode.__enter__()  # process-wide from here on (for this thread: the mode stack is thread-local)
+    _active_mode = mode
+    return True
+
+
+def is_active() -> bool:
+    """Whether `activate()` installed the CPU layer in this process."""
+    return _active_mode is not None

@@ -1,0 +1,419 @@
+"""Span-aware causal core attention for megatron-core, with interchangeable kernels.
+
+`SpanAttention` plugs into a layer spec as
+`spec.submodules.self_attention.submodules.core_attention` (megatron's `Attention` builds it with
+the keyword arguments of `DotProductAttention` and calls it after RoPE with query/key/value as
+[seq, batch, heads (or query groups) per TP partition, head_dim]); it returns [seq, batch,
+heads * head_dim] like `DotProductAttention`.
+
+Outside a span (`current_span()` is None) it is plain causal attention over the given sequence.
+Inside span j of a micro-batch (tokens [start, end)), the keys/values are the cached K/V of spans
+0..j-1 of this layer (detached leaves from `MicrobatchKVCache.prefix`) followed by this span's own,
+which it stores in the cache for the later spans; the query rows attend with the *bottom-right*
+aligned causal mask (query row t sees keys <= start + t).
+
+Exact gradients without a second copy of K/V: for j > 0, `_PrefixAttention` concatenates prefix and
+current K/V and runs the kernel under no_grad, saving only q, the current k/v and the prefix leaves
+(which the cache holds anyway). Its backward concatenates again, re-runs the attention forward with
+grad enabled (dropout replayed from the saved RNG states) and returns grads for q, the current k/v
+and every prefix leaf, whose `.grad` so accumulates the later spans' dK/dV (see kv_cache.py).
+Cost: one extra attention forward in the backward of every span j > 0. One more transient: the
+prefix leaves' first gradients are views of the concatenated dK/dV buffer of the last span's
+backward, so that span's own slice of it (one span of dK/dV per layer) stays allocated until the
+micro-batch's cache is released.
+
+Kernels (`--attention-backend`): eager (explicit mask, the reference), sdpa (torch SDPA with
+`causal_lower_right`; `is_causal=True` would be top-left aligned, wrong for spans), flash
+(flash-attn >= 2.1, whose causal=True is bottom-right aligned; public `flash_attn_func` only),
+te (Transformer Engine, attn_mask_type "causal_bottom_right"), flex (FlexAttention; trains on GPUs
+only: torch has no CPU backward for it), and auto (flash > te > sdpa, the first available).
+Only eager and sdpa are exercised on the CPU CI; flash, te and flex are written against their public
+APIs but untested there. Optional packages are looked up at run time, never imported at import time.
+
+An explicit `attention_mask` (megatron's convention: bool, True = masked out) replaces the causal
+mask, as in `DotProductAttention`. Its shape is [b or 1, 1, sq, sk] with sk = the number of keys
+seen: inside span [start, end) that is the full-sequence mask sliced to [..., start:end, :end].
+Only eager and sdpa take one (auto falls back to sdpa for such calls).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from packaging.version import Version
+from torch import Tensor
+
+from seq1f1b.runtime.kv_cache import SpanContext, current_span
+
+BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te")
+_MEGATRON_BACKEND_NAMES = {"local": "eager", "unfused": "eager", "fused": "te"}
+_AUTO_ORDER = ("flash", "te", "sdpa")
+_MASKED_BACKENDS = ("eager", "sdpa")
+_MIN_FLASH_ATTN = Version("2.1")
+
+# A kernel: (q, k, v as [s, b, heads, d]; mask or None = bottom-right causal; scale; dropout)
+# -> [sq, b, heads * d]. Differentiable with plain autograd.
+Kernel = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], float, float], Tensor]
+
+
+# ----------------------------------------------------------------------------- backend choice
+
+def backend_unavailable_reason(name: str, config: TransformerConfig) -> Optional[str]:
+    """Why backend `name` cannot run here with `config`, or None when it can."""
+    if name in ("eager", "sdpa"):
+        return None
+    if name == "flex":
+        if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+            return f"torch {torch.__version__} has no FlexAttention"
+        return None
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if name == "flash":
+        if importlib.util.find_spec("flash_attn") is None:
+            return "flash-attn is not installed"
+        try:
+            version = Version(importlib.metadata.version("flash-attn"))
+        except importlib.metadata.PackageNotFoundError:
+            return "flash-attn is importable but has no package metadata (version unknown)"
+        if version < _MIN_FLASH_ATTN:
+            return f"needs flash-attn >= {_MIN_FLASH_ATTN} (bottom-right causal), found {version}"
+        if not (config.fp16 or config.bf16):
+            return "flash-attn kernels need --fp16 or --bf16"
+        return None
+    if name == "te":
+        if importlib.util.find_spec("transformer_engine") is None:
+            return "transformer-engine is not installed"
+        return None
+    raise ValueError(f"--attention-backend {name!r} is not one of {', '.join(BACKENDS)}")
+
+
+def resolve_backend(name: str, config: TransformerConfig) -> str:
+    """The concrete backend for `--attention-backend name` (auto: the fastest available).
+
+    Megatron's own names are accepted too: local/unfused -> eager, fused -> te.
+    """
+    name = _MEGATRON_BACKEND_NAMES.get(name, name)
+    if name not in BACKENDS:
+        raise ValueError(f"--attention-backend {name!r} is not one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        return next(n for n in _AUTO_ORDER if backend_unavailable_reason(n, config) is None)
+    reason = backend_unavailable_reason(name, config)
+    if reason is not None:
+        raise ValueError(f"--attention-backend {name} is unavailable: {reason}")
+    return name
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def bottom_right_causal_mask(sq: int, sk: int, device: torch.device | str = "cpu") -> Tensor:
+    """[sq, sk] bool mask, True = masked out: query row t sees keys <= (sk - sq) + t."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
+
+
+def _heads_first(t: Tensor) -> Tensor:
+    return t.permute(1, 2, 0, 3)  # [s, b, n, d] -> [b, n, s, d]
+
+
+def _merge_heads(out: Tensor) -> Tensor:
+    b, n, s, d = out.shape  # [b, n, s, d] -> [s, b, n * d]
+    return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+def _eager(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
+           dropout_p: float) -> Tensor:
+    q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
+    groups = q.size(1) // k.size(1)
+    if groups > 1:  # GQA: query head h reads key/value group h // groups, as in megatron
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if mask is None:
+        mask = bottom_right_causal_mask(q.size(2), k.size(2), q.device)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1).to(q.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return _merge_heads(torch.matmul(probs, v))
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
+          dropout_p: float) -> Tensor:
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
+    allowed = causal_lower_right(q.size(2), k.size(2)) if mask is None else ~mask
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
+                                         scale=scale, enable_gqa=q.size(1) != k.size(1))
+    return _merge_heads(out)
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
+           dropout_p: float) -> Tensor:
+    from flash_attn import flash_attn_func  # >= 2.1: causal=True is bottom-right aligned
+
+    sq, b = q.shape[:2]
+    out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                          dropout_p=dropout_p, softmax_scale=scale, causal=True)
+    return out.transpose(0, 1).reshape(sq, b, -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _flex_block_mask(sq: int, sk: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    shift = sk - sq
+
+    def bottom_right_causal(batch, head, q_idx, kv_idx):
+        return kv_idx <= q_idx + shift
+
+    return create_block_mask(bottom_right_causal, None, None, sq, sk, device=device)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
+          dropout_p: float) -> Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
+    attend = flex_attention if q.device.type == "cpu" else _compiled_flex_attention()
+    out = attend(q, k, v, block_mask=_flex_block_mask(q.size(2), k.size(2), q.device),
+                 scale=scale, enable_gqa=q.size(1) != k.size(1))
+    return _merge_heads(out)
+
+
+_KERNELS: dict[str, Kernel] = {"eager": _eager, "sdpa": _sdpa, "flash": _flash, "flex": _flex}
+
+
+def _build_te_attention(config: TransformerConfig, layer_number: int, dropout_p: float,
+                        softmax_scale: float, tp_group) -> torch.nn.Module:
+    import transformer_engine.pytorch as te_pytorch
+
+    tracker = tensor_parallel.get_cuda_rng_tracker
+    return te_pytorch.DotProductAttention(
+        num_attention_heads=config.num_attention_heads, kv_channels=config.kv_channels,
+        num_gqa_groups=config.num_query_groups, attention_dropout=dropout_p,
+        qkv_format="sbhd", attn_mask_type="causal_bottom_right",
+        sequence_parallel=config.sequence_parallel, tp_size=config.tensor_model_parallel_size,
+        get_rng_state_tracker=tracker if tracker().is_initialized() else None,
+        tp_group=tp_group, layer_number=layer_number, softmax_scale=softmax_scale)
+
+
+# ----------------------------------------------------------------------------- RNG replay
+
+@dataclass
+class _RngStates:
+    """The generator states dropout reads: CPU, CUDA (when present) and megatron's tracker."""
+
+    cpu: Tensor
+    cuda: Optional[Tensor]
+    tracker: dict
+
+    @classmethod
+    def capture(cls) -> "_RngStates":
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        return cls(torch.get_rng_state(), cuda,
+                   tensor_parallel.get_cuda_rng_tracker().get_states())
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+        tensor_parallel.get_cuda_rng_tracker().set_states(dict(self.tracker))
+
+
+@contextlib.contextmanager
+def _replaying(states: Optional[_RngStates]) -> Iterator[None]:
+    """Run the block with the RNG as it was at `states`, then put the current RNG back."""
+    if states is None:
+        yield
+        return
+    now = _RngStates.capture()
+    states.restore()
+    try:
+        yield
+    finally:
+        now.restore()
+
+
+# ----------------------------------------------------------------------------- span attention
+
+class _PrefixAttention(torch.autograd.Function):
+    """Attention of the current span over [prefix spans, current span] without keeping the concat.
+
+    Inputs: attend (q, K, V -> out), replay RNG states or None, q, k, v, then the prefix key leaves
+    and the prefix value leaves (spans 0..j-1 in order).
+    """
+
+    @staticmethod
+    def forward(ctx, attend, rng_states, query, key, value, *prefix):
+        half = len(prefix) // 2
+        ctx.attend, ctx.rng_states = attend, rng_states
+        ctx.save_for_backward(query, key, value, *prefix)
+        return attend(query, torch.cat([*prefix[:half], key]), torch.cat([*prefix[half:], value]))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inputs = [t.detach().requires_grad_(needs)
+                  for t, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
+        query, key, value, *prefix = inputs
+        half = len(prefix) // 2
+        with torch.enable_grad(), _replaying(ctx.rng_states):
+            output = ctx.attend(query, torch.cat([*prefix[:half], key]),
+                                torch.cat([*prefix[half:], value]))
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(output, wanted, grad_output) if wanted else ())
+        return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
+
+
+def _check_config(config: TransformerConfig, attn_mask_type: AttnMaskType,
+                  attention_type: str) -> None:
+    unsupported = {
+        "cross attention": attention_type != "self",
+        f"attn_mask_type {attn_mask_type.name} (causal only)": attn_mask_type != AttnMaskType.causal,
+        "context parallelism": config.context_parallel_size != 1,
+        "sliding-window attention": config.window_size is not None,
+        f"softmax_type {config.softmax_type}": config.softmax_type != "vanilla",
+    }
+    found = [what for what, bad in unsupported.items() if bad]
+    if found:
+        raise NotImplementedError(f"SpanAttention does not support {', '.join(found)}")
+
+
+class SpanAttention(MegatronModule):
+    """Causal core attention that understands Seq1F1B spans (see the module docstring).
+
+    The constructor takes what megatron's `Attention` passes to `core_attention` plus `backend`;
+    put `functools.partial(SpanAttention, backend=name)` in a spec to choose the kernel.
+    `apply_query_key_layer_scaling` needs nothing here: it divides the scale by the layer number
+    and multiplies the scores back inside megatron's softmax, the same product.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None,
+                 backend: str = "auto") -> None:
+        super().__init__(config=config)
+        _check_config(config, attn_mask_type, attention_type)
+        self.layer_number = max(1, layer_number)
+        self.requested_backend = backend
+        self.backend = resolve_backend(backend, config)
+        self.softmax_scale = (1.0 / math.sqrt(config.kv_channels) if softmax_scale is None
+                              else softmax_scale)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if self.backend == "flex" and self.dropout_p > 0:
+            raise ValueError("--attention-backend flex has no attention dropout: "
+                             "set --attention-dropout 0")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.te_attention = (
+            _build_te_attention(config, self.layer_number, self.dropout_p, self.softmax_scale,
+                                pg_collection.tp)
+            if self.backend == "te" else None)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                attention_mask: Optional[Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[Tensor] = None, packed_seq_params=None) -> Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SpanAttention takes neither packed sequences nor an "
+                                      "attention bias")
+        ctx = current_span()
+        if ctx is None:
+            return self._attend_fn(attention_mask, query, key.size(0))(query, key, value)
+        if ctx.cache is None:
+            if ctx.start != 0:
+                raise RuntimeError(f"span {ctx.span} starts at token {ctx.start} but has no KV "
+                                   f"cache: only a span starting at 0 can attend without one")
+            return self._attend_fn(attention_mask, query, key.size(0))(query, key, value)
+        return self._span_forward(ctx, query, key, value, attention_mask)
+
+    def _span_forward(self, ctx: SpanContext, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: Optional[Tensor]) -> Tensor:
+        if self.training and _recomputes_attention(self.config):
+            raise NotImplementedError("activation recompute of attention with Seq1F1B spans: the "
+                                      "recomputed forward would run outside the span and its KV "
+                                      "cache (--recompute-granularity)")
+        if query.size(0) != ctx.length:
+            raise RuntimeError(f"span {ctx.span} holds {ctx.length} tokens, attention got "
+                               f"{query.size(0)} queries")
+        prefix = ctx.cache.prefix(self, ctx.span)
+        cached = sum(entry.key.size(0) for entry in prefix)
+        if cached != ctx.start:
+            raise RuntimeError(f"span {ctx.span} starts at token {ctx.start} but the cached K/V "
+                               f"of spans 0..{ctx.span - 1} hold {cached} tokens")
+        ctx.cache.store(self, ctx.span, key, value)
+        attend = self._attend_fn(attention_mask, query, ctx.end)
+        if not prefix:
+            return attend(query, key, value)
+        keys = [entry.key_leaf for entry in prefix]
+        values = [entry.value_leaf for entry in prefix]
+        if not torch.is_grad_enabled():
+            return attend(query, torch.cat([*keys, key]), torch.cat([*values, value]))
+        rng_states = _RngStates.capture() if self._dropout_p() > 0 else None
+        return _PrefixAttention.apply(attend, rng_states, query, key, value, *keys, *values)
+
+    def _dropout_p(self) -> float:
+        return self.dropout_p if self.training else 0.0
+
+    def _attend_fn(self, mask: Optional[Tensor], query: Tensor,
+                   num_keys: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """(q, K, V) -> attention output, with this call's mask, kernel and dropout RNG."""
+        backend = self.backend
+        if mask is not None:
+            _check_mask(mask, query.size(0), num_keys)
+            if backend not in _MASKED_BACKENDS:
+                if self.requested_backend != "auto":
+                    raise ValueError(f"--attention-backend {backend} takes no explicit attention "
+                                     f"mask; use {' or '.join(_MASKED_BACKENDS)}")
+                backend = "sdpa"
+        if backend == "flex" and query.device.type == "cpu" and torch.is_grad_enabled() \
+                and query.requires_grad:
+            raise RuntimeError("--attention-backend flex trains on GPUs only (torch's "
+                               "FlexAttention has no CPU backward); use sdpa or eager")
+        dropout_p = self._dropout_p()
+        if backend == "te":  # TE applies dropout itself, forking megatron's RNG tracker
+            return lambda q, k, v: self.te_attention(q, k, v, attn_mask_type="causal_bottom_right")
+        kernel = _KERNELS[backend]
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            with self._dropout_rng(dropout_p):
+                return kernel(q, k, v, mask, self.softmax_scale, dropout_p)
+
+        return attend
+
+    def _dropout_rng(self, dropout_p: float):
+        # As DotProductAttention: the tensor-parallel RNG stream unless sequence parallel is on.
+        if dropout_p > 0 and not self.config.sequence_parallel:
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
+
+
+def _recomputes_attention(config: TransformerConfig) -> bool:
+    """Whether megatron re-runs this module in the backward (full or selective core_attn)."""
+    granularity = config.recompute_granularity
+    return granularity == "full" or (granularity == "selective"
+                                     and "core_attn" in (config.recompute_modules or ()))
+
+
+def _check_mask(mask: Tensor, sq: int, sk: int) -> None:
+    if mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape[-2:]) != (sq, sk):
+        raise ValueError(f"attention_mask must be a bool tensor [b or 1, 1, {sq}, {sk}] (True = "
+                         f"masked out; inside a span the full mask sliced to [..., start:end, :end]"
+                         f"), got {mask.dtype} {tuple(mask.shape)}")

@@ -1,0 +1,50 @@
+"""Shared fixtures: megatron-core on this machine (CPU platform layer, gloo, parallel_state)."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def init_megatron(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                  virtual_pipeline_model_parallel_size: Optional[int] = None,
+                  seed: int = 1234) -> None:
+    """Make this process ready to build and run megatron-core models.
+
+    Activates the CPU platform layer (a no-op with CUDA), joins torch.distributed with gloo (the
+    torchrun environment when RANK is set, else a world of one over an in-memory store), (re)builds
+    parallel_state for the given layout and seeds megatron's RNG tracker. Callable again with another
+    layout; torchrun workers of distributed tests can import and call it too.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    from seq1f1b import platform
+
+    platform.activate()
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+@pytest.fixture(scope="session")
+def megatron_world() -> None:
+    """A one-process gloo world with TP = PP = 1, the CPU platform layer active."""
+    init_megatron()
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
