@@ -18,11 +18,14 @@ def init_megatron(tensor_model_parallel_size: int = 1, pipeline_model_parallel_s
     torchrun environment when RANK is set, else a world of one over an in-memory store), (re)builds
     parallel_state for the given layout and seeds megatron's RNG tracker. Callable again with another
     layout; torchrun workers of distributed tests can import and call it too.
+    One intra-op thread: the models under test are tiny, and on a shared 2-core machine two OpenMP
+    threads turn each small matmul into a ~20 ms wait.
     """
     from megatron.core import parallel_state, tensor_parallel
 
     from seq1f1b import platform
 
+    torch.set_num_threads(1)
     platform.activate()
     if not dist.is_initialized():
         if "RANK" in os.environ:
