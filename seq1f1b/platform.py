@@ -17,7 +17,13 @@ the CPU, without copying or patching any megatron-core file:
    `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`) act on the CPU default
    generator, so `model_parallel_cuda_manual_seed`, the RNG tracker's `fork()` (attention dropout)
    and activation recompute work. The "CUDA" stream *is* the CPU stream here, so `fork()`'s warning
-   "CPU RNG state changed within GPU RNG context" is expected and filtered out.
+   "CPU RNG state changed within GPU RNG context" is expected and filtered out;
+4. the autograd engine runs under the mode too. A mode is popped while its handler runs, and
+   `Tensor.backward` / `torch.autograd.backward` / `grad` are Python functions that dispatch through
+   that handler, so the whole backward (megatron's autograd Functions allocate with
+   `device=torch.cuda.current_device()` there, e.g. the sequence-parallel reduce-scatter) would run
+   without it. `torch.autograd._engine_run_backward`, the one private hook used here, is wrapped to
+   push the mode again around the engine run; `activate()` fails loudly if torch renames it.
 
 Limits: a `TorchFunctionMode` is thread-local, so threads started by user code run without it; on a
 machine with CUDA `activate()` does nothing and returns False.
@@ -160,6 +166,15 @@ def _megatron_rng_functions() -> dict[str, Callable[..., Any]]:
     return {f.__name__: f for f in (_get_cuda_rng_state, _set_cuda_rng_state)}
 
 
+def _engine_run_backward_under(mode: TorchFunctionMode,
+                                engine_run_backward: Callable[..., Any]) -> Callable[..., Any]:
+    def _engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return engine_run_backward(*args, **kwargs)
+
+    return _engine_run_backward
+
+
 def _patch(namespace: object, functions: dict[str, Callable[..., Any]]) -> None:
     for name, function in functions.items():
         setattr(namespace, name, function)
@@ -172,6 +187,10 @@ def activate() -> bool:
         return True
     if torch.cuda.is_available():
         return False
+    engine_run_backward = getattr(torch.autograd, "_engine_run_backward", None)
+    if engine_run_backward is None:
+        raise RuntimeError(f"torch {torch.__version__} lacks torch.autograd._engine_run_backward: "
+                           "the CPU platform layer cannot cover the backward pass")
     # megatron.core first: its import registers torch.cuda functions with dynamo (see docstring).
     import megatron.core  # noqa: F401
     from megatron.core.tensor_parallel import random as megatron_random
@@ -183,6 +202,7 @@ def activate() -> bool:
     _patch(megatron_random, _megatron_rng_functions())
     logging.getLogger(megatron_random.__name__).addFilter(_DropRngForkWarning())
     mode = _CudaToCpuMode()
+    torch.autograd._engine_run_backward = _engine_run_backward_under(mode, engine_run_backward)
     mode.__enter__()  # process-wide from here on (for this thread: the mode stack is thread-local)
     _active_mode = mode
     return True

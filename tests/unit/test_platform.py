@@ -82,3 +82,31 @@ def test_checkpoint_recompute_replays_dropout():
         run(x).square().sum().backward()
         grads.append(weight.grad.clone())
     assert torch.equal(grads[0], grads[1])
+
+
+class _AllocatesOnCudaInBackward(torch.autograd.Function):
+    """Like megatron's sequence-parallel linear: its backward allocates on the current device."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty(grad.shape, device=torch.cuda.current_device())
+        return out.copy_(grad * 2)
+
+
+@pytest.mark.parametrize("entry", ["tensor.backward", "autograd.backward", "autograd.grad"])
+def test_backward_pass_runs_under_the_cpu_layer(entry):
+    x = torch.ones(3, requires_grad=True)
+    y = _AllocatesOnCudaInBackward.apply(x).sum()
+    if entry == "tensor.backward":
+        y.backward()
+        grad = x.grad
+    elif entry == "autograd.backward":
+        torch.autograd.backward([y], [torch.ones(())])
+        grad = x.grad
+    else:
+        (grad,) = torch.autograd.grad(y, x)
+    assert torch.equal(grad, torch.full((3,), 2.0))
