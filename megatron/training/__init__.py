@@ -1,0 +1,7 @@
+"""The training harness megatron-core does not ship: arguments, tokenizers, data (and, later,
+initialisation, the train loop, checkpointing and logging).
+
+This folder merges with the installed megatron-core's `megatron` namespace package, so there must
+never be a `megatron/__init__.py` (it would hide `megatron.core`) nor a `megatron/core/` here.
+Nothing is imported eagerly: `import megatron.training.arguments` stays fast.
+"""

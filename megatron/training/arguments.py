@@ -1,0 +1,451 @@
+"""Command-line flags of the training harness, with Megatron-LM's names, defaults and meanings.
+
+`parse_args(argv)` only parses; `validate_args(args, world_size)` fills in what Megatron derives
+(DP size, micro-batches per step, virtual stages, padded vocabulary, ...) and rejects every bad
+combination with an `ArgumentError` whose message is one line naming the flag. It reads files
+(tokenizer, .idx headers, --load) but writes nothing, so a rejected run leaves no trace.
+`parse_and_validate_args` is the CLI form: the message on stderr and exit code 2.
+
+Schedule names are read lazily from `seq1f1b.plan.registry` (plus megatron-core's own schedules).
+This module does not import megatron-core (~4 s), so a bad flag is reported at once.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import NoReturn, Optional, Sequence
+
+from megatron.training.data import DataConfig, check_data_config, parse_split
+from megatron.training.tokenizer import (
+    DEFAULT_TOKENIZER_TYPE, TOKENIZER_TYPES, build_tokenizer, padded_vocab_size)
+
+MEGATRON_SCHEDULES = {"megatron-1f1b": False, "megatron-interleaved-1f1b": True}
+"""megatron-core's unmodified schedules (full sequences): name -> interleaves model chunks."""
+DEFAULT_SCHEDULE = "seq1f1b"
+PARTITIONS = ("even", "compute", "fit", "explicit")
+PIPE_SP_STRATEGIES = {"average": "even", "uniform_comp": "compute"}  # reference fork's names
+ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+
+
+class ArgumentError(ValueError):
+    """A bad flag or flag combination; the message is one line and names the flag."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a parse error is one line on stderr (no usage block) and exit code 2."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def schedule_catalog() -> dict[str, bool]:
+    """Every accepted --pipeline-schedule: name -> whether it interleaves V >= 2 chunks per rank.
+
+    Read at call time, so schedules registered after this module was imported are included; when
+    the registry is missing or empty, megatron-core's own schedules remain.
+    """
+    catalog: dict[str, bool] = {}
+    try:
+        from seq1f1b.plan import registry
+    except ImportError:
+        registry = None
+    if registry is not None:
+        catalog.update((name, registry.get(name).chunked) for name in registry.names())
+    for name, chunked in MEGATRON_SCHEDULES.items():
+        catalog.setdefault(name, chunked)
+    return catalog
+
+
+def _add_model_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, help="transformer layers (required)")
+    g.add_argument("--hidden-size", type=int, help="hidden size (required)")
+    g.add_argument("--ffn-hidden-size", type=int, help="MLP hidden size (default: 4 x hidden)")
+    g.add_argument("--num-attention-heads", type=int, help="attention heads (required)")
+    g.add_argument("--seq-length", type=int, help="tokens per sample (required)")
+    g.add_argument("--max-position-embeddings", type=int,
+                   help="position table size (default: --seq-length)")
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=POSITION_EMBEDDINGS)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate input embedding and output layer weights")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="core attention kernel of the span-aware attention")
+
+
+def _add_parallel_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                   help="layers per model chunk; chunks per rank V = layers / (PP x this)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="shard norms/dropout activations along the sequence over TP")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state over data-parallel ranks")
+    g.add_argument("--p2p-timeout", type=float, default=600.0,
+                   help="seconds a pipeline send/receive may wait before the run fails")
+
+
+def _add_schedule_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("pipeline schedule")
+    g.add_argument("--pipeline-schedule", default=DEFAULT_SCHEDULE,
+                   help="a registered schedule name (seq1f1b.plan.registry), or megatron-1f1b / "
+                        f"megatron-interleaved-1f1b (default: {DEFAULT_SCHEDULE})")
+    g.add_argument("--seq1f1b-splits", type=int,
+                   help="k: spans each sequence is cut into (default: 1)")
+    g.add_argument("--seq1f1b-partition", choices=PARTITIONS,
+                   help="where the span boundaries go (default: even)")
+    g.add_argument("--seq1f1b-span-lengths", type=int, nargs="+", metavar="L",
+                   help="explicit span lengths L1 ... Lk (sum = --seq-length)")
+    g.add_argument("--pipe-sp-splits", type=int, help="alias of --seq1f1b-splits")
+    g.add_argument("--pipe-sp-strategy", choices=tuple(PIPE_SP_STRATEGIES),
+                   help="alias of --seq1f1b-partition: average = even, uniform_comp = compute")
+
+
+def _add_training_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("batch")
+    g.add_argument("--micro-batch-size", type=int, help="samples per micro-batch (required)")
+    g.add_argument("--global-batch-size", type=int,
+                   help="samples per iteration over all DP ranks (default: micro x DP)")
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float, help="peak learning rate (required)")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
+    g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--train-iters", type=int, help="iterations to train (required)")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="grad-norm clip (0: off)")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+
+
+def _add_data_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="+",
+                   help="dataset prefixes, or WEIGHT PREFIX pairs to blend")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
+    g.add_argument("--mock-data", action="store_true", help="synthetic data, no files")
+    g.add_argument("--data-cache-path", help="where megatron-core caches sample indices")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD tokens")
+    g.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE, choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a tokenizers JSON file")
+
+
+def _add_run_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpoints and logging")
+    g.add_argument("--save", help="checkpoint directory to write")
+    g.add_argument("--load", help="checkpoint directory to resume from")
+    g.add_argument("--save-interval", type=int, help="iterations between checkpoints")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--exit-interval", type=int, help="stop after this many iterations")
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description="Megatron-style GPT pretraining with Seq1F1B schedules")
+    for add in (_add_model_args, _add_parallel_args, _add_schedule_args, _add_training_args,
+                _add_data_args, _add_run_args):
+        add(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse only (argparse errors: one line on stderr, exit 2). Call validate_args next."""
+    return build_parser().parse_args(argv)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """What the runtime needs to build and run the pipeline plan (from validated args)."""
+
+    name: str
+    pipeline_parallel_size: int
+    num_micro_batches: int
+    splits: int
+    chunks: int
+    partition: str
+    span_lengths: Optional[tuple[int, ...]]
+    seq_length: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ScheduleConfig":
+        return cls(name=args.pipeline_schedule,
+                   pipeline_parallel_size=args.pipeline_model_parallel_size,
+                   num_micro_batches=args.num_micro_batches,
+                   splits=args.seq1f1b_splits,
+                   chunks=args.virtual_pipeline_model_parallel_size or 1,
+                   partition=args.seq1f1b_partition,
+                   span_lengths=tuple(args.seq1f1b_span_lengths)
+                   if args.seq1f1b_span_lengths else None,
+                   seq_length=args.seq_length)
+
+
+def _fail(message: str) -> NoReturn:
+    raise ArgumentError(message)
+
+
+def _require(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) is None:
+            _fail(f"--{name.replace('_', '-')} is required")
+
+
+def _check_range(args: argparse.Namespace, name: str, low: float, high: Optional[float] = None,
+                 low_inclusive: bool = True) -> None:
+    """getattr(args, name), when set, must lie in [low, high) (or (low, high))."""
+    value = getattr(args, name)
+    if value is None:
+        return
+    too_low = value < low if low_inclusive else value <= low
+    if too_low or (high is not None and value >= high):
+        bound = f"{'>=' if low_inclusive else '>'} {low:g}" + ("" if high is None else
+                                                             f" and < {high:g}")
+        _fail(f"--{name.replace('_', '-')} must be {bound}, got {value:g}")
+
+
+def _fold_alias(args: argparse.Namespace, alias: str, canonical: str, value: object) -> None:
+    """Move the reference fork's alias onto the canonical flag; both given must agree."""
+    if value is None:
+        return
+    current = getattr(args, canonical)
+    if current is not None and current != value:
+        _fail(f"--{alias.replace('_', '-')} contradicts --{canonical.replace('_', '-')} "
+              f"({value} vs {current})")
+    setattr(args, canonical, value)
+
+
+def _validate_basics(args: argparse.Namespace) -> None:
+    _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+             "micro_batch_size", "train_iters", "lr")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "ffn_hidden_size", "max_position_embeddings", "micro_batch_size",
+                 "global_batch_size", "train_iters", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                 "seq1f1b_splits", "pipe_sp_splits", "make_vocab_size_divisible_by",
+                 "lr_decay_iters", "save_interval", "eval_interval", "log_interval",
+                 "exit_interval"):
+        _check_range(args, name, 1)
+    for name in ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad"):
+        _check_range(args, name, 0)
+    for name in ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"):
+        _check_range(args, name, 0, 1)
+    for name in ("init_method_std", "adam_eps", "p2p_timeout"):
+        _check_range(args, name, 0, low_inclusive=False)
+
+
+def _validate_model(args: argparse.Namespace) -> None:
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        _fail(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+              f"{args.max_position_embeddings}")
+    if args.hidden_size % args.num_attention_heads:
+        _fail(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+              f"{args.num_attention_heads}")
+    if args.bf16 and args.fp16:
+        _fail("--bf16 and --fp16 are exclusive; give one")
+    args.params_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+
+
+def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size < 1:
+        _fail(f"world size must be >= 1, got {world_size}")
+    if world_size % (tp * pp):
+        _fail(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
+              f"{tp * pp} does not divide the world size {world_size}")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.num_attention_heads % tp:
+        _fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+              f"--tensor-model-parallel-size {tp}")
+    if args.ffn_hidden_size % tp:
+        _fail(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+              f"--tensor-model-parallel-size {tp}")
+    if args.num_layers % pp:
+        _fail(f"--num-layers {args.num_layers} is not divisible by "
+              f"--pipeline-model-parallel-size {pp}")
+    args.virtual_pipeline_model_parallel_size = None
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    if per_chunk is not None:
+        if pp < 2:
+            _fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size "
+                  ">= 2")
+        per_stage = args.num_layers // pp
+        if per_stage % per_chunk or per_stage // per_chunk < 2:
+            _fail(f"--num-layers-per-virtual-pipeline-stage {per_chunk} must divide the "
+                  f"{per_stage} layers of each pipeline stage into >= 2 chunks")
+        args.virtual_pipeline_model_parallel_size = per_stage // per_chunk
+    if args.sequence_parallel:
+        if tp < 2:
+            _fail("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if args.seq_length % tp:
+            _fail(f"--seq-length {args.seq_length} is not divisible by "
+                  f"--tensor-model-parallel-size {tp} (needed by --sequence-parallel)")
+
+
+def _validate_batch(args: argparse.Namespace) -> None:
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        _fail(f"--global-batch-size {args.global_batch_size} is not divisible by "
+              f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+              f"{args.data_parallel_size}")
+    args.num_micro_batches = args.global_batch_size // per_step
+
+
+def _validate_schedule(args: argparse.Namespace) -> None:
+    _fold_alias(args, "pipe_sp_splits", "seq1f1b_splits", args.pipe_sp_splits)
+    _fold_alias(args, "pipe_sp_strategy", "seq1f1b_partition",
+                PIPE_SP_STRATEGIES.get(args.pipe_sp_strategy))
+    del args.pipe_sp_splits, args.pipe_sp_strategy
+    spans = args.seq1f1b_span_lengths
+    if spans is not None:
+        args.seq1f1b_partition = args.seq1f1b_partition or "explicit"
+        args.seq1f1b_splits = args.seq1f1b_splits or len(spans)
+    args.seq1f1b_partition = args.seq1f1b_partition or "even"
+    args.seq1f1b_splits = args.seq1f1b_splits or 1
+    k, name = args.seq1f1b_splits, args.pipeline_schedule
+
+    catalog = schedule_catalog()
+    if name not in catalog:
+        _fail(f"--pipeline-schedule: unknown schedule {name!r}; choose from "
+              f"{', '.join(catalog)}")
+    chunked = catalog[name]
+    if chunked and args.virtual_pipeline_model_parallel_size is None:
+        _fail(f"--pipeline-schedule {name} interleaves model chunks and needs "
+              f"--num-layers-per-virtual-pipeline-stage")
+    if not chunked and args.virtual_pipeline_model_parallel_size is not None:
+        _fail(f"--num-layers-per-virtual-pipeline-stage: --pipeline-schedule {name} runs one "
+              f"model chunk per rank; use an interleaved schedule")
+    if name in MEGATRON_SCHEDULES and k != 1:
+        _fail(f"--seq1f1b-splits {k}: --pipeline-schedule {name} runs whole sequences (k = 1)")
+    if name == "megatron-interleaved-1f1b" and \
+            args.num_micro_batches % args.pipeline_model_parallel_size:
+        _fail(f"--global-batch-size: {name} needs the micro-batch count "
+              f"({args.num_micro_batches}) to be a multiple of --pipeline-model-parallel-size "
+              f"{args.pipeline_model_parallel_size}")
+
+    if k > args.seq_length:
+        _fail(f"--seq1f1b-splits {k} exceeds --seq-length {args.seq_length}")
+    tp_unit = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    if args.seq1f1b_partition == "explicit":
+        if spans is None:
+            _fail("--seq1f1b-span-lengths is required by --seq1f1b-partition explicit")
+        if len(spans) != k:
+            _fail(f"--seq1f1b-span-lengths gives {len(spans)} spans but --seq1f1b-splits is {k}")
+        if min(spans) < 1:
+            _fail(f"--seq1f1b-span-lengths must all be >= 1, got {' '.join(map(str, spans))}")
+        if sum(spans) != args.seq_length:
+            _fail(f"--seq1f1b-span-lengths sum to {sum(spans)}, not --seq-length "
+                  f"{args.seq_length}")
+        if any(span % tp_unit for span in spans):
+            _fail(f"--seq1f1b-span-lengths must be multiples of --tensor-model-parallel-size "
+                  f"{tp_unit} with --sequence-parallel")
+    elif spans is not None:
+        _fail(f"--seq1f1b-span-lengths needs --seq1f1b-partition explicit, not "
+              f"{args.seq1f1b_partition}")
+    elif args.seq_length // tp_unit < k:
+        _fail(f"--seq1f1b-splits {k}: --seq-length {args.seq_length} has fewer than {k} spans of "
+              f"--tensor-model-parallel-size {tp_unit} tokens (needed by --sequence-parallel)")
+
+
+def _validate_optimisation(args: argparse.Namespace) -> None:
+    if args.lr < args.min_lr:
+        _fail(f"--min-lr {args.min_lr:g} exceeds --lr {args.lr:g}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        _fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be < --lr-decay-iters "
+              f"{args.lr_decay_iters} (default: --train-iters)")
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    if args.mock_data and args.data_path:
+        _fail("--mock-data contradicts --data-path; give one")
+    if not args.mock_data and not args.data_path:
+        _fail("--data-path is required (or --mock-data)")
+    for flag, tokenizer_type in (("vocab_file", "GPT2BPETokenizer"),
+                                 ("merge_file", "GPT2BPETokenizer"),
+                                 ("tokenizer_model", "HuggingFaceTokenizer")):
+        if getattr(args, flag) is not None and args.tokenizer_type != tokenizer_type:
+            _fail(f"--{flag.replace('_', '-')} is only read by --tokenizer-type {tokenizer_type}, "
+                  f"not {args.tokenizer_type}")
+    try:
+        parse_split(args.split)
+        check_data_config(DataConfig.from_args(args))
+        tokenizer = build_tokenizer(args)
+    except ValueError as err:
+        _fail(str(err))
+    args.padded_vocab_size = padded_vocab_size(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+
+
+def _validate_run(args: argparse.Namespace) -> None:
+    if args.load is not None and not os.path.isdir(args.load):
+        _fail(f"--load: checkpoint directory {args.load} does not exist")
+    for flag in ("save", "tensorboard_dir", "data_cache_path"):
+        path = getattr(args, flag)
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            _fail(f"--{flag.replace('_', '-')}: {path} exists and is not a directory")
+    if args.save_interval is not None and args.save is None:
+        _fail("--save-interval needs --save")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check every flag and combination, fill in Megatron's derived values; write nothing.
+
+    Adds: world_size, data_parallel_size, num_micro_batches, virtual_pipeline_model_parallel_size
+    (None or V >= 2), padded_vocab_size, params_dtype ("float32"/"bfloat16"/"float16"), and
+    resolves defaults of ffn_hidden_size, max_position_embeddings, global_batch_size,
+    lr_decay_iters, seq1f1b_splits (1) and seq1f1b_partition ("even"; "explicit" when span
+    lengths are given). The --pipe-sp-* aliases are folded into seq1f1b_* and removed.
+    Raises ArgumentError (one line, naming the flag).
+    """
+    _validate_basics(args)
+    _validate_model(args)
+    _validate_parallelism(args, world_size)
+    _validate_batch(args)
+    _validate_schedule(args)
+    _validate_optimisation(args)
+    _validate_data(args)
+    _validate_run(args)
+    return args
+
+
+def parse_and_validate_args(argv: Optional[Sequence[str]], world_size: int
+                            ) -> argparse.Namespace:
+    """The CLI entry: bad flags print one line on stderr and exit with code 2."""
+    args = parse_args(argv)
+    try:
+        return validate_args(args, world_size)
+    except ArgumentError as err:
+        print(f"{os.path.basename(sys.argv[0]) or 'pretrain_gpt.py'}: error: {err}",
+              file=sys.stderr)
+        raise SystemExit(2) from None

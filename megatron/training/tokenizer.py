@@ -1,0 +1,198 @@
+"""Tokenizers for training and preprocessing; none of them ever downloads anything.
+
+Each class has the duck type megatron.core.datasets reads (`vocab_size`, `eod`, `pad`,
+`unique_identifiers`) plus `tokenize(text) -> list[int]` and `detokenize(ids) -> str`. We do not
+subclass megatron-core's `MegatronLegacyTokenizer`: it logs a deprecation warning on every
+construction, and the datasets only need the attributes.
+
+`pad` is `NO_PAD` (-1, the value megatron-core's datasets use for "no pad token") when the
+vocabulary has no pad token of its own; byte-level has one.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+TOKENIZER_TYPES = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+DEFAULT_TOKENIZER_TYPE = "ByteLevelTokenizer"
+NO_PAD = -1
+
+_GPT2_EOD = "<|endoftext|>"
+# Tried in order for a tokenizers JSON, which has no notion of "the" end-of-document token.
+_EOD_CANDIDATES = (_GPT2_EOD, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
+_PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """The four flags that choose a tokenizer (Megatron's names)."""
+
+    tokenizer_type: str = DEFAULT_TOKENIZER_TYPE
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+
+    @classmethod
+    def from_args(cls, args: object) -> "TokenizerConfig":
+        """Read the tokenizer flags from an argparse namespace (or anything with those names)."""
+        return cls(
+            tokenizer_type=getattr(args, "tokenizer_type", None) or DEFAULT_TOKENIZER_TYPE,
+            vocab_file=getattr(args, "vocab_file", None),
+            merge_file=getattr(args, "merge_file", None),
+            tokenizer_model=getattr(args, "tokenizer_model", None),
+        )
+
+
+def _identifiers(cls_name: str, **paths: Optional[str]) -> "OrderedDict[str, object]":
+    """What megatron-core hashes (with the data config) to name its cached sample indices."""
+    ids: "OrderedDict[str, object]" = OrderedDict(**{"class": cls_name})
+    ids.update((k, os.path.abspath(v)) for k, v in paths.items() if v is not None)
+    return ids
+
+
+class ByteLevelTokenizer:
+    """UTF-8 bytes as ids 0..255, then EOD (256) and PAD (257). Needs no files.
+
+    `detokenize` drops the two special ids and decodes the bytes (invalid UTF-8 is replaced, as a
+    byte window cut from a longer text may start or end inside a character).
+    """
+
+    eod = 256
+    pad = 257
+
+    def __init__(self) -> None:
+        self.unique_identifiers = _identifiers(type(self).__name__)
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class _TokenizersLibraryTokenizer:
+    """A `tokenizers.Tokenizer` plus the special ids the datasets need."""
+
+    def __init__(self, tok: "object", eod: int, pad: int, unique_identifiers: OrderedDict) -> None:
+        self._tok = tok
+        self.eod = eod
+        self.pad = pad
+        self.unique_identifiers = unique_identifiers
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _first_known(tok: "object", candidates: Sequence[str]) -> Optional[int]:
+    for token in candidates:
+        token_id = tok.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    return None
+
+
+def _pad_id(tok: "object", eod: int) -> int:
+    """The vocabulary's own pad token, or NO_PAD (a pad equal to EOD would mask real EODs)."""
+    pad = _first_known(tok, _PAD_CANDIDATES)
+    return NO_PAD if pad is None or pad == eod else pad
+
+
+def _require_readable(flag: str, path: Optional[str], tokenizer_type: str) -> str:
+    if not path:
+        raise ValueError(f"{flag} is required for --tokenizer-type {tokenizer_type}")
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag}: tokenizer file {path} does not exist")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{flag}: tokenizer file {path} is not readable")
+    return path
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+class GPT2BPETokenizer(_TokenizersLibraryTokenizer):
+    """GPT-2 byte-level BPE from Megatron's --vocab-file (vocab.json) and --merge-file
+    (merges.txt); EOD is `<|endoftext|>`, as in Megatron."""
+
+    def __init__(self, vocab_file: str, merge_file: str) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        kind = type(self).__name__
+        _require_readable("--vocab-file", vocab_file, kind)
+        _require_readable("--merge-file", merge_file, kind)
+        try:
+            model = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as err:  # the library raises plain Exception for unparsable files
+            raise ValueError(f"--vocab-file/--merge-file: cannot read BPE files {vocab_file}, "
+                             f"{merge_file}: {_one_line(err)}") from None
+        tok = Tokenizer(model)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        eod = tok.token_to_id(_GPT2_EOD)
+        if eod is None:
+            raise ValueError(f"--vocab-file: {vocab_file} has no {_GPT2_EOD} token")
+        super().__init__(tok, eod, _pad_id(tok, eod),
+                         _identifiers(kind, vocab_file=vocab_file, merge_file=merge_file))
+
+
+class HuggingFaceTokenizer(_TokenizersLibraryTokenizer):
+    """Any tokenizer saved by the `tokenizers` library as one JSON file (--tokenizer-model).
+
+    EOD is the first of `_EOD_CANDIDATES` the vocabulary has; pad likewise from `_PAD_CANDIDATES`.
+    """
+
+    def __init__(self, tokenizer_model: str) -> None:
+        from tokenizers import Tokenizer
+
+        kind = type(self).__name__
+        _require_readable("--tokenizer-model", tokenizer_model, kind)
+        try:
+            tok = Tokenizer.from_file(tokenizer_model)
+        except Exception as err:  # the library raises plain Exception for unparsable files
+            raise ValueError(f"--tokenizer-model: cannot read tokenizer file {tokenizer_model}: "
+                             f"{_one_line(err)}") from None
+        eod = _first_known(tok, _EOD_CANDIDATES)
+        if eod is None:
+            raise ValueError(f"--tokenizer-model: {tokenizer_model} has none of the end-of-document "
+                             f"tokens {', '.join(_EOD_CANDIDATES)}")
+        super().__init__(tok, eod, _pad_id(tok, eod),
+                         _identifiers(kind, tokenizer_model=tokenizer_model))
+
+
+AnyTokenizer = ByteLevelTokenizer | GPT2BPETokenizer | HuggingFaceTokenizer
+
+
+def build_tokenizer(args: object) -> AnyTokenizer:
+    """The tokenizer the flags ask for. `args` is a TokenizerConfig or anything with the flag
+    attributes (an argparse namespace). Raises ValueError naming the flag on bad input."""
+    cfg = args if isinstance(args, TokenizerConfig) else TokenizerConfig.from_args(args)
+    if cfg.tokenizer_type == "ByteLevelTokenizer":
+        return ByteLevelTokenizer()
+    if cfg.tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
+    if cfg.tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(cfg.tokenizer_model)
+    raise ValueError(f"--tokenizer-type: unknown tokenizer {cfg.tokenizer_type!r}; "
+                     f"choose from {', '.join(TOKENIZER_TYPES)}")
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int,
+                      tensor_model_parallel_size: int) -> int:
+    """Megatron's embedding size: the vocabulary rounded up to a multiple of
+    divisible_by x TP, so each TP shard of the embedding has the same, aligned size."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
