@@ -257,7 +257,8 @@ class MicroBatchIterator:
     Step t takes dataset samples [c, c + micro x DP) with c = consumed_samples, and rank r gets the
     slice [c + r x micro, c + (r+1) x micro). `consumed_samples` counts samples taken by all DP
     ranks together, so it is the same on every rank and is what a checkpoint stores; a new iterator
-    built with it continues exactly where the old one stopped. Stops when a full step no longer fits.
+    built with it continues exactly where the old one stopped. Stops when a full step no longer
+    fits.
     """
 
     def __init__(self, dataset: object, micro_batch_size: int, data_parallel_rank: int = 0,
@@ -298,7 +299,8 @@ class MicroBatchIterator:
 
 
 def collate(samples: Sequence[dict]) -> Batch:
-    """Stack megatron-core dataset samples into a [micro, seq] batch; attention_mask None (causal)."""
+    """Stack megatron-core dataset samples into a [micro, seq] batch; attention_mask is None
+    (causal)."""
     batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
              for key in ("tokens", "labels", "loss_mask", "position_ids")}
     batch["attention_mask"] = None

@@ -167,8 +167,8 @@ class HuggingFaceTokenizer(_TokenizersLibraryTokenizer):
                              f"{_one_line(err)}") from None
         eod = _first_known(tok, _EOD_CANDIDATES)
         if eod is None:
-            raise ValueError(f"--tokenizer-model: {tokenizer_model} has none of the end-of-document "
-                             f"tokens {', '.join(_EOD_CANDIDATES)}")
+            raise ValueError(f"--tokenizer-model: {tokenizer_model} has none of the "
+                             f"end-of-document tokens {', '.join(_EOD_CANDIDATES)}")
         super().__init__(tok, eod, _pad_id(tok, eod),
                          _identifiers(kind, tokenizer_model=tokenizer_model))
 

@@ -1,0 +1,215 @@
+"""Flags: Megatron's derived values, the reference fork's aliases, and a table of bad inputs, each
+rejected with one line naming the right flag and nothing written."""
+import os
+
+import pytest
+
+from megatron.training import arguments
+from megatron.training.arguments import (
+    MEGATRON_SCHEDULES, ArgumentError, ScheduleConfig, parse_and_validate_args, parse_args,
+    schedule_catalog, validate_args)
+
+# A fixed catalog, so the table does not depend on which families are registered today.
+CATALOG = {"1f1b": False, "seq1f1b": False, "interleaved-1f1b": True,
+           "seq1f1b-interleaved": True, **MEGATRON_SCHEDULES}
+WORLD = 8
+
+
+@pytest.fixture(autouse=True)
+def fixed_catalog(monkeypatch):
+    monkeypatch.setattr(arguments, "schedule_catalog", lambda: dict(CATALOG))
+
+
+def _base(tmp_path):
+    """A valid run: TP2 x PP2 x DP2 on 8 processes, 2 micro-batches, seq1f1b with k=4."""
+    return {"--num-layers": 8, "--hidden-size": 64, "--num-attention-heads": 4,
+            "--seq-length": 64, "--micro-batch-size": 2, "--global-batch-size": 8,
+            "--train-iters": 10, "--lr": 1e-3, "--mock-data": True,
+            "--tensor-model-parallel-size": 2, "--pipeline-model-parallel-size": 2,
+            "--pipeline-schedule": "seq1f1b", "--seq1f1b-splits": 4,
+            "--save": str(tmp_path / "ckpt")}
+
+
+def _argv(flags):
+    argv = []
+    for flag, value in flags.items():
+        if value is None or value is False:
+            continue
+        argv.append(flag)
+        if value is not True:
+            argv.extend(str(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return argv
+
+
+def _with(tmp_path, **changes):
+    """The base flags with `changes` (keys: flag names with _ for -; None removes a flag)."""
+    flags = _base(tmp_path)
+    for key, value in changes.items():
+        flags["--" + key.replace("_", "-")] = value
+    return flags
+
+
+def _data_files(tmp_path):
+    """A corrupt dataset (valid-looking names, garbage .idx) and a file where a dir is expected."""
+    (tmp_path / "corrupt.idx").write_bytes(b"garbage, not an index")
+    (tmp_path / "corrupt.bin").write_bytes(b"")
+    (tmp_path / "a_file").write_text("x")
+
+
+BAD = [  # (changes to the base flags, world size, flag the message must name)
+    ({}, 6, "--pipeline-model-parallel-size"),
+    ({"global_batch_size": 6}, WORLD, "--global-batch-size"),
+    ({"num_layers": 7}, WORLD, "--num-layers"),
+    ({"num_layers": None}, WORLD, "--num-layers"),
+    ({"train_iters": 0}, WORLD, "--train-iters"),
+    ({"num_attention_heads": 1}, WORLD, "--num-attention-heads"),
+    ({"hidden_size": 66}, WORLD, "--hidden-size"),
+    ({"ffn_hidden_size": 101}, WORLD, "--ffn-hidden-size"),
+    ({"seq1f1b_splits": 65}, WORLD, "--seq1f1b-splits"),
+    ({"sequence_parallel": True, "tensor_model_parallel_size": 1}, WORLD, "--sequence-parallel"),
+    ({"sequence_parallel": True, "seq_length": 63}, WORLD, "--seq-length"),
+    ({"seq1f1b_span_lengths": [16, 16, 16, 8]}, WORLD, "--seq1f1b-span-lengths"),
+    ({"seq1f1b_span_lengths": [32, 32]}, WORLD, "--seq1f1b-span-lengths"),
+    ({"sequence_parallel": True, "seq1f1b_span_lengths": [15, 17, 16, 16]}, WORLD,
+     "--seq1f1b-span-lengths"),
+    ({"seq1f1b_partition": "explicit"}, WORLD, "--seq1f1b-span-lengths"),
+    ({"seq1f1b_partition": "compute", "seq1f1b_span_lengths": [16] * 4}, WORLD,
+     "--seq1f1b-span-lengths"),
+    ({"pipe_sp_splits": 2}, WORLD, "--pipe-sp-splits"),
+    ({"seq1f1b_partition": "even", "pipe_sp_strategy": "uniform_comp"}, WORLD,
+     "--pipe-sp-strategy"),
+    ({"bf16": True, "fp16": True}, WORLD, "--bf16"),
+    ({"pipeline_schedule": "no-such-schedule"}, WORLD, "--pipeline-schedule"),
+    ({"pipeline_schedule": "interleaved-1f1b"}, WORLD, "--num-layers-per-virtual-pipeline-stage"),
+    ({"num_layers_per_virtual_pipeline_stage": 2}, WORLD,
+     "--num-layers-per-virtual-pipeline-stage"),
+    ({"pipeline_schedule": "seq1f1b-interleaved", "num_layers_per_virtual_pipeline_stage": 3},
+     WORLD, "--num-layers-per-virtual-pipeline-stage"),
+    ({"pipeline_schedule": "seq1f1b-interleaved", "num_layers_per_virtual_pipeline_stage": 4},
+     WORLD, "--num-layers-per-virtual-pipeline-stage"),
+    ({"pipeline_schedule": "seq1f1b-interleaved", "num_layers_per_virtual_pipeline_stage": 2,
+      "pipeline_model_parallel_size": 1, "num_layers": 4}, 2,
+     "--num-layers-per-virtual-pipeline-stage"),
+    ({"pipeline_schedule": "megatron-1f1b"}, WORLD, "--seq1f1b-splits"),
+    ({"pipeline_schedule": "megatron-interleaved-1f1b", "seq1f1b_splits": 1,
+      "num_layers_per_virtual_pipeline_stage": 2, "global_batch_size": 12}, WORLD,
+     "--global-batch-size"),
+    ({"seq_length": 128, "max_position_embeddings": 64}, WORLD, "--max-position-embeddings"),
+    ({"lr": 1e-4, "min_lr": 1e-3}, WORLD, "--min-lr"),
+    ({"lr_warmup_iters": 10}, WORLD, "--lr-warmup-iters"),
+    ({"hidden_dropout": 1.5}, WORLD, "--hidden-dropout"),
+    ({"adam_beta2": 1.0}, WORLD, "--adam-beta2"),
+    ({"p2p_timeout": 0}, WORLD, "--p2p-timeout"),
+    ({"mock_data": None}, WORLD, "--data-path"),
+    ({"data_path": "{tmp}/missing_text_document"}, WORLD, "--mock-data"),
+    ({"mock_data": None, "data_path": "{tmp}/missing_text_document"}, WORLD, "--data-path"),
+    ({"mock_data": None, "data_path": "{tmp}/corrupt"}, WORLD, "--data-path"),
+    ({"mock_data": None, "data_path": ["0", "{tmp}/corrupt"]}, WORLD, "--data-path"),
+    ({"split": "1,2,3,4"}, WORLD, "--split"),
+    ({"split": "0,0,0"}, WORLD, "--split"),
+    ({"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "{tmp}/vocab.json",
+      "merge_file": "{tmp}/merges.txt"}, WORLD, "--vocab-file"),
+    ({"tokenizer_type": "HuggingFaceTokenizer"}, WORLD, "--tokenizer-model"),
+    ({"vocab_file": "{tmp}/vocab.json"}, WORLD, "--vocab-file"),
+    ({"load": "{tmp}/no_checkpoint_here"}, WORLD, "--load"),
+    ({"save": "{tmp}/a_file"}, WORLD, "--save"),
+    ({"save": None, "save_interval": 5}, WORLD, "--save-interval"),
+    ({"tensorboard_dir": "{tmp}/a_file"}, WORLD, "--tensorboard-dir"),
+    ({"make_vocab_size_divisible_by": 0}, WORLD, "--make-vocab-size-divisible-by"),
+]
+
+
+def _fill(value, tmp_path):
+    if isinstance(value, list):
+        return [_fill(v, tmp_path) for v in value]
+    return value.replace("{tmp}", str(tmp_path)) if isinstance(value, str) else value
+
+
+@pytest.mark.parametrize("changes, world, flag", BAD,
+                         ids=[f"{i}:{flag}" for i, (_, _, flag) in enumerate(BAD)])
+def test_bad_flags_are_rejected_with_one_line_naming_the_flag(tmp_path, changes, world, flag):
+    _data_files(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    flags = _with(tmp_path, **{k: _fill(v, tmp_path) for k, v in changes.items()})
+    with pytest.raises(ArgumentError) as err:
+        validate_args(parse_args(_argv(flags)), world)
+    message = str(err.value)
+    assert flag in message and "\n" not in message, message
+    assert sorted(os.listdir(tmp_path)) == before  # nothing written, no --save dir created
+
+
+def test_the_table_is_big_enough():
+    assert len(BAD) >= 20 and len({flag for _, _, flag in BAD}) >= 20
+
+
+def test_base_is_valid_and_derives_megatrons_values(tmp_path):
+    args = validate_args(parse_args(_argv(_base(tmp_path))), WORLD)
+    assert (args.data_parallel_size, args.num_micro_batches) == (2, 2)
+    assert (args.ffn_hidden_size, args.max_position_embeddings) == (256, 64)
+    assert (args.seq1f1b_splits, args.seq1f1b_partition) == (4, "even")
+    assert args.virtual_pipeline_model_parallel_size is None
+    assert args.padded_vocab_size % (128 * 2) == 0 and args.padded_vocab_size >= 258
+    assert args.lr_decay_iters == 10 and args.params_dtype == "float32"
+    assert not os.path.exists(args.save)
+    assert ScheduleConfig.from_args(args) == ScheduleConfig(
+        name="seq1f1b", pipeline_parallel_size=2, num_micro_batches=2, splits=4, chunks=1,
+        partition="even", span_lengths=None, seq_length=64)
+
+
+def test_interleaving_and_global_batch_default(tmp_path):
+    flags = _with(tmp_path, pipeline_schedule="seq1f1b-interleaved", global_batch_size=None,
+                  num_layers_per_virtual_pipeline_stage=2, bf16=True)
+    args = validate_args(parse_args(_argv(flags)), WORLD)
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert (args.global_batch_size, args.num_micro_batches) == (4, 1)
+    assert args.params_dtype == "bfloat16"
+
+
+def test_reference_fork_aliases_fold_into_seq1f1b_flags(tmp_path):
+    flags = _with(tmp_path, seq1f1b_splits=None, pipe_sp_splits=8, pipe_sp_strategy="uniform_comp")
+    args = validate_args(parse_args(_argv(flags)), WORLD)
+    assert (args.seq1f1b_splits, args.seq1f1b_partition) == (8, "compute")
+    assert not hasattr(args, "pipe_sp_splits") and not hasattr(args, "pipe_sp_strategy")
+    flags = _with(tmp_path, pipe_sp_splits=4, pipe_sp_strategy="average")
+    args = validate_args(parse_args(_argv(flags)), WORLD)
+    assert (args.seq1f1b_splits, args.seq1f1b_partition) == (4, "even")
+
+
+def test_span_lengths_imply_an_explicit_partition(tmp_path):
+    flags = _with(tmp_path, seq1f1b_splits=None, sequence_parallel=True,
+                  seq1f1b_span_lengths=[24, 20, 12, 8])
+    args = validate_args(parse_args(_argv(flags)), WORLD)
+    assert (args.seq1f1b_splits, args.seq1f1b_partition) == (4, "explicit")
+    assert ScheduleConfig.from_args(args).span_lengths == (24, 20, 12, 8)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--seq1f1b-partition", "bogus"], "--seq1f1b-partition"),
+    (["--micro-batch-size", "two"], "--micro-batch-size"),
+    (["--pipe-sp-strategy", "fastest"], "--pipe-sp-strategy"),
+    (["--attention-backend", "cudnn"], "--attention-backend"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_parse_errors_are_one_line_exit_2(capsys, argv, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and flag in err and "\n" not in err, err
+
+
+def test_cli_form_prints_one_line_and_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate_args(_argv(_with(tmp_path, num_layers=7)), WORLD)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "--num-layers" in err and "\n" not in err
+
+
+def test_catalog_reads_the_registry_lazily_and_falls_back(monkeypatch):
+    monkeypatch.undo()  # the real schedule_catalog, not the fixed one
+    from seq1f1b.plan import registry
+    catalog = schedule_catalog()
+    for name in registry.names():
+        assert catalog[name] == registry.get(name).chunked
+    assert all(catalog[name] == chunked for name, chunked in MEGATRON_SCHEDULES.items())
+    monkeypatch.setattr(registry, "names", lambda: [])
+    assert schedule_catalog() == MEGATRON_SCHEDULES
