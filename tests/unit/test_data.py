@@ -83,6 +83,7 @@ def test_preprocess_with_workers_writes_the_same_bytes(corpus, tmp_path, capsys)
 @pytest.mark.parametrize("lines, extra, flag, detail", [
     (None, [], "--input", "missing.jsonl"),
     (['{"text": "ok"}', '{"text": "broken"'], [], "--input", "line 2"),
+    (['{"text": "ok"}'] * 300 + ['{"text": "broken"'], ["--workers", "2"], "--input", "line 301"),
     (['{"text": "ok"}', "", '{"body": "no text key"}'], [], "--json-keys", "line 3"),
     (['{"text": 5}'], [], "--json-keys", "line 1"),
     (['["not", "an", "object"]'], [], "--input", "line 1"),
