@@ -53,6 +53,7 @@ class EquivalenceCase:
     untie_embeddings: bool = False
     attention_backend: str = "auto"
     seed: int = 1234
+    against: Optional[str] = None      # baseline schedule instead of the unsplit model
     loss_tolerance: float = 1e-6
     grad_tolerance: float = 1e-5
 
@@ -73,8 +74,9 @@ def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_paral
     return megatron_adapter.make_transformer_config(
         num_layers=case.num_layers, hidden_size=case.hidden_size,
         num_attention_heads=case.num_attention_heads, num_query_groups=case.num_query_groups,
-        ffn_hidden_size=case.ffn_hidden_size, tp=tp, pp=pp,
-        virtual_pipeline_size=chunks if chunks > 1 else None,
+        ffn_hidden_size=case.ffn_hidden_size, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
         sequence_parallel=sequence_parallel)
 
 
@@ -85,8 +87,7 @@ def _build(case: EquivalenceCase, config, *, pre_process: bool, post_process: bo
         position_embedding_type=case.position_embedding_type, pre_process=pre_process,
         post_process=post_process, vp_stage=vp_stage,
         share_embeddings_and_output_weights=not case.untie_embeddings,
-        attention_backend=case.attention_backend,
-        stock=case.schedule in MEGATRON_SCHEDULES)
+        attention_backend=case.attention_backend)
 
 
 def _global_batch(case: EquivalenceCase, dp: int) -> list[dict]:
@@ -163,87 +164,125 @@ def _reference(case: EquivalenceCase, batches: list[dict]) -> tuple[float, dict,
     return total, weights, grads
 
 
+def _max_rel_diff(pairs) -> tuple[float, str, int]:
+    """Worst max|g - g_ref| / max|g_ref| over (name, grad, ref) triples on this rank."""
+    worst, worst_name, compared = 0.0, "", 0
+    for name, grad, ref in pairs:
+        scale = ref.abs().max().item()
+        diff = (grad - ref).abs().max().item() / (scale if scale > 0 else 1.0)
+        compared += 1
+        if diff > worst or math.isnan(diff):
+            worst, worst_name = diff, name
+    return worst, worst_name, compared
+
+
+def _worst_over_ranks(worst: float, name: str, compared: int, dp: int) -> tuple[float, str, int]:
+    world = dist.get_world_size()
+    gathered = [torch.zeros(2) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor([worst, float(compared)]))
+    names = [None] * world
+    dist.all_gather_object(names, name)
+    rank = max(range(world), key=lambda r: float(gathered[r][0]))
+    return (float(gathered[rank][0]), names[rank],
+            int(sum(float(g[1]) for g in gathered) / dp))
+
+
+class _Layout:
+    """This rank's chunks of the case's TP x PP x V layout, wrapped in megatron DDP."""
+
+    def __init__(self, case: EquivalenceCase, chunked: bool, ref_weights: dict) -> None:
+        parallel_state.initialize_model_parallel(
+            case.tp, case.pp, virtual_pipeline_model_parallel_size=case.chunks if chunked else None)
+        tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
+        config = _config(case, case.tp, case.pp, case.chunks, case.sequence_parallel)
+        models = []
+        for chunk in range(case.chunks):
+            vp = chunk if chunked else None
+            model = _build(case, config, vp_stage=vp,
+                           pre_process=parallel_state.is_pipeline_first_stage(
+                               ignore_virtual=False, vp_stage=vp),
+                           post_process=parallel_state.is_pipeline_last_stage(
+                               ignore_virtual=False, vp_stage=vp))
+            params = dict(model.named_parameters())
+            shards = _shard_index(model)
+            if len(shards) != len(params):
+                missing = sorted(set(params) - {n for n, _ in shards.values()})
+                raise RuntimeError(f"parameters without a reference shard: {missing}")
+            with torch.no_grad():
+                for name, sharded in shards.values():
+                    params[name].copy_(_slice(ref_weights[_place(sharded)], sharded))
+            models.append(model)
+        self.shards = [list(_shard_index(model).values()) for model in models]
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+        self.chunks = [DistributedDataParallel(config, ddp_config, m) for m in models]
+        no_sync = [model.no_sync for model in self.chunks]
+        config.no_sync_func = no_sync if chunked else no_sync[0]
+        config.finalize_model_grads_func = finalize_model_grads
+        self.case, self.chunked = case, chunked
+
+    def run(self, schedule: str, batches: list[dict]) -> tuple[float, list]:
+        """One iteration of `schedule`: (loss as megatron reports it, [(name, grad shard)])."""
+        case = self.case
+        for model in self.chunks:
+            model.zero_grad_buffer()
+        dp = parallel_state.get_data_parallel_world_size()
+        dp_rank = parallel_state.get_data_parallel_rank()
+        mine = batches[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
+        iterators = [iter(mine) for _ in self.chunks]
+        settings = SpanSettings(case.splits, "explicit" if case.span_lengths else case.partition,
+                                tuple(case.span_lengths) if case.span_lengths else None)
+        losses = get_forward_backward_func(schedule, settings)(
+            forward_step_func=_forward_step,
+            data_iterator=iterators if self.chunked else iterators[0],
+            model=self.chunks if self.chunked else self.chunks[0],
+            num_microbatches=case.num_microbatches, seq_length=case.seq_length,
+            micro_batch_size=case.micro_batch_size)
+        # Mean over micro-batches of each one's token mean, then over DP (megatron's report).
+        loss = torch.zeros(())
+        if losses and parallel_state.get_tensor_model_parallel_rank() == 0:
+            loss += sum(float(x["lm loss"][0]) / max(float(x["lm loss"][1]), 1.0)
+                        for x in losses) / case.num_microbatches
+        dist.all_reduce(loss)
+        grads = []
+        for model, shards in zip(self.chunks, self.shards):
+            params = dict(model.module.named_parameters())
+            grads += [(name, sharded, params[name].main_grad.float().clone())
+                      for name, sharded in shards]
+        return float(loss) / dp, grads
+
+
 def run_case(case: EquivalenceCase) -> EquivalenceResult:
-    """Run `case` on the current process group (world = TP x PP x DP); same result on all ranks."""
+    """Run `case` on the current process group (world = TP x PP x DP); same result on all ranks.
+
+    With `case.against` set, the baseline is that schedule run on the same chunks and data
+    (e.g. our `1f1b` against megatron-core's own `megatron-1f1b`) instead of the unsplit model.
+    """
     world = dist.get_world_size()
     if world % (case.tp * case.pp):
         raise ValueError(f"world size {world} is not divisible by --tp {case.tp} x --pp {case.pp}")
     dp = world // (case.tp * case.pp)
-    chunked = case.schedule in MEGATRON_SCHEDULES[1:] or (
-        case.schedule not in MEGATRON_SCHEDULES and registry.get(case.schedule).chunked)
-    if chunked != (case.chunks > 1):
+    chunked = _is_chunked(case.schedule)
+    if chunked != (case.chunks > 1) or (case.against and _is_chunked(case.against) != chunked):
         raise ValueError(f"--chunks {case.chunks} does not fit schedule {case.schedule!r}")
     batches = _global_batch(case, dp)
     ref_loss, ref_weights, ref_grads = _reference(case, batches)
-
-    parallel_state.initialize_model_parallel(
-        case.tp, case.pp, virtual_pipeline_model_parallel_size=case.chunks if chunked else None)
-    tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
-    config = _config(case, case.tp, case.pp, case.chunks, case.sequence_parallel)
-    chunks = []
-    for chunk in range(case.chunks):
-        vp = chunk if chunked else None
-        model = _build(case, config, vp_stage=vp,
-                       pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                                          vp_stage=vp),
-                       post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                                          vp_stage=vp))
-        for name, sharded in _shard_index(model).values():
-            with torch.no_grad():
-                dict(model.named_parameters())[name].copy_(_slice(ref_weights[_place(sharded)],
-                                                                  sharded))
-        chunks.append(model)
-    index = [_shard_index(model) for model in chunks]
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-    chunks = [DistributedDataParallel(config, ddp_config, model) for model in chunks]
-    no_sync = [model.no_sync for model in chunks]
-    config.no_sync_func = no_sync if chunked else no_sync[0]
-    config.finalize_model_grads_func = finalize_model_grads
-
-    dp_rank = parallel_state.get_data_parallel_rank()
-    mine = batches[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
-    iterators = [iter(mine) for _ in chunks]
-    settings = SpanSettings(case.splits, case.partition,
-                            tuple(case.span_lengths) if case.span_lengths else None)
-    func = get_forward_backward_func(case.schedule, settings)
-    losses = func(forward_step_func=_forward_step,
-                  data_iterator=iterators if chunked else iterators[0],
-                  model=chunks if chunked else chunks[0], num_microbatches=case.num_microbatches,
-                  seq_length=case.seq_length, micro_batch_size=case.micro_batch_size)
-
-    # Loss as megatron reports it: mean over micro-batches of each one's token mean, then over DP.
-    loss = torch.zeros(())
-    if losses:
-        loss += sum(float(x["lm loss"][0]) / max(float(x["lm loss"][1]), 1.0)
-                    for x in losses) / case.num_microbatches
-    dist.all_reduce(loss)
-    loss = float(loss) / dp
-
-    worst, worst_name, compared = 0.0, "", 0
-    for model, shards in zip(chunks, index):
-        params = dict(model.module.named_parameters())
-        for name, sharded in shards.values():
-            grad = params[name].main_grad.float()
-            ref = _slice(ref_grads[_place(sharded)], sharded)
-            scale = ref.abs().max().item()
-            diff = (grad - ref).abs().max().item() / (scale if scale > 0 else 1.0)
-            compared += 1
-            if diff > worst or math.isnan(diff):
-                worst, worst_name = diff, name
-        if len(shards) != len(params):
-            missing = sorted(set(params) - {n for n, _ in shards.values()})
-            raise RuntimeError(f"parameters without a reference shard: {missing}")
-    stats = torch.tensor([worst, float(compared)])
-    gathered = [torch.zeros(2) for _ in range(world)]
-    dist.all_gather(gathered, stats)
-    names = [None] * world
-    dist.all_gather_object(names, worst_name)
-    rank_of_worst = max(range(world), key=lambda r: float(gathered[r][0]))
-    worst = float(gathered[rank_of_worst][0])
-    compared = int(sum(float(g[1]) for g in gathered) / dp)
+    layout = _Layout(case, chunked, ref_weights)
+    if case.against:
+        ref_loss, baseline = layout.run(case.against, batches)
+        reference = {id(sharded): grad for _, sharded, grad in baseline}
+    loss, grads = layout.run(case.schedule, batches)
+    triples = [(name, grad, reference[id(sharded)] if case.against
+                else _slice(ref_grads[_place(sharded)], sharded))
+               for name, sharded, grad in grads]
+    worst, name, compared = _worst_over_ranks(*_max_rel_diff(triples), dp)
     parallel_state.destroy_model_parallel()
     loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
     passed = (loss_rel <= case.loss_tolerance and worst <= case.grad_tolerance
               and not math.isnan(worst))
-    return EquivalenceResult(loss, ref_loss, loss_rel, worst, names[rank_of_worst], compared,
-                             passed, asdict(case))
+    return EquivalenceResult(loss, ref_loss, loss_rel, worst, name, compared, passed, asdict(case))
+
+
+def _is_chunked(schedule: str) -> bool:
+    if schedule in MEGATRON_SCHEDULES:
+        return schedule == "megatron-interleaved-1f1b"
+    return registry.get(schedule).chunked

@@ -108,7 +108,7 @@ class Executor:
                                          dtype, self.device, inputs.p2p_timeout_s)
         self.sources = [SpanDataSource(it, inputs.seq_length) for it in inputs.data_iterators]
         self.caches: dict[tuple[int, int], MicrobatchKVCache] = {}
-        self.saved: dict[Action, tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        self.saved: dict[tuple[int, int, int], tuple[Optional[torch.Tensor], Any]] = {}
         self.losses: dict[int, MicrobatchLoss] = {}
         self.forward_data_store: list = []
         self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -160,7 +160,7 @@ class Executor:
             return
         if not self._is_last_stage(action) and self.deallocate:
             output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
-        self.saved[action] = (input_tensor, output)
+        self.saved[action.key()] = (input_tensor, output)
 
     def _record_loss(self, action: Action, output: Any, loss_func: Optional[Callable]) -> Any:
         i, j = action.microbatch, action.span
@@ -185,7 +185,7 @@ class Executor:
 
     def backward(self, action: Action, is_last_backward: bool) -> None:
         i, j, c = action.microbatch, action.span, action.chunk
-        input_tensor, output = self.saved.pop(action)
+        input_tensor, output = self.saved.pop(action.key())
         cache = self.caches[(i, c)]
         if self._is_last_stage(action):
             record = self.losses[i]

@@ -4,7 +4,8 @@ single-process model in fp32 (loss rel. diff <= 1e-6, max_rel_grad_diff <= 1e-5)
 One torchrun launch per world size runs all of that size's cases. The matrix covers PP 1-4, TP 1-2
 with and without sequence parallelism, DP 2, k 1-5 (k not dividing P too), even / compute /
 explicit uneven spans, V=2 with k=3, RoPE and learned positions, every registered schedule, and
-megatron-core's own 1F1B and interleaved schedules run on the same models and data.
+megatron-core's own 1F1B and interleaved schedules run on the same models and data; the `against`
+cases compare our executor with megatron's schedule directly (same chunks, same data).
 """
 import pytest
 
@@ -37,7 +38,8 @@ CASES: dict[int, list[dict]] = {
          "span_lengths": [6, 10, 8]},
         {"schedule": "seq1f1b", "splits": 2, "num_microbatches": 2},          # DP 2
         {"schedule": "megatron-1f1b", "pp": 2},
-        {"schedule": "megatron-interleaved-1f1b", "pp": 2, "chunks": 2},
+        {"schedule": "1f1b", "pp": 2, "against": "megatron-1f1b"},
+        {"schedule": "seq1f1b", "pp": 2, "splits": 3, "against": "megatron-1f1b"},
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},
@@ -59,6 +61,12 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "gpipe", "pp": 4, "splits": 2},
         {"schedule": "1f1b", "pp": 4},
         {"schedule": "megatron-1f1b", "pp": 4},
+        {"schedule": "1f1b", "pp": 4, "against": "megatron-1f1b"},
+        # megatron's interleaved at PP=4: at PP=2 with m=4 megatron's batched p2p on gloo sends
+        # activations and grads between the same two ranks with one tag, and they can cross.
+        {"schedule": "megatron-interleaved-1f1b", "pp": 4, "chunks": 2, **L8},
+        {"schedule": "interleaved-1f1b", "pp": 4, "chunks": 2, "against":
+         "megatron-interleaved-1f1b", **L8},
     ],
 }
 
@@ -68,7 +76,8 @@ PARAMS = [(world, n) for world, cases in CASES.items() for n in range(len(cases)
 def _case_id(param):
     world, n = param
     spec = CASES[world][n]
-    return f"w{world}-{n}-" + "-".join(f"{k}{v}" for k, v in spec.items() if k != "span_lengths")
+    return f"w{world}-{n}-" + "-".join(f"{k}{v}" for k, v in spec.items()
+                                       if k not in ("span_lengths", "num_layers"))
 
 
 @pytest.fixture(scope="module")
