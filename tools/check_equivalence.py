@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--attention-backend", choices=["auto", "eager", "sdpa", "flex", "flash", "te"],
         default="auto")
     add("--seed", type=int, default=1234)
+    add("--against", choices=schedule_names(), default=None,
+        help="compare with this schedule on the same chunks and data instead of the unsplit "
+             "model (e.g. --schedule 1f1b --against megatron-1f1b)")
     add("--loss-tolerance", type=float, default=1e-6)
     add("--grad-tolerance", type=float, default=1e-5)
     add("--json", action="store_true", help="print only the JSON result")
@@ -68,7 +71,7 @@ def case_from_args(args: argparse.Namespace):
         position_embedding_type=args.position_embedding_type,
         sequence_parallel=args.sequence_parallel,
         untie_embeddings=args.untie_embeddings_and_output_weights,
-        attention_backend=args.attention_backend, seed=args.seed,
+        attention_backend=args.attention_backend, seed=args.seed, against=args.against,
         loss_tolerance=args.loss_tolerance, grad_tolerance=args.grad_tolerance)
 
 
