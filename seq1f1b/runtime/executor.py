@@ -9,6 +9,7 @@ the plan's; the executor adds none of its own, so what the validator and simulat
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -21,6 +22,7 @@ from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_contex
 from seq1f1b.runtime.loss import MicrobatchLoss
 from seq1f1b.runtime.p2p import PipelineChannels
 from seq1f1b.runtime.span_data import SpanDataSource
+from seq1f1b.runtime.trace import ExecutionTrace
 
 
 @dataclass
@@ -42,6 +44,7 @@ class StepInputs:
     forward_only: bool = False
     collect_non_loss_data: bool = False
     p2p_timeout_s: float = 600.0
+    trace: Optional[ExecutionTrace] = None          # per-action times and bytes, when asked
 
 
 def _backward(roots: list[torch.Tensor], grads: list[Optional[torch.Tensor]],
@@ -223,20 +226,35 @@ class Executor:
         if not self.inp.forward_only:
             self.grad_sync.disable()
         last_backward = max((n for n, a in enumerate(self.program) if a.op == "B"), default=-1)
+        trace = self.inp.trace
+        if trace is not None:
+            trace.begin(self.held_bytes)
+        show_chunk = self.schedule.chunks > 1
         for n, action in enumerate(self.program):
             if n + 1 < len(self.program):
                 self.channels.prefetch(self.program[n + 1])
+            start = time.perf_counter()
             if action.op == "F":
                 self.forward(action)
             else:
                 self.backward(action, n == last_backward)
+            if trace is not None:
+                trace.record(action.format(show_chunk), start, time.perf_counter())
         self.channels.finish()
+        if trace is not None:
+            trace.end()
         self.grad_sync.enable()
         leftovers = len(self.saved) + sum(len(cache) for cache in self.caches.values())
         if leftovers or self.caches or self.losses:
             raise RuntimeError(f"pipeline rank {self.inp.rank}: {len(self.saved)} activations and "
                                f"{len(self.caches)} KV caches left after the iteration")
         return self.forward_data_store if self._holds_last_stage() else []
+
+    def held_bytes(self) -> int:
+        """Bytes of the stage outputs the executor stashes for backward (autograd may not save
+        them itself); the saved-tensor meter adds them to what autograd saves."""
+        return sum(out.untyped_storage().nbytes() for _, out in self.saved.values()
+                   if isinstance(out, torch.Tensor))
 
     def _holds_last_stage(self) -> bool:
         last = self.schedule.num_stages - 1

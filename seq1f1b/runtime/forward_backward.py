@@ -9,7 +9,7 @@ unmodified functions, so any run can be compared with the engine it extends.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from seq1f1b.plan import registry
 from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.runtime.executor import Executor, StepInputs
+from seq1f1b.runtime.trace import ExecutionTrace
 
 MEGATRON_SCHEDULES = ("megatron-1f1b", "megatron-interleaved-1f1b")
 
@@ -34,6 +35,7 @@ class SpanSettings:
     partition: str = "even"                       # even | compute | explicit
     span_lengths: Optional[tuple[int, ...]] = None
     p2p_timeout_s: float = 600.0
+    trace: Optional[ExecutionTrace] = field(default=None, compare=False, hash=False)
 
 
 def schedule_names() -> list[str]:
@@ -149,7 +151,8 @@ def get_forward_backward_func(name: str = "seq1f1b",
             forward_step_func=forward_step_func, data_iterators=iterators, model_chunks=chunks,
             config=config, seq_length=seq_length, micro_batch_size=micro_batch_size,
             tp_size=tp, cp_size=cp, forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data, p2p_timeout_s=settings.p2p_timeout_s))
+            collect_non_loss_data=collect_non_loss_data, p2p_timeout_s=settings.p2p_timeout_s,
+            trace=settings.trace))
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(
                 barrier=config.barrier_with_L1_time)
