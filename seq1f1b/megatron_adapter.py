@@ -32,9 +32,10 @@ class SequenceParallelNorm(MegatronModule):
     """LayerNorm / RMSNorm (per `config.normalization`) usable with sequence parallelism.
 
     megatron's torch fallback norm refuses sequence parallelism (TE and Apex norms accept it). A
-    norm is per token, so it works on a sequence shard unchanged; what SP needs is that each TP rank's
-    partial weight grads get summed: the params are marked `sequence_parallel`, which megatron's
-    `finalize_model_grads` all-reduces over the TP group. Parameter names match torch's norms.
+    norm is per token, so it works on a sequence shard unchanged; what SP needs is that each TP
+    rank's partial weight grads get summed: the params are marked `sequence_parallel`, which
+    megatron's `finalize_model_grads` all-reduces over the TP group. Parameter names match torch's
+    norms.
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:

@@ -11,8 +11,8 @@ the CPU, without copying or patching any megatron-core file:
    (`pin_memory=True` becomes False); `Tensor.type()` answers the CUDA type name
    (`torch.cuda.FloatTensor`) so megatron's clip_grads / (distributed) optimizer accept CPU params;
 2. `torch.cuda.current_device` (0), `set_device`, `synchronize` and `nvtx.range_push/range_pop/mark`
-   become harmless, each its own function object (megatron's jit_fuser registers torch functions with
-   dynamo, which refuses one object under two names: "Duplicate torch object");
+   become harmless, each its own function object (megatron's jit_fuser registers torch functions
+   with dynamo, which refuses one object under two names: "Duplicate torch object");
 3. the CUDA RNG calls (`torch.cuda.{get,set}_rng_state[_all]`, `manual_seed[_all]` and megatron's
    `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`) act on the CPU default
    generator, so `model_parallel_cuda_manual_seed`, the RNG tracker's `fork()` (attention dropout)
@@ -181,7 +181,7 @@ def _patch(namespace: object, functions: dict[str, Callable[..., Any]]) -> None:
 
 
 def activate() -> bool:
-    """Install the CPU layer when CUDA is absent; idempotent. Returns whether the layer is active."""
+    """Install the CPU layer when CUDA is absent; idempotent. Returns whether it is active."""
     global _active_mode
     if _active_mode is not None:
         return True

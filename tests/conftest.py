@@ -16,8 +16,8 @@ def init_megatron(tensor_model_parallel_size: int = 1, pipeline_model_parallel_s
 
     Activates the CPU platform layer (a no-op with CUDA), joins torch.distributed with gloo (the
     torchrun environment when RANK is set, else a world of one over an in-memory store), (re)builds
-    parallel_state for the given layout and seeds megatron's RNG tracker. Callable again with another
-    layout; torchrun workers of distributed tests can import and call it too.
+    parallel_state for the given layout and seeds megatron's RNG tracker. Callable again with
+    another layout; torchrun workers of distributed tests can import and call it too.
     One intra-op thread: the models under test are tiny, and on a shared 2-core machine two OpenMP
     threads turn each small matmul into a ~20 ms wait.
     """

@@ -285,7 +285,8 @@ def _check_config(config: TransformerConfig, attn_mask_type: AttnMaskType,
                   attention_type: str) -> None:
     unsupported = {
         "cross attention": attention_type != "self",
-        f"attn_mask_type {attn_mask_type.name} (causal only)": attn_mask_type != AttnMaskType.causal,
+        f"attn_mask_type {attn_mask_type.name} (causal only)":
+            attn_mask_type != AttnMaskType.causal,
         "context parallelism": config.context_parallel_size != 1,
         "sliding-window attention": config.window_size is not None,
         f"softmax_type {config.softmax_type}": config.softmax_type != "vanilla",
@@ -317,7 +318,8 @@ class SpanAttention(MegatronModule):
         self.backend = resolve_backend(backend, config)
         self.softmax_scale = (1.0 / math.sqrt(config.kv_channels) if softmax_scale is None
                               else softmax_scale)
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.dropout_p = (config.attention_dropout if attention_dropout is None
+                          else attention_dropout)
         if self.backend == "flex" and self.dropout_p > 0:
             raise ValueError("--attention-backend flex has no attention dropout: "
                              "set --attention-dropout 0")
@@ -335,14 +337,12 @@ class SpanAttention(MegatronModule):
             raise NotImplementedError("SpanAttention takes neither packed sequences nor an "
                                       "attention bias")
         ctx = current_span()
-        if ctx is None:
-            return self._attend_fn(attention_mask, query, key.size(0))(query, key, value)
-        if ctx.cache is None:
-            if ctx.start != 0:
-                raise RuntimeError(f"span {ctx.span} starts at token {ctx.start} but has no KV "
-                                   f"cache: only a span starting at 0 can attend without one")
-            return self._attend_fn(attention_mask, query, key.size(0))(query, key, value)
-        return self._span_forward(ctx, query, key, value, attention_mask)
+        if ctx is not None and ctx.cache is not None:
+            return self._span_forward(ctx, query, key, value, attention_mask)
+        if ctx is not None and ctx.start != 0:
+            raise RuntimeError(f"span {ctx.span} starts at token {ctx.start} but has no KV cache: "
+                               f"only a span starting at 0 can attend without one")
+        return self._attend_fn(attention_mask, query, key.size(0))(query, key, value)
 
     def _span_forward(self, ctx: SpanContext, query: Tensor, key: Tensor, value: Tensor,
                       attention_mask: Optional[Tensor]) -> Tensor:

@@ -1,4 +1,4 @@
-"""The CPU platform layer: megatron-core's CUDA placements, RNG tracker and type checks on the CPU."""
+"""The CPU platform layer: megatron-core's CUDA placements, RNG and type checks on the CPU."""
 from __future__ import annotations
 
 import logging

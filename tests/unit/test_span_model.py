@@ -9,7 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seq1f1b.megatron_adapter import SequenceParallelNorm, build_model_chunk, make_transformer_config
+from seq1f1b.megatron_adapter import (
+    SequenceParallelNorm,
+    build_model_chunk,
+    make_transformer_config,
+)
 from seq1f1b.runtime.attention import SpanAttention
 from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
 from seq1f1b.runtime.positions import SpanRotaryEmbedding
