@@ -55,7 +55,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from packaging.version import Version
 from torch import Tensor
 
-from seq1f1b.runtime.kv_cache import SpanContext, current_span
+from seq1f1b.runtime.kv_cache import SpanContext, current_span, with_later_span_grads
 
 BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te")
 _MEGATRON_BACKEND_NAMES = {"local": "eager", "unfused": "eager", "fused": "te"}
@@ -346,10 +346,6 @@ class SpanAttention(MegatronModule):
 
     def _span_forward(self, ctx: SpanContext, query: Tensor, key: Tensor, value: Tensor,
                       attention_mask: Optional[Tensor]) -> Tensor:
-        if self.training and _recomputes_attention(self.config):
-            raise NotImplementedError("activation recompute of attention with Seq1F1B spans: the "
-                                      "recomputed forward would run outside the span and its KV "
-                                      "cache (--recompute-granularity)")
         if query.size(0) != ctx.length:
             raise RuntimeError(f"span {ctx.span} holds {ctx.length} tokens, attention got "
                                f"{query.size(0)} queries")
@@ -358,7 +354,7 @@ class SpanAttention(MegatronModule):
         if cached != ctx.start:
             raise RuntimeError(f"span {ctx.span} starts at token {ctx.start} but the cached K/V "
                                f"of spans 0..{ctx.span - 1} hold {cached} tokens")
-        ctx.cache.store(self, ctx.span, key, value)
+        key, value = with_later_span_grads(key, value, ctx.cache.store(self, ctx.span, key, value))
         attend = self._attend_fn(attention_mask, query, ctx.end)
         if not prefix:
             return attend(query, key, value)
@@ -403,13 +399,6 @@ class SpanAttention(MegatronModule):
         if dropout_p > 0 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
-
-
-def _recomputes_attention(config: TransformerConfig) -> bool:
-    """Whether megatron re-runs this module in the backward (full or selective core_attn)."""
-    granularity = config.recompute_granularity
-    return granularity == "full" or (granularity == "selective"
-                                     and "core_attn" in (config.recompute_modules or ()))
 
 
 def _check_mask(mask: Tensor, sq: int, sk: int) -> None:

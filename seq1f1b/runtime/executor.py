@@ -143,7 +143,7 @@ class Executor:
         start, end = self.inp.spans[j]
         last_span = j == self.schedule.splits - 1
         if j == 0:
-            self.caches[(i, c)] = MicrobatchKVCache(i, c)
+            self.caches[(i, c)] = MicrobatchKVCache(i, c, requires_grad=not self.inp.forward_only)
         cache = self.caches[(i, c)]
         input_tensor = self.channels.receive(action)
         if input_tensor is not None and not self.inp.forward_only:
@@ -194,7 +194,7 @@ class Executor:
             record = self.losses[i]
             scale = record.backward_scale(j, self.schedule.microbatches,
                                           self.config.calculate_per_token_loss, self.inp.cp_size)
-            output = output * scale
+            output = torch.as_tensor(output) * scale
             if self.config.grad_scale_func is not None:
                 output = self.config.grad_scale_func(output)
             grad = torch.ones_like(output)
@@ -204,13 +204,14 @@ class Executor:
         else:
             grad = self.channels.receive(action)
             deallocated = self.deallocate
-        kv_roots, kv_grads = cache.backward_roots(j)
         if is_last_backward:
             self.grad_sync.enable()
-        if output.requires_grad or kv_roots:
-            roots = [output] if output.requires_grad else []
-            grads = [grad] if output.requires_grad else []
-            _backward(roots + kv_roots, grads + kv_grads, deallocated)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            # Inside the span's context: a recomputed forward (activation recompute) must find
+            # the same span, offsets and KV cache as the original one.
+            start, end = self.inp.spans[j]
+            with span_context(SpanContext(i, j, start, end, cache)):
+                _backward([output], [grad], deallocated)
         cache.release(j)
         if j == 0:
             del self.caches[(i, c)]

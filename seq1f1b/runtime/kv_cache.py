@@ -6,10 +6,13 @@ attention of every layer reads `current_span()` to learn the span's absolute off
 the cached K/V of spans 0..j-1 (as leaves) and store its own.
 
 Exact gradients: span j's K/V enter later spans' graphs as detached leaves that require grad, so
-after B(i,j') of every later span j' their `.grad` holds the later spans' dK/dV contribution. B(i,j)
-then back-propagates from [span output, K_j, V_j of every layer] with [output grad, leaf grads], so
-the K/V of span j receive their own span's gradient plus every later span's. The reverse span
-order of backward guarantees the leaf grads are complete when B(i,j) runs.
+after B(i,j') of every later span j' their `.grad` holds the later spans' dK/dV contribution. Span j
+itself attends through `with_later_span_grads(key, value, entry)`: an identity whose backward adds
+those leaf grads to the gradient of K_j and V_j at the moment it runs, i.e. during B(i,j), when the
+reverse span order guarantees they are complete. Because the routing lives in the span's own graph,
+it holds for any graph that B(i,j) back-propagates: the original one, or the one megatron's
+activation recompute rebuilds (the executor runs B(i,j) inside the span's context, so a recomputed
+forward finds the same prefix leaves and re-stores its K/V under the same leaves).
 Memory: a leaf is `detach()` of the graph tensor, so both share one storage; nothing is copied.
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ class MicrobatchKVCache:
 
     microbatch: int
     chunk: int = 0
+    requires_grad: bool = True       # False for forward-only (evaluation) iterations
     _layers: dict = field(default_factory=dict)
 
     def prefix(self, layer: object, span: int) -> list[SpanKV]:
@@ -59,25 +63,12 @@ class MicrobatchKVCache:
         if old is not None:
             entry = SpanKV(key, value, old.key_leaf, old.value_leaf)
         else:
-            grad = torch.is_grad_enabled() and (key.requires_grad or value.requires_grad)
-            entry = SpanKV(key, value, key.detach().requires_grad_(grad),
-                           value.detach().requires_grad_(grad))
+            # Leaves require grad even when this forward runs without a graph (the first pass of
+            # activation recompute): their recomputed consumers must still produce dK/dV.
+            entry = SpanKV(key, value, key.detach().requires_grad_(self.requires_grad),
+                           value.detach().requires_grad_(self.requires_grad))
         entries[span] = entry
         return entry
-
-    def backward_roots(self, span: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Extra (tensors, grads) for B(span): K/V of the span with the dK/dV later spans left."""
-        tensors: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        for entries in self._layers.values():
-            entry = entries.get(span)
-            if entry is None:
-                continue
-            for graph, leaf in ((entry.key, entry.key_leaf), (entry.value, entry.value_leaf)):
-                if leaf.grad is not None and graph.requires_grad:
-                    tensors.append(graph)
-                    grads.append(leaf.grad)
-        return tensors, grads
 
     def release(self, span: int) -> None:
         """Drop span `span` of every layer: after its backward, nothing reads it again."""
@@ -92,6 +83,32 @@ class MicrobatchKVCache:
         """Bytes held by the cached K/V (graph tensor and leaf share storage: counted once)."""
         return sum(e.key.numel() * e.key.element_size() + e.value.numel() * e.value.element_size()
                    for entries in self._layers.values() for e in entries.values())
+
+
+class _LaterSpanGrads(torch.autograd.Function):
+    """Identity on (K, V) of a span; backward adds the dK/dV later spans left in the leaves."""
+
+    @staticmethod
+    def forward(ctx, key, value, entry):
+        ctx.entry = entry
+        return key.view_as(key), value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad_key, grad_value):
+        entry = ctx.entry
+        if entry.key_leaf.grad is not None:
+            grad_key = grad_key + entry.key_leaf.grad
+        if entry.value_leaf.grad is not None:
+            grad_value = grad_value + entry.value_leaf.grad
+        return grad_key, grad_value, None
+
+
+def with_later_span_grads(key: torch.Tensor, value: torch.Tensor, entry: SpanKV
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) for the span's own attention, routing later spans' dK/dV into this span's graph."""
+    if not torch.is_grad_enabled() or not (key.requires_grad or value.requires_grad):
+        return key, value
+    return _LaterSpanGrads.apply(key, value, entry)
 
 
 @dataclass(frozen=True)

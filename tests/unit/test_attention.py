@@ -44,7 +44,7 @@ def run_unsplit(attn, qkv, grad_out, mask=None):
 
 
 def run_spans(attn, qkv, grad_out, lengths, mask=None):
-    """Forward spans 0..k-1, then backward k-1..0 with the cache's roots, as the executor does."""
+    """Forward spans 0..k-1, then backward k-1..0 in each span's context, as the executor does."""
     q, k, v = qkv
     cache = MicrobatchKVCache(microbatch=0)
     outs = []
@@ -53,8 +53,8 @@ def run_spans(attn, qkv, grad_out, lengths, mask=None):
         with span_context(SpanContext(0, j, start, end, cache)):
             outs.append(attn(q[start:end], k[start:end], v[start:end], span_mask))
     for j, (start, end) in reversed(list(enumerate(span_bounds(lengths)))):
-        roots, root_grads = cache.backward_roots(j)
-        torch.autograd.backward([outs[j]] + roots, [grad_out[start:end]] + root_grads)
+        with span_context(SpanContext(0, j, start, end, cache)):
+            outs[j].backward(grad_out[start:end])
         cache.release(j)
     assert len(cache) == 0 and cache.nbytes() == 0
     return torch.cat([o.detach() for o in outs]), [t.grad for t in qkv]

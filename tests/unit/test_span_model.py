@@ -67,9 +67,9 @@ def span_loss_and_grads(model, lengths):
             token_losses = model(tokens[:, start:end], positions[:, start:end], None,
                                  labels=labels[:, start:end])
         losses.append(token_losses.sum() / labels.numel())
-    for j in reversed(range(len(lengths))):
-        roots, root_grads = cache.backward_roots(j)
-        torch.autograd.backward([losses[j]] + roots, [torch.ones_like(losses[j])] + root_grads)
+    for j, (start, end) in reversed(list(enumerate(span_bounds(lengths)))):
+        with span_context(SpanContext(0, j, start, end, cache)):
+            losses[j].backward()
         cache.release(j)
     assert len(cache) == 0
     return sum(loss.detach() for loss in losses), {n: p.grad.clone()
