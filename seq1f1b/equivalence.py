@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -52,8 +52,15 @@ class EquivalenceCase:
     sequence_parallel: bool = False
     untie_embeddings: bool = False
     attention_backend: str = "auto"
+    init_method_std: float = 0.2       # sharp attention: a wrong position or K/V shows
+    recompute_granularity: Optional[str] = None     # None | full | selective
+    recompute_method: Optional[str] = None          # uniform | block (full recompute)
+    recompute_num_layers: Optional[int] = None
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
     seed: int = 1234
     against: Optional[str] = None      # baseline schedule instead of the unsplit model
+    against_no_recompute: bool = False  # baseline: this case with activation recompute off
     loss_tolerance: float = 1e-6
     grad_tolerance: float = 1e-5
 
@@ -70,8 +77,22 @@ class EquivalenceResult:
     case: dict = field(default_factory=dict)
 
 
+def _recompute_fields(case: EquivalenceCase) -> dict:
+    if case.recompute_granularity == "full":
+        return dict(recompute_granularity="full", recompute_method=case.recompute_method or
+                    "uniform", recompute_num_layers=case.recompute_num_layers or 1)
+    if case.recompute_granularity == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if case.recompute_granularity is not None:
+        raise ValueError(f"--recompute-granularity {case.recompute_granularity!r}: "
+                         "choose full or selective")
+    return {}
+
+
 def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_parallel: bool):
     return megatron_adapter.make_transformer_config(
+        init_method_std=case.init_method_std, hidden_dropout=case.hidden_dropout,
+        attention_dropout=case.attention_dropout, **_recompute_fields(case),
         num_layers=case.num_layers, hidden_size=case.hidden_size,
         num_attention_heads=case.num_attention_heads, num_query_groups=case.num_query_groups,
         ffn_hidden_size=case.ffn_hidden_size, tensor_model_parallel_size=tp,
@@ -146,7 +167,8 @@ def _reference(case: EquivalenceCase, batches: list[dict]) -> tuple[float, dict,
     """Loss, weights and grads of the whole model on the whole global batch, in one process."""
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
-    config = _config(case, 1, 1, 1, False)
+    config = _config(replace(case, recompute_granularity=None, hidden_dropout=0.0,
+                             attention_dropout=0.0), 1, 1, 1, False)
     model = _build(case, config, pre_process=True, post_process=True, vp_stage=None)
     total = 0.0
     for batch in batches:
@@ -225,6 +247,9 @@ class _Layout:
         case = self.case
         for model in self.chunks:
             model.zero_grad_buffer()
+        # Same RNG streams for every run: dropout masks then depend only on the schedule.
+        torch.manual_seed(case.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
         dp = parallel_state.get_data_parallel_world_size()
         dp_rank = parallel_state.get_data_parallel_rank()
         mine = batches[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
@@ -264,14 +289,23 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
     chunked = _is_chunked(case.schedule)
     if chunked != (case.chunks > 1) or (case.against and _is_chunked(case.against) != chunked):
         raise ValueError(f"--chunks {case.chunks} does not fit schedule {case.schedule!r}")
+    if (case.hidden_dropout or case.attention_dropout) and not (case.against or
+                                                                case.against_no_recompute):
+        raise ValueError("--hidden-dropout/--attention-dropout > 0 draw other masks than the "
+                         "unsplit model: compare with --against or --against-no-recompute")
     batches = _global_batch(case, dp)
     ref_loss, ref_weights, ref_grads = _reference(case, batches)
-    layout = _Layout(case, chunked, ref_weights)
-    if case.against:
-        ref_loss, baseline = layout.run(case.against, batches)
-        reference = {id(sharded): grad for _, sharded, grad in baseline}
-    loss, grads = layout.run(case.schedule, batches)
-    triples = [(name, grad, reference[id(sharded)] if case.against
+    reference = None
+    if case.against or case.against_no_recompute:
+        base = replace(case, schedule=case.against or case.schedule,
+                       recompute_granularity=None if case.against_no_recompute
+                       else case.recompute_granularity)
+        ref_loss, baseline = _Layout(base, _is_chunked(base.schedule), ref_weights).run(
+            base.schedule, batches)
+        reference = {_identity(sharded): grad for _, sharded, grad in baseline}
+        parallel_state.destroy_model_parallel()
+    loss, grads = _Layout(case, chunked, ref_weights).run(case.schedule, batches)
+    triples = [(name, grad, reference[_identity(sharded)] if reference is not None
                 else _slice(ref_grads[_place(sharded)], sharded))
                for name, sharded, grad in grads]
     worst, name, compared = _worst_over_ranks(*_max_rel_diff(triples), dp)
@@ -280,6 +314,10 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
     passed = (loss_rel <= case.loss_tolerance and worst <= case.grad_tolerance
               and not math.isnan(worst))
     return EquivalenceResult(loss, ref_loss, loss_rel, worst, name, compared, passed, asdict(case))
+
+
+def _identity(sharded: ShardedTensor) -> tuple:
+    return sharded.key, tuple(sharded.global_offset)
 
 
 def _is_chunked(schedule: str) -> bool:

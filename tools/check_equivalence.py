@@ -45,6 +45,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--untie-embeddings-and-output-weights", action="store_true")
     add("--attention-backend", choices=["auto", "eager", "sdpa", "flex", "flash", "te"],
         default="auto")
+    add("--init-method-std", type=float, default=0.2,
+        help="weight init std (0.2: sharp attention, so a wrong position or K/V shows)")
+    add("--recompute-granularity", choices=["full", "selective"], default=None,
+        help="activation recompute (selective = core attention)")
+    add("--recompute-method", choices=["uniform", "block"], default=None)
+    add("--recompute-num-layers", type=int, default=None)
+    add("--hidden-dropout", type=float, default=0.0)
+    add("--attention-dropout", type=float, default=0.0)
+    add("--against-no-recompute", action="store_true",
+        help="compare with the same run without activation recompute (use with dropout > 0)")
     add("--seed", type=int, default=1234)
     add("--against", choices=schedule_names(), default=None,
         help="compare with this schedule on the same chunks and data instead of the unsplit "
@@ -72,6 +82,10 @@ def case_from_args(args: argparse.Namespace):
         sequence_parallel=args.sequence_parallel,
         untie_embeddings=args.untie_embeddings_and_output_weights,
         attention_backend=args.attention_backend, seed=args.seed, against=args.against,
+        against_no_recompute=args.against_no_recompute, init_method_std=args.init_method_std,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
         loss_tolerance=args.loss_tolerance, grad_tolerance=args.grad_tolerance)
 
 

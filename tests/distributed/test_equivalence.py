@@ -5,7 +5,9 @@ One torchrun launch per world size runs all of that size's cases. The matrix cov
 with and without sequence parallelism, DP 2, k 1-5 (k not dividing P too), even / compute /
 explicit uneven spans, V=2 with k=3, RoPE and learned positions, every registered schedule, and
 megatron-core's own 1F1B and interleaved schedules run on the same models and data; the `against`
-cases compare our executor with megatron's schedule directly (same chunks, same data).
+cases compare our executor with megatron's schedule directly (same chunks, same data). Activation
+recompute (full, selective) is exact against the unsplit model with dropout 0, and with dropout > 0
+identical to the same run without recompute (same masks).
 """
 import pytest
 
@@ -13,6 +15,9 @@ from launch import run_cases
 from seq1f1b.plan import registry
 
 L8 = {"num_layers": 8}
+FULL = {"recompute_granularity": "full"}
+SELECTIVE = {"recompute_granularity": "selective"}
+DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1, "against_no_recompute": True}
 CASES: dict[int, list[dict]] = {
     1: [
         {"schedule": "seq1f1b", "splits": 1},
@@ -38,6 +43,14 @@ CASES: dict[int, list[dict]] = {
          "span_lengths": [6, 10, 8]},
         {"schedule": "seq1f1b", "splits": 2, "num_microbatches": 2},          # DP 2
         {"schedule": "megatron-1f1b", "pp": 2},
+        {"schedule": "seq1f1b", "pp": 2, "splits": 3, **FULL},
+        {"schedule": "seq1f1b", "pp": 2, "splits": 4, **SELECTIVE,
+         "position_embedding_type": "learned_absolute"},
+        {"schedule": "seq1f1b-interleaved", "pp": 2, "chunks": 2, "splits": 3, **FULL,
+         "recompute_method": "block"},
+        {"schedule": "seq1f1b", "pp": 2, "splits": 3, **FULL, **DROPOUT},
+        {"schedule": "seq1f1b", "tp": 2, "splits": 2, "sequence_parallel": True, **SELECTIVE,
+         **DROPOUT},
         {"schedule": "1f1b", "pp": 2, "against": "megatron-1f1b"},
         {"schedule": "seq1f1b", "pp": 2, "splits": 3, "against": "megatron-1f1b"},
     ],
@@ -45,6 +58,7 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},
         {"schedule": "seq1f1b", "pp": 3, "splits": 4, "partition": "compute", "num_layers": 6},
         {"schedule": "1f1b", "pp": 3, "num_layers": 6},
+        {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6, **SELECTIVE},
         {"schedule": "seq1f1b-interleaved", "pp": 3, "chunks": 2, "splits": 2, "num_layers": 6,
          "num_microbatches": 6},
     ],
@@ -59,6 +73,10 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b-interleaved", "pp": 4, "chunks": 2, "splits": 3, **L8},
         {"schedule": "interleaved-1f1b", "tp": 2, "pp": 2, "chunks": 2},
         {"schedule": "gpipe", "pp": 4, "splits": 2},
+        {"schedule": "seq1f1b", "pp": 4, "splits": 4, **FULL},
+        {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 1, **FULL},
+        {"schedule": "seq1f1b-interleaved", "pp": 4, "chunks": 2, "splits": 2, **SELECTIVE,
+         **DROPOUT, **L8},
         {"schedule": "1f1b", "pp": 4},
         {"schedule": "megatron-1f1b", "pp": 4},
         {"schedule": "1f1b", "pp": 4, "against": "megatron-1f1b"},
