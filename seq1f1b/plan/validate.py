@@ -9,13 +9,17 @@ Three checks, each reporting what is wrong in words a reader can act on:
    the dependency rules are the only constraints). If no rank can move before all are done, the
    schedule deadlocks; the report names each stuck rank's next action and what it waits for.
 The replay is public as `topological_order`: a valid global execution order for the simulator.
-Cost: O(total actions x dependencies per action).
+
+Cost: O(total actions x dependencies per action). The checks run on integer codes, vectorised
+with numpy, and ask actions.py once per problem rather than once per action: the unit tests
+validate every family on a grid of ~4700 problems (2.4 million actions).
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from itertools import accumulate, chain
+from typing import Iterable
 from operator import attrgetter
 
 import numpy as np
@@ -36,7 +40,8 @@ def topological_order(schedule: Schedule) -> list[Step]:
     Raises ScheduleError naming each stuck rank's next action and its unmet dependencies when
     the programs deadlock (which includes waiting for an action that no rank runs).
     """
-    return _replay(schedule, _StepGraph.of(schedule))
+    steps = list(schedule.iter_actions())
+    return [steps[step] for step in _replay(schedule, _StepGraph.of(schedule))]
 
 
 def find_problems(schedule: Schedule) -> list[str]:
@@ -65,7 +70,7 @@ def validate(schedule: Schedule) -> None:
 
 
 # -- actions as integer codes ----------------------------------------------------------------------
-_key = attrgetter("op", "microbatch", "span", "chunk")
+_OP, _MB, _SPAN, _CHUNK = map(attrgetter, ("op", "microbatch", "span", "chunk"))
 _OP_INDEX = {name: index for index, name in enumerate(OPS)}
 _RULE, _OUTSIDE, _UNUSED = 0, 1, 2  # a dependency slot: a rule, beyond every index, no dependency
 
@@ -158,14 +163,12 @@ def _owed(schedule: Schedule, layout: _Layout) -> dict[int, np.ndarray]:
                                schedule.placement, schedule.split_backward), dict)
 
 
-def _fields(actions) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _fields(actions: Iterable[Action]) -> tuple[np.ndarray, ...]:
     """(op index, micro-batch, span, chunk) of each action, as arrays."""
-    fields = list(map(_key, actions))
-    if not fields:
-        return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
-    ops, microbatches, spans, chunks = zip(*fields)
-    return (np.array([_OP_INDEX[name] for name in ops]), np.array(microbatches),
-            np.array(spans), np.array(chunks))
+    actions = list(actions)
+    ops = map(_OP_INDEX.__getitem__, map(_OP, actions))
+    return tuple(np.fromiter(values, np.int64, len(actions))
+                 for values in (ops, *(map(get, actions) for get in (_MB, _SPAN, _CHUNK))))
 
 
 # -- the schedule as a graph of integer steps ------------------------------------------------------
@@ -281,8 +284,9 @@ def _reason(action: Action, dep: Action) -> str:
 
 
 # -- replay ----------------------------------------------------------------------------------------
-def _replay(schedule: Schedule, graph: _StepGraph) -> list[Step]:
-    """Run every rank as far as it can; a blocked rank waits on its first unmet dependency."""
+def _replay(schedule: Schedule, graph: _StepGraph) -> list[int]:
+    """Step ids in the order a replay runs them: every rank runs as far as it can, a blocked rank
+    waits on its first unmet dependency. Raises ScheduleError when they deadlock."""
     offsets, needs = graph.offsets, graph.needs
     done = bytearray(graph.never + 2)
     done[graph.never + 1] = 1  # padding
@@ -311,8 +315,7 @@ def _replay(schedule: Schedule, graph: _StepGraph) -> list[Step]:
         cursor[rank] = step
     if len(finished) < graph.never:
         raise ScheduleError(_deadlock_report(schedule, graph, cursor, done))
-    steps = list(schedule.iter_actions())
-    return [steps[step] for step in finished]
+    return finished
 
 
 def _deadlock_report(schedule: Schedule, graph: _StepGraph, cursor: list[int],

@@ -16,13 +16,16 @@ that a chunk switch never waits on the previous chunk, as in Megatron). Whole mi
 every span a group's backward needs inside the same group: B(i,k-1), the first backward of a
 micro-batch, needs F(i,k-1), at most k-1 units after the position it occupies in the forward
 table. (Groups of P spans would cut micro-batches when k does not divide P, and the backward of
-a cut micro-batch would need forwards a whole group later: a far longer warm-up.)
+a cut micro-batch would need forwards a whole group later: a longer warm-up, e.g. 10 spans
+instead of 8 on the last rank for P=4, k=3, V=2.)
 
 Warm-up on rank r, in units: 2(P - r - 1) + lead, where lead is derived, not typed in
 (one_f_one_b.own_forward_lead): the fewest forwards that put every backward after its own
-forward. For these tables lead = (V - 1)G + (k - 1) with spans, (V - 1)P with micro-batches;
-2(P - r - 1) is Megatron's depth term (the first gradient needs 2 units per later rank to come
-back while rank r keeps forwarding). With k = 1 both names give Megatron's order exactly.
+forward. For these tables lead = (V - 1)G + (k - 1) with spans, (V - 1)P with micro-batches.
+2(P - r - 1) is Megatron's depth term: warm-up forwards run back to back on every rank, so the
+first gradient, which passes P - r - 1 later ranks, reaches rank r 2(P - r - 1) units after
+rank P-1 started its 1F1B phase. With unit-cost spans the bubble stays at Megatron's 2(P - 1)
+units (tested). With k = 1 both names give Megatron's order exactly.
 
 `interleaved-1f1b` with splits k > 1 runs Megatron's order at micro-batch granularity, each
 micro-batch span by span (the interleaved baseline for seq1f1b-interleaved).
@@ -46,16 +49,18 @@ def check_groups(name: str, pp: int, microbatches: int, splits: int, unit_size: 
     """Megatron's constraints on the groups, in units: at least one full group, and a last group
     that is either full or holds at least P units."""
     per_group = microbatches_per_group(pp, splits, unit_size)
-    unit = "span" if unit_size == 1 else "micro-batch"
     units_per_microbatch = splits // unit_size
-    prefix = (f"--microbatches: {name} switches model chunks every {per_group} micro-batches "
-              f"({per_group * units_per_microbatch} {unit}s, at least pp={pp}); m={microbatches}")
+    units = "micro-batches" if units_per_microbatch == 1 else "spans"
+    group = (f"{per_group} micro-batches" if units_per_microbatch == 1 else
+             f"{per_group} micro-batches ({per_group * splits} spans: the fewest whole "
+             f"micro-batches holding at least pp={pp} spans)")
+    prefix = f"--microbatches: {name} switches model chunks every {group}; m={microbatches}"
     advice = f"use a multiple of {per_group} micro-batches"
     if microbatches < per_group:
         raise ScheduleError(f"{prefix} is less than one group; {advice}")
     last = (microbatches % per_group) * units_per_microbatch
     if 0 < last < pp:
-        raise ScheduleError(f"{prefix} leaves a last group of {last} {unit}s, fewer than pp={pp} "
+        raise ScheduleError(f"{prefix} leaves a last group of {last} {units}, fewer than pp={pp} "
                             f"(megatron-core refuses it: dependency bubbles); {advice}")
 
 
