@@ -329,7 +329,7 @@ def _deadlock_report(schedule: Schedule, graph: _StepGraph, cursor: list[int],
         waits = []
         for (dep_rank, dep), need in zip(dependencies(schedule, rank, action), graph.needs[step]):
             if not done[need]:
-                never = ", which it never runs" if need == graph.never else ""
+                never = " (never run there)" if need == graph.never else ""
                 waits.append(f"{dep.format(show)} on rank {dep_rank}{never}")
         stuck.append(f"rank {rank} at {action.format(show)} (step {step - graph.offsets[rank]}) "
                      f"waits for {' and '.join(waits)}")
