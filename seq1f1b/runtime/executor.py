@@ -193,7 +193,8 @@ class Executor:
         if self._is_last_stage(action):
             record = self.losses[i]
             scale = record.backward_scale(j, self.schedule.microbatches,
-                                          self.config.calculate_per_token_loss, self.inp.cp_size)
+                                          getattr(self.config, "calculate_per_token_loss", False),
+                                          self.inp.cp_size)
             output = torch.as_tensor(output) * scale
             if self.config.grad_scale_func is not None:
                 output = self.config.grad_scale_func(output)

@@ -160,7 +160,8 @@ def get_forward_backward_func(name: str = "seq1f1b",
         if config.finalize_model_grads_func is not None and not forward_only:
             config.finalize_model_grads_func(
                 list(chunks),
-                executor.total_num_tokens if config.calculate_per_token_loss else None,
+                executor.total_num_tokens if getattr(config, "calculate_per_token_loss", False)
+                else None,
                 pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         if config.timers is not None:
             config.timers("forward-backward").stop()

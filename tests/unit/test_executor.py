@@ -67,3 +67,14 @@ def test_trace_records_every_action_and_bytes_held():
     assert labels == [a.format() for a in inputs.schedule.programs[0]]
     assert all(a.end >= a.start for a in trace.actions)
     assert trace.peak_saved_bytes > 0
+
+
+def test_forward_only_spans_report_the_training_losses():
+    reported = {}
+    for forward_only in (False, True):
+        inputs, seen = _inputs("seq1f1b", 3, forward_only)
+        executor = Executor(inputs)
+        seen[:] = [executor]
+        reported[forward_only] = [x["lm loss"] for x in executor.run()]
+    for train, evaluate in zip(reported[False], reported[True]):
+        assert torch.equal(train, evaluate)

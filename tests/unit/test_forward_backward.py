@@ -1,0 +1,67 @@
+"""The forward-backward functions keep megatron-core's contract: its keyword set, one reduced
+entry per micro-batch on the last stage, toy models with plain-number losses, and the exception
+types megatron's interleaved schedule raises for micro-batch counts it refuses."""
+import pytest
+import torch
+from megatron.core.model_parallel_config import ModelParallelConfig
+
+from seq1f1b.runtime.forward_backward import (_check_interleaving_like_megatron,
+                                              SpanSettings, get_forward_backward_func,
+                                              schedule_names)
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+
+class ToyModel(torch.nn.Module):
+    """What megatron's own schedule tests pass: a Linear with a config and set_input_tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.config = ModelParallelConfig(pipeline_model_parallel_size=1)
+        self.model_type = None
+
+    def set_input_tensor(self, tensor) -> None:
+        self.input_tensor = tensor
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def _toy_step(data_iterator, model):
+    def loss_func(output):
+        return 7, {"loss_reduced": 7}
+
+    return model(torch.ones(1, 4)), loss_func
+
+
+@pytest.mark.parametrize("name,forward_only", [
+    ("1f1b", True), ("seq1f1b", True), ("gpipe", True), ("megatron-1f1b", True),
+    # megatron's own backward_step fails on a plain-number loss; ours skips its backward.
+    ("1f1b", False), ("seq1f1b", False), ("gpipe", False)])
+def test_toy_model_and_plain_number_losses(name, forward_only):
+    func = get_forward_backward_func(name, SpanSettings(splits=1))
+    losses = func(forward_step_func=_toy_step, data_iterator=None, model=[ToyModel()],
+                  num_microbatches=3, seq_length=4, micro_batch_size=1,
+                  decoder_seq_length=None, forward_only=forward_only,
+                  collect_non_loss_data=False, first_val_step=None,
+                  adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
+                  force_all_reduce=False)
+    assert losses == [{"loss_reduced": 7}] * 3
+
+
+def test_every_registry_name_and_megatrons_own_are_offered():
+    names = schedule_names()
+    assert {"seq1f1b", "1f1b", "megatron-1f1b", "megatron-interleaved-1f1b"} <= set(names)
+
+
+@pytest.mark.parametrize("microbatches,pp,error", [(1, 2, ValueError), (3, 2, RuntimeError),
+                                                   (5, 4, RuntimeError), (2, 4, ValueError)])
+def test_interleaving_refuses_what_megatron_refuses_with_its_exception_type(microbatches, pp,
+                                                                            error):
+    # megatron-core 0.16.1 schedules.py: group size > m -> ValueError; a final group smaller
+    # than P -> RuntimeError.
+    config = ModelParallelConfig(pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
+    with pytest.raises(error):
+        _check_interleaving_like_megatron(microbatches, pp, config)
+    _check_interleaving_like_megatron(2 * pp, pp, config)
