@@ -22,6 +22,7 @@ def _loss_func(mask, output):
 def _inputs(schedule_name, splits, forward_only=False, trace=None):
     config = megatron_adapter.make_transformer_config(num_layers=2, hidden_size=16,
                                                       num_attention_heads=4)
+    torch.manual_seed(0)
     model = megatron_adapter.build_model_chunk(config, vocab_size=32, max_sequence_length=L)
     gen = torch.Generator().manual_seed(0)
     batches = [{"tokens": torch.randint(0, 32, (MBS, L), generator=gen),
