@@ -6,6 +6,9 @@
                     --sequence-parallel
   plan.py simulate  --schedule seq1f1b --pp 4 --microbatches 8 --splits 4 --uniform-cost 1 2 \\
                     --plot timeline.png --trace trace.json
+  plan.py memory    --schedule seq1f1b --pp 4 --microbatches 32 --splits 4 --model 7b \\
+                    --seq-length 65536 --tp 8 --sequence-parallel --partition compute \\
+                    --distributed-optimizer --gpu-memory 80
 
 Every subcommand takes --json for other tools. Bad arguments print one line on stderr and exit 2.
 """
@@ -21,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from seq1f1b.plan import registry  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
 from seq1f1b.plan.costs import PRESETS, ModelConfig, preset  # noqa: E402
+from seq1f1b.plan.memory import (FRAMEWORK_OVERHEAD_GIB, GIB, MEGATRON_PLANS,  # noqa: E402
+                                 PRECISIONS, MemoryEstimate, TrainingSetup, estimate_memory)
 from seq1f1b.plan.partition import imbalance, partition, span_flops  # noqa: E402
 from seq1f1b.plan.simulate import (SimulationReport, model_costs, simulate,  # noqa: E402
                                    uniform_costs)
@@ -174,6 +179,53 @@ def _print_report(report: SimulationReport, unit: str) -> None:
         print(line)
 
 
+def cmd_memory(args: argparse.Namespace) -> None:
+    model = _model(args)
+    if model is None:
+        raise UsageError("a model is required: --model or its dimensions")
+    if args.seq_length is None:
+        raise UsageError("--seq-length is required")
+    if args.gpu_memory <= 0:
+        raise UsageError("--gpu-memory must be positive")
+    setup = TrainingSetup(
+        model=model, seq_length=args.seq_length, schedule=args.schedule, pp=args.pp,
+        microbatches=args.microbatches, splits=args.splits, chunks=args.chunks, tp=args.tp,
+        dp=args.dp, micro_batch_size=args.micro_batch_size,
+        sequence_parallel=args.sequence_parallel,
+        distributed_optimizer=args.distributed_optimizer, partition=args.method,
+        span_lengths=tuple(args.span_lengths) if args.span_lengths else None,
+        precision=args.precision, overhead_gib=args.overhead_gb)
+    estimate = estimate_memory(setup)
+    if args.json:
+        print(json.dumps(estimate.to_dict(args.gpu_memory)))
+    else:
+        _print_memory(estimate, args.gpu_memory)
+
+
+_MEMORY_COLUMNS = (("params", lambda s: s.parameter_bytes), ("grads", lambda s: s.gradient_bytes),
+                   ("optim", lambda s: s.optimizer_bytes_replicated),
+                   ("optim/DP", lambda s: s.optimizer_bytes_sharded),
+                   ("activ", lambda s: s.activation_bytes), ("KV", lambda s: s.kv_cache_bytes),
+                   ("logits", lambda s: s.logits_bytes), ("workspace", lambda s: s.workspace_bytes),
+                   ("overhead", lambda s: s.overhead_bytes), ("TOTAL", lambda s: s.total_bytes))
+
+
+def _print_memory(estimate: MemoryEstimate, gpu_memory_gib: float) -> None:
+    setup = estimate.setup
+    print(f"{setup.schedule}: P={setup.pp} m={setup.microbatches} k={setup.splits} "
+          f"V={setup.chunks} TP={setup.tp}{' (SP)' if setup.sequence_parallel else ''} "
+          f"DP={setup.dp} L={setup.seq_length} spans {' '.join(map(str, estimate.span_lengths))} "
+          f"{setup.precision}, distributed optimizer "
+          f"{'on' if setup.distributed_optimizer else 'off'}; GiB per GPU")
+    print(f"{'rank':>4} {'spans':>5} " + " ".join(f"{name:>9}" for name, _ in _MEMORY_COLUMNS))
+    for stage in estimate.stages:
+        print(f"{stage.rank:>4} {stage.peak_live_spans:>5} "
+              + " ".join(f"{get(stage) / GIB:>9.2f}" for _, get in _MEMORY_COLUMNS))
+    verdict = "fits" if estimate.fits(gpu_memory_gib) else "OOM"
+    print(f"peak {estimate.peak_bytes / GIB:.2f} GiB of {gpu_memory_gib:g} GiB: {verdict} "
+          f"(TOTAL counts optim/DP only with --distributed-optimizer)")
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="plan.py", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -206,6 +258,29 @@ def build_parser() -> Parser:
     sim.add_argument("--timeline", action="store_true",
                      help="with --json: include every action's start and end")
     sim.set_defaults(run=cmd_simulate)
+
+    mem = commands.add_parser("memory", help="per-stage memory estimate and OOM verdict")
+    mem.add_argument("--schedule", required=True,
+                     choices=registry.names() + list(MEGATRON_PLANS), metavar="NAME",
+                     help=f"one of: {', '.join(registry.names() + list(MEGATRON_PLANS))}")
+    mem.add_argument("--pp", type=int, required=True, help="pipeline stages P")
+    mem.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
+    mem.add_argument("--splits", type=int, default=1, help="spans per micro-batch k")
+    mem.add_argument("--chunks", type=int, default=1, help="model chunks per rank V")
+    _add_model_args(mem)
+    _add_span_args(mem, "--partition")
+    mem.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    mem.add_argument("--micro-batch-size", type=int, default=1)
+    mem.add_argument("--distributed-optimizer", action="store_true",
+                     help="shard the optimizer states over DP")
+    mem.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
+    mem.add_argument("--overhead-gb", type=float, default=FRAMEWORK_OVERHEAD_GIB,
+                     help=f"fixed per-GPU framework overhead in GiB "
+                          f"(default {FRAMEWORK_OVERHEAD_GIB})")
+    mem.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB",
+                     help="device memory in GiB for the OOM verdict (default 80)")
+    mem.add_argument("--json", action="store_true")
+    mem.set_defaults(run=cmd_memory)
     return parser
 
 

@@ -205,6 +205,33 @@ def kv_cache_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int
         * bytes_per_element / tp
 
 
+def logits_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int = 1) -> float:
+    """Bytes the loss keeps for the backward of one span on the last stage: s*b*Vv/TP*4.
+
+    megatron's vocab-parallel cross entropy casts the logits to fp32 and keeps the softmax (fp32,
+    whatever the training precision) until the span's backward; the 16-bit logits themselves are
+    freed after the forward. Pass the padded vocabulary in `model.vocab_size`.
+    """
+    return span_length * batch * model.vocab_size / tp * 4
+
+
+def backward_workspace_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int = 1,
+                             bytes_per_element: int = 2, last_stage: bool = False) -> float:
+    """Transient bytes of one backward on one span, on top of what is kept for backward.
+
+    The largest working set of a layer's backward is its MLP: the gradients of the FC1 output and
+    of the GeLU output (2*s*b*f/TP elements) while the layer's output gradient and its (on TP with
+    sequence parallelism, all-gathered) input live (2*s*b*h): 2*s*b*(f/TP + h) elements. On the
+    last stage the logits' gradient (s*b*Vv/TP, 16-bit) can be larger. An estimate of the peak
+    allocator demand, not a count of saved tensors.
+    """
+    e = bytes_per_element
+    layer = 2 * span_length * batch * (model.ffn_hidden_size / tp + model.hidden_size) * e
+    if not last_stage:
+        return layer
+    return max(layer, span_length * batch * model.vocab_size / tp * e)
+
+
 # -- parameters -------------------------------------------------------------------------------
 def stage_parameters(model: ModelConfig, num_layers: int, *, first: bool, last: bool,
                      tp: int = 1) -> float:

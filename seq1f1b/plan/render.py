@@ -1,6 +1,7 @@
 """Draw a simulated schedule: a timeline PNG (matplotlib, Agg) and a chrome-trace JSON.
 
-Both read a `SimulationReport`, so what is drawn is exactly what was simulated.
+Both read a `SimulationReport`, so what is drawn is exactly what was simulated; a measured
+iteration (`simulate.measured_report`) is drawn the same way, beside its prediction.
 """
 from __future__ import annotations
 
@@ -41,17 +42,20 @@ def title(report: SimulationReport) -> str:
             f"bubble {report.bubble_ratio:.1%}")
 
 
-def plot_timeline(report: SimulationReport, path: str | Path, time_unit: str = "") -> Path:
-    """Write the timeline of `report` to `path` (PNG): one row per rank, rank 0 on top."""
-    makespan = report.makespan or 1.0
-    show_chunk = report.chunks > 1
-    # Wide enough for the shortest box to carry its label, within sane bounds.
-    shortest = min((t.end - t.start for r in report.ranks for t in r.timeline
-                    if t.end > t.start), default=makespan)
+def _figure_width(reports: list[SimulationReport], makespan: float) -> float:
+    """Wide enough for the shortest box to carry its label, within sane bounds."""
+    show_chunk = any(r.chunks > 1 for r in reports)
+    shortest = min((t.end - t.start for report in reports for r in report.ranks
+                    for t in r.timeline if t.end > t.start), default=makespan)
     label_pt = len("00.0@0" if show_chunk else "00.0") * _LABEL_FONT_PT * _CHAR_WIDTH + 2
-    width = min(max(8.0, label_pt * makespan / shortest / 72 / 0.85 + 1.2), _MAX_WIDTH_IN)
-    fig, ax = plt.subplots(figsize=(width, 0.55 * report.pp + 1.6), dpi=120)
-    axes_width_pt = width * 72 * ax.get_position().width
+    return min(max(8.0, label_pt * makespan / shortest / 72 / 0.85 + 1.2), _MAX_WIDTH_IN)
+
+
+def _draw_timeline(ax, report: SimulationReport, makespan: float, width_in: float,
+                   heading: str, time_unit: str) -> None:
+    """One row per rank of `report` on `ax`, rank 0 on top, the x axis running to `makespan`."""
+    show_chunk = report.chunks > 1
+    axes_width_pt = width_in * 72 * ax.get_position().width
     for rank in report.ranks:
         for timed in rank.timeline:
             a = timed.action
@@ -68,7 +72,7 @@ def plot_timeline(report: SimulationReport, path: str | Path, time_unit: str = "
     ax.set_ylim(report.pp - 0.5, -0.5)          # rank 0 on top
     ax.set_xlim(0, makespan)
     ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
-    ax.set_title(title(report), fontsize=10, loc="left")
+    ax.set_title(heading, fontsize=10, loc="left")
     ops = [op for op in OP_COLOURS if any(t.action.op == op for r in report.ranks
                                           for t in r.timeline)]
     handles = [Patch(color=_colour(op, chunk, report.chunks),
@@ -78,6 +82,39 @@ def plot_timeline(report: SimulationReport, path: str | Path, time_unit: str = "
               fontsize=8, frameon=False, borderaxespad=0.2)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
+
+
+def plot_timeline(report: SimulationReport, path: str | Path, time_unit: str = "") -> Path:
+    """Write the timeline of `report` to `path` (PNG): one row per rank, rank 0 on top."""
+    makespan = report.makespan or 1.0
+    width = _figure_width([report], makespan)
+    fig, ax = plt.subplots(figsize=(width, 0.55 * report.pp + 1.6), dpi=120)
+    _draw_timeline(ax, report, makespan, width, title(report), time_unit)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_measured_vs_simulated(pairs: list[tuple[SimulationReport, SimulationReport]],
+                               path: str | Path, time_unit: str = "s") -> Path:
+    """Measured and simulated timelines of each run, one above the other on a shared time axis
+    (the longer of the two sets it), so where the prediction drifts is visible at a glance."""
+    if not pairs:
+        raise ValueError("nothing to plot: no traced runs")
+    reports = [report for pair in pairs for report in pair]
+    width = max(_figure_width(list(pair), max(r.makespan for r in pair) or 1.0)
+                for pair in pairs)
+    heights = [0.55 * report.pp + 1.0 for report in reports]
+    fig, axes = plt.subplots(len(reports), 1, figsize=(width, sum(heights) + 0.6), dpi=120,
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for n, (measured, simulated) in enumerate(pairs):
+        makespan = max(measured.makespan, simulated.makespan) or 1.0
+        for row, (kind, report) in enumerate((("measured", measured),
+                                              ("simulated", simulated))):
+            _draw_timeline(axes[2 * n + row][0], report, makespan, width,
+                           f"{kind}: {title(report)}", time_unit)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)

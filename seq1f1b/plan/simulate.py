@@ -9,16 +9,23 @@ gives one. Invalid schedules (incomplete, misordered, deadlocking) are refused w
 
 Memory: a span is live on a rank from the start of its F until the end of the action that frees its
 activations: B, or W when the schedule splits backward. Its K/V stay in the cache until its B (the
-last reader, see costs.kv_cache_bytes).
+last reader, see costs.kv_cache_bytes); the loss's logits (last stage only) go with the activations.
+
+Measured iterations enter through `measured_report` (the same report built from a runtime trace)
+and `calibrated_costs` (per-action costs taken from measured reports), so a measured run and its
+prediction are compared on one footing.
 """
 from __future__ import annotations
 
+import statistics
+from collections import defaultdict
 from dataclasses import dataclass, field, fields
-from typing import Callable
+from typing import Callable, Sequence
 
-from seq1f1b.plan.actions import Action, Schedule, ScheduleError, dependencies
+from seq1f1b.plan.actions import (Action, Schedule, ScheduleError, dependencies,
+                                  parse_action)
 from seq1f1b.plan.costs import (ModelConfig, SpanFlops, activation_bytes, kv_cache_bytes,
-                                layer_flops, logits_flops)
+                                layer_flops, logits_bytes, logits_flops)
 from seq1f1b.plan.partition import span_bounds
 from seq1f1b.plan.validate import topological_order, validate
 
@@ -35,6 +42,7 @@ class SpanCosts:
     weight: Table | None       # the W action; None for schedules without W
     activation_bytes: Table | None = None
     kv_cache_bytes: Table | None = None
+    logits_bytes: Table | None = None      # the loss's fp32 softmax: non-zero on the last stage
 
     def duration(self, stage: int, action: Action) -> float:
         table = {"F": self.forward, "B": self.backward, "W": self.weight}[action.op]
@@ -69,17 +77,23 @@ def layers_per_stage(model: ModelConfig, schedule: Schedule) -> int:
 
 def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int], *,
                 flops_per_second: float, tp: int = 1, sequence_parallel: bool = False,
-                batch: int = 1) -> SpanCosts:
+                batch: int = 1, bytes_per_element: int = 2,
+                attention_flops_per_second: float | None = None) -> SpanCosts:
     """Durations and bytes from costs.py for `model` with the sequence cut into `span_lengths`.
 
-    A virtual stage runs N/(P*V) layers on each span; the last one also runs the output layer.
-    Each GPU does 1/TP of the FLOPs at `flops_per_second`. B is the full backward (2x forward),
-    or the input-gradient part when the schedule has W actions (see costs.SpanFlops).
+    A virtual stage runs N/(P*V) layers on each span; the last one also runs the output layer
+    and keeps the loss's logits. Each GPU does 1/TP of the FLOPs at `flops_per_second`, the core
+    attention's at `attention_flops_per_second` when given (its kernels run at another rate than
+    GEMMs). B is the full backward (2x forward), or the input-gradient part when the schedule has
+    W actions (see costs.SpanFlops). Bytes are per GPU, activations in `bytes_per_element`
+    (2: bf16/fp16).
     """
     if len(span_lengths) != schedule.splits:
         raise ScheduleError(f"--splits is {schedule.splits} but {len(span_lengths)} span "
                             "lengths were given")
-    if flops_per_second <= 0:
+    if attention_flops_per_second is None:
+        attention_flops_per_second = flops_per_second
+    if flops_per_second <= 0 or attention_flops_per_second <= 0:
         raise ScheduleError("--device-tflops must be positive")
     layers = layers_per_stage(model, schedule)
     bounds = span_bounds(span_lengths)
@@ -91,14 +105,20 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
 
     grid = [[stage_flops(stage, start, end) for start, end in bounds]
             for stage in range(schedule.num_stages)]
-    group_rate = tp * flops_per_second           # the TP group shares each span's FLOPs
+    # The TP group shares each span's FLOPs.
+    linear_rate, attention_rate = tp * flops_per_second, tp * attention_flops_per_second
 
     def seconds(kind: Callable[[SpanFlops], float]) -> Table:
-        return tuple(tuple(kind(cell) / group_rate for cell in row) for row in grid)
+        return tuple(tuple(kind(SpanFlops(cell.linear, 0.0)) / linear_rate
+                           + kind(SpanFlops(0.0, cell.attention)) / attention_rate
+                           for cell in row) for row in grid)
 
     def per_span_bytes(kind: Callable[[int], float]) -> Table:
         row = tuple(float(layers * kind(length)) for length in span_lengths)
         return (row,) * schedule.num_stages
+
+    no_logits = tuple(0.0 for _ in span_lengths)
+    logits = tuple(float(logits_bytes(model, n, batch, tp)) for n in span_lengths)
 
     split = schedule.split_backward
     return SpanCosts(
@@ -106,8 +126,11 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
         backward=seconds(lambda f: f.input_grad if split else f.backward),
         weight=seconds(lambda f: f.weight_grad) if split else None,
         activation_bytes=per_span_bytes(
-            lambda n: activation_bytes(model, n, batch, tp, sequence_parallel)),
-        kv_cache_bytes=per_span_bytes(lambda n: kv_cache_bytes(model, n, batch, tp)))
+            lambda n: activation_bytes(model, n, batch, tp, sequence_parallel, bytes_per_element)),
+        kv_cache_bytes=per_span_bytes(
+            lambda n: kv_cache_bytes(model, n, batch, tp, bytes_per_element)),
+        logits_bytes=tuple(logits if stage == last else no_logits
+                           for stage in range(schedule.num_stages)))
 
 
 @dataclass(frozen=True)
@@ -126,6 +149,9 @@ class RankReport:
     peak_activation_bytes: float | None
     peak_kv_cache_bytes: float | None
     timeline: list[TimedAction] = field(repr=False)
+    peak_logits_bytes: float | None = None
+    peak_held_bytes: float | None = None         # max over time of activations + K/V + logits
+    held_at_peak: dict[str, float] | None = None  # those three at the moment of that peak
 
 
 @dataclass
@@ -173,7 +199,58 @@ def simulate(schedule: Schedule, costs: SpanCosts, p2p_latency: float = 0.0
         end = start + costs.duration(schedule.stage_of(rank, action.chunk), action)
         finished[(rank, action)] = free_at[rank] = end
         timelines[rank].append(TimedAction(action, start, end))
-    makespan = max(free_at, default=0.0)
+    return _report(schedule, costs, timelines)
+
+
+_HELD = ("activation", "kv_cache", "logits")
+"""What a rank holds for backward, by kind; K/V are freed at B, the others with the activations."""
+
+
+def _held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
+    if costs is None or costs.activation_bytes is None or costs.kv_cache_bytes is None:
+        return None
+    logits = costs.logits_bytes or tuple((0.0,) * len(row) for row in costs.activation_bytes)
+    return dict(zip(_HELD, (costs.activation_bytes, costs.kv_cache_bytes, logits)))
+
+
+def _rank_report(schedule: Schedule, costs: SpanCosts | None, rank: int,
+                 timeline: list[TimedAction], makespan: float) -> RankReport:
+    frees_activations = "W" if schedule.split_backward else "B"
+    frees = {"activation": frees_activations, "kv_cache": "B", "logits": frees_activations}
+    tables = _held_tables(costs)
+    live = peak_live = 0
+    held = dict.fromkeys(_HELD, 0.0)
+    peaks = dict.fromkeys(_HELD, 0.0)
+    at_peak, peak_total = dict(held), 0.0
+    for timed in timeline:          # program order = time order on one rank
+        action = timed.action
+        stage = schedule.stage_of(rank, action.chunk)
+        if action.op == "F":
+            live += 1
+            peak_live = max(peak_live, live)
+            if tables is not None:
+                for kind in _HELD:
+                    held[kind] += tables[kind][stage][action.span]
+                    peaks[kind] = max(peaks[kind], held[kind])
+                if sum(held.values()) > peak_total:
+                    peak_total, at_peak = sum(held.values()), dict(held)
+        # The freeing action still holds its span while it runs: release after it.
+        if action.op == frees_activations:
+            live -= 1
+        if tables is not None:
+            for kind in _HELD:
+                if action.op == frees[kind]:
+                    held[kind] -= tables[kind][stage][action.span]
+    busy = sum(t.end - t.start for t in timeline)
+    if tables is None:
+        return RankReport(rank, busy, makespan - busy, peak_live, None, None, timeline)
+    return RankReport(rank, busy, makespan - busy, peak_live, peaks["activation"],
+                      peaks["kv_cache"], timeline, peaks["logits"], peak_total, at_peak)
+
+
+def _report(schedule: Schedule, costs: SpanCosts | None,
+            timelines: list[list[TimedAction]]) -> SimulationReport:
+    makespan = max((t.end for timeline in timelines for t in timeline), default=0.0)
     ranks = [_rank_report(schedule, costs, rank, timelines[rank], makespan)
              for rank in range(schedule.pp)]
     idle = sum(r.idle for r in ranks)
@@ -182,30 +259,61 @@ def simulate(schedule: Schedule, costs: SpanCosts, p2p_latency: float = 0.0
                             idle / (schedule.pp * makespan) if makespan else 0.0, ranks)
 
 
-def _rank_report(schedule: Schedule, costs: SpanCosts, rank: int, timeline: list[TimedAction],
-                 makespan: float) -> RankReport:
-    frees_activations = "W" if schedule.split_backward else "B"
-    live = 0
-    peak_live = 0
-    with_bytes = costs.activation_bytes is not None and costs.kv_cache_bytes is not None
-    act = kv = peak_act = peak_kv = 0.0
-    for timed in timeline:          # program order = time order on one rank
-        action = timed.action
-        stage = schedule.stage_of(rank, action.chunk)
-        if action.op == "F":
-            live += 1
-            peak_live = max(peak_live, live)
-            if with_bytes:
-                act += costs.activation_bytes[stage][action.span]
-                kv += costs.kv_cache_bytes[stage][action.span]
-                peak_act, peak_kv = max(peak_act, act), max(peak_kv, kv)
-        # The freeing action still holds its span while it runs: release after it.
-        if action.op == frees_activations:
-            live -= 1
-            if with_bytes:
-                act -= costs.activation_bytes[stage][action.span]
-        if action.op == "B" and with_bytes:
-            kv -= costs.kv_cache_bytes[stage][action.span]
-    busy = sum(t.end - t.start for t in timeline)
-    return RankReport(rank, busy, makespan - busy, peak_live,
-                      peak_act if with_bytes else None, peak_kv if with_bytes else None, timeline)
+# -- measured iterations ----------------------------------------------------------------------
+MeasuredActions = Sequence[tuple[str, float, float]]
+"""One rank's measured actions in program order: (label as "F3.1" / "B0.2@1", start, end), in
+seconds from a start of the iteration common to all ranks."""
+
+
+def measured_report(schedule: Schedule, ranks: Sequence[MeasuredActions],
+                    costs: SpanCosts | None = None) -> SimulationReport:
+    """A measured iteration as a SimulationReport, with bubble counted the simulator's way.
+
+    The runtime's action times include waiting for the neighbour's tensor (the receive happens
+    inside the action). An action cannot compute before the actions it depends on have finished,
+    so its compute starts at max(recorded start, end of each dependency on another rank); the
+    time before that is idle, as in the simulator. `costs` (optional) only adds bytes held, from
+    the same tables the simulator would use.
+    """
+    if len(ranks) != schedule.pp:
+        raise ScheduleError(f"measured timelines of {len(ranks)} ranks for pp={schedule.pp}")
+    recorded: dict[tuple[int, Action], tuple[float, float]] = {}
+    for rank, actions in enumerate(ranks):
+        labels = [parse_action(label) for label, _, _ in actions]
+        if labels != list(schedule.programs[rank]):
+            raise ScheduleError(f"rank {rank}: measured actions do not follow the program of "
+                                f"{schedule.name} (P={schedule.pp}, m={schedule.microbatches}, "
+                                f"k={schedule.splits}, V={schedule.chunks})")
+        for action, (_, start, end) in zip(labels, actions):
+            recorded[(rank, action)] = (start, end)
+    timelines: list[list[TimedAction]] = []
+    for rank in range(schedule.pp):
+        timeline = []
+        for action in schedule.programs[rank]:
+            start, end = recorded[(rank, action)]
+            waits = [recorded[dep][1] for dep in dependencies(schedule, rank, action)
+                     if dep[0] != rank]
+            timeline.append(TimedAction(action, min(max([start] + waits), end), end))
+        timelines.append(timeline)
+    return _report(schedule, costs, timelines)
+
+
+def calibrated_costs(schedule: Schedule, measured: Sequence[SimulationReport]) -> SpanCosts:
+    """Per-action costs from measured iterations: for each op, virtual stage and span, the median
+    duration over micro-batches and iterations (durations as `measured_report` counts them)."""
+    if not measured:
+        raise ScheduleError("calibration needs at least one measured iteration")
+    samples: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    for report in measured:
+        for rank in report.ranks:
+            for timed in rank.timeline:
+                action = timed.action
+                stage = schedule.stage_of(rank.rank, action.chunk)
+                samples[(action.op, stage, action.span)].append(timed.end - timed.start)
+
+    def table(op: str) -> Table:
+        return tuple(tuple(statistics.median(samples[(op, stage, span)])
+                           for span in range(schedule.splits))
+                     for stage in range(schedule.num_stages))
+
+    return SpanCosts(table("F"), table("B"), table("W") if schedule.split_backward else None)

@@ -1,0 +1,211 @@
+"""Per-GPU memory of a training setup, stage by stage, and whether it fits a device.
+
+Every byte comes from costs.py (parameters, activations, K/V, logits, backward workspace) and the
+moment of the peak from the simulator: a rank's activations, K/V cache and logits are summed over
+the spans it holds at once, replayed from its program (`simulate.RankReport.held_at_peak`), so a
+schedule's memory is read off the same plan that runs. What the estimate counts, per GPU:
+
+- parameters in the training precision, plus the word embedding on the first stage and the
+  final norm and untied output layer on the last (vocabulary padded as megatron pads it);
+- gradients: fp32 (megatron accumulates bf16 training's gradients in fp32 buffers);
+- optimizer states of Adam: fp32 master weights + two moments (12 bytes per parameter in bf16,
+  8 in fp32 training where the parameters are the master copy), divided over the data-parallel
+  ranks by the distributed optimizer (both figures are reported);
+- activations: Korthikanti et al.'s per-layer bytes with flash attention, split by TP (and by SP
+  where sequence parallelism shards them), no recompute, no dropout masks (dropout 0, as the paper);
+- the K/V cache of the spans in flight; the loss's fp32 softmax on the last stage;
+- a backward workspace (costs.backward_workspace_bytes) and a fixed framework overhead
+  (`FRAMEWORK_OVERHEAD_GIB`).
+Not counted: the pipeline's stashed stage outputs (megatron deallocates them after the send),
+p2p buffers, fragmentation beyond the fixed overhead.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Optional
+
+from seq1f1b.plan import registry
+from seq1f1b.plan.actions import ScheduleError
+from seq1f1b.plan.costs import ModelConfig, backward_workspace_bytes, stage_parameters
+from seq1f1b.plan.partition import partition
+from seq1f1b.plan.simulate import layers_per_stage, model_costs, simulate
+
+GIB = 2 ** 30
+
+FRAMEWORK_OVERHEAD_GIB = 1.5
+"""Fixed per-GPU overhead: the CUDA context and kernel images (~0.5 GiB, outside torch's
+allocator but on the device) and cuBLAS/NCCL workspaces with allocator rounding (~1 GiB).
+A stated guess, not fitted to any measurement; override with --overhead-gb."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each state, and per activation element."""
+
+    name: str
+    parameter: int
+    gradient: int
+    optimizer: int        # Adam: fp32 master copy (16-bit training only) + two fp32 moments
+    activation: int
+
+
+PRECISIONS = {
+    "bf16": Precision("bf16", parameter=2, gradient=4, optimizer=12, activation=2),
+    "fp32": Precision("fp32", parameter=4, gradient=4, optimizer=8, activation=4),
+}
+
+MEGATRON_PLANS = {"megatron-1f1b": "1f1b", "megatron-interleaved-1f1b": "interleaved-1f1b"}
+"""megatron-core's own schedules hold what our plans of the same order hold."""
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What the memory of one GPU depends on (the flags of a training run)."""
+
+    model: ModelConfig
+    seq_length: int
+    schedule: str = "seq1f1b"
+    pp: int = 1
+    microbatches: int = 1
+    splits: int = 1
+    chunks: int = 1
+    tp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    partition: str = "even"
+    span_lengths: Optional[tuple[int, ...]] = None
+    precision: str = "bf16"
+    make_vocab_size_divisible_by: int = 128
+    overhead_gib: float = FRAMEWORK_OVERHEAD_GIB
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ScheduleError(f"--precision {self.precision!r}: choose from "
+                                f"{', '.join(PRECISIONS)}")
+        for flag, value in (("--dp", self.dp), ("--micro-batch-size", self.micro_batch_size),
+                            ("--make-vocab-size-divisible-by",
+                             self.make_vocab_size_divisible_by)):
+            if not isinstance(value, int) or value < 1:
+                raise ScheduleError(f"{flag} must be a positive integer, got {value!r}")
+        if self.overhead_gib < 0:
+            raise ScheduleError("--overhead-gb must not be negative")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ScheduleError(f"--tp must be a positive integer, got {self.tp!r}")
+        for flag, value in (("--num-attention-heads", self.model.num_attention_heads),
+                            ("--num-query-groups", self.model.num_query_groups),
+                            ("--ffn-hidden-size", self.model.ffn_hidden_size)):
+            if value % self.tp:
+                raise ScheduleError(f"{flag} {value} is not divisible by --tp {self.tp}")
+
+    @property
+    def plan_name(self) -> str:
+        return MEGATRON_PLANS.get(self.schedule, self.schedule)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """megatron's padding: a multiple of make_vocab_size_divisible_by x TP."""
+        multiple = self.make_vocab_size_divisible_by * self.tp
+        return -(-self.model.vocab_size // multiple) * multiple
+
+
+@dataclass
+class StageMemory:
+    """Bytes one GPU of pipeline rank `rank` holds at its peak."""
+
+    rank: int
+    parameters: float                    # count, not bytes
+    parameter_bytes: float
+    gradient_bytes: float
+    optimizer_bytes_replicated: float    # without the distributed optimizer
+    optimizer_bytes_sharded: float       # with it (divided over DP)
+    activation_bytes: float
+    kv_cache_bytes: float
+    logits_bytes: float
+    workspace_bytes: float
+    overhead_bytes: float
+    peak_live_spans: int
+    distributed_optimizer: bool
+
+    @property
+    def optimizer_bytes(self) -> float:
+        return (self.optimizer_bytes_sharded if self.distributed_optimizer
+                else self.optimizer_bytes_replicated)
+
+    @property
+    def held_for_backward_bytes(self) -> float:
+        """Activations + K/V + logits: what the runtime's saved-tensor meter measures."""
+        return self.activation_bytes + self.kv_cache_bytes + self.logits_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+                + self.held_for_backward_bytes + self.workspace_bytes + self.overhead_bytes)
+
+
+@dataclass
+class MemoryEstimate:
+    setup: TrainingSetup
+    span_lengths: list[int]
+    stages: list[StageMemory]
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(stage.total_bytes for stage in self.stages)
+
+    def fits(self, gpu_memory_gib: float) -> bool:
+        return self.peak_bytes <= gpu_memory_gib * GIB
+
+    def to_dict(self, gpu_memory_gib: Optional[float] = None) -> dict:
+        setup = asdict(self.setup)
+        setup["model"] = asdict(self.setup.model)
+        out = {"setup": setup, "span_lengths": self.span_lengths,
+               "padded_vocab_size": self.setup.padded_vocab_size,
+               "stages": [{**{f.name: getattr(s, f.name) for f in fields(s)},
+                           "optimizer_bytes": s.optimizer_bytes,
+                           "held_for_backward_bytes": s.held_for_backward_bytes,
+                           "total_bytes": s.total_bytes} for s in self.stages],
+               "peak_bytes": self.peak_bytes}
+        if gpu_memory_gib is not None:
+            out.update(gpu_memory_gib=gpu_memory_gib, oom=not self.fits(gpu_memory_gib))
+        return out
+
+
+def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
+    """The per-rank memory of `setup` (see the module docstring for what is counted)."""
+    if setup.seq_length is None:
+        raise ScheduleError("--seq-length is required")
+    model = replace(setup.model, vocab_size=setup.padded_vocab_size)
+    precision = PRECISIONS[setup.precision]
+    schedule = registry.build(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
+                              setup.chunks)
+    spans = partition(setup.seq_length, setup.splits, setup.partition, model, tp=setup.tp,
+                      sequence_parallel=setup.sequence_parallel,
+                      lengths=list(setup.span_lengths) if setup.span_lengths else None)
+    costs = model_costs(schedule, model, spans, flops_per_second=1.0, tp=setup.tp,
+                        sequence_parallel=setup.sequence_parallel,
+                        batch=setup.micro_batch_size, bytes_per_element=precision.activation)
+    report = simulate(schedule, costs)
+    layers = layers_per_stage(model, schedule)
+    last = schedule.num_stages - 1
+    stages = []
+    for rank in report.ranks:
+        virtual = [schedule.stage_of(rank.rank, chunk) for chunk in range(schedule.chunks)]
+        params = sum(stage_parameters(model, layers, first=v == 0, last=v == last, tp=setup.tp)
+                     for v in virtual)
+        workspace = backward_workspace_bytes(model, max(spans), setup.micro_batch_size,
+                                             setup.tp, precision.activation,
+                                             last_stage=last in virtual)
+        held = rank.held_at_peak
+        stages.append(StageMemory(
+            rank=rank.rank, parameters=params,
+            parameter_bytes=params * precision.parameter,
+            gradient_bytes=params * precision.gradient,
+            optimizer_bytes_replicated=params * precision.optimizer,
+            optimizer_bytes_sharded=params * precision.optimizer / setup.dp,
+            activation_bytes=held["activation"], kv_cache_bytes=held["kv_cache"],
+            logits_bytes=held["logits"], workspace_bytes=workspace,
+            overhead_bytes=setup.overhead_gib * GIB, peak_live_spans=rank.peak_live_spans,
+            distributed_optimizer=setup.distributed_optimizer))
+    return MemoryEstimate(setup, spans, stages)

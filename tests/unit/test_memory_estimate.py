@@ -1,0 +1,143 @@
+"""The memory estimator: what it counts per stage, where its peaks come from, its CLI."""
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from seq1f1b.plan.actions import ScheduleError
+from seq1f1b.plan.costs import (ModelConfig, activation_bytes, kv_cache_bytes, logits_bytes,
+                                preset, stage_parameters)
+from seq1f1b.plan.memory import GIB, TrainingSetup, estimate_memory
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, vocab_size=1000)
+
+
+def _setup(**kwargs) -> TrainingSetup:
+    base = dict(model=MODEL, seq_length=4096, schedule="1f1b", pp=4, microbatches=8)
+    return TrainingSetup(**{**base, **kwargs})
+
+
+def test_parameters_of_all_stages_add_up_to_the_model():
+    for schedule, chunks in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        estimate = estimate_memory(_setup(schedule=schedule, chunks=chunks, tp=2))
+        vocab = estimate.setup.padded_vocab_size
+        whole = stage_parameters(replace(MODEL, vocab_size=vocab), 8, first=True, last=True,
+                                 tp=2)
+        assert sum(s.parameters for s in estimate.stages) == pytest.approx(whole)
+
+
+def test_bytes_per_parameter_and_the_distributed_optimizer():
+    bf16 = estimate_memory(_setup(dp=4, distributed_optimizer=True)).stages[1]
+    assert bf16.parameter_bytes == 2 * bf16.parameters
+    assert bf16.gradient_bytes == 4 * bf16.parameters          # fp32 grad accumulation
+    assert bf16.optimizer_bytes_replicated == 12 * bf16.parameters
+    assert bf16.optimizer_bytes == bf16.optimizer_bytes_sharded == 12 * bf16.parameters / 4
+    fp32 = estimate_memory(_setup(precision="fp32")).stages[1]
+    assert (fp32.parameter_bytes, fp32.optimizer_bytes) == (4 * fp32.parameters,
+                                                           8 * fp32.parameters)
+
+
+def test_vocabulary_is_padded_as_megatron_pads_it():
+    assert TrainingSetup(model=preset("7b"), seq_length=8, tp=8).padded_vocab_size == 51200
+    assert TrainingSetup(model=preset("7b"), seq_length=8).padded_vocab_size == 50304
+
+
+def test_1f1b_rank0_holds_p_whole_sequences():
+    estimate = estimate_memory(_setup(tp=2, sequence_parallel=True))
+    rank0 = estimate.stages[0]
+    per_sequence = 2 * (activation_bytes(MODEL, 4096, tp=2, sequence_parallel=True)
+                        + kv_cache_bytes(MODEL, 4096, tp=2))        # 2 layers per stage
+    assert rank0.peak_live_spans == 4
+    assert rank0.held_for_backward_bytes == pytest.approx(4 * per_sequence)
+    assert rank0.logits_bytes == 0
+
+
+@pytest.mark.parametrize("pp, k", [(4, 4), (4, 2), (2, 4), (8, 3)])
+def test_seq1f1b_rank0_holds_p_plus_k_minus_1_spans(pp, k):
+    """SEQ1F1B.md: with equal spans rank 0 holds (P + k - 1)/(k P) of 1F1B's activations."""
+    model = replace(MODEL, num_layers=8 * 3)
+    one = estimate_memory(_setup(model=model, pp=pp, seq_length=4096 * 3))
+    seq = estimate_memory(_setup(model=model, pp=pp, seq_length=4096 * 3, schedule="seq1f1b",
+                                 splits=k))
+    ratio = seq.stages[0].held_for_backward_bytes / one.stages[0].held_for_backward_bytes
+    assert ratio == pytest.approx((pp + k - 1) / (k * pp))
+
+
+def test_last_stage_keeps_the_fp32_logits_of_its_live_spans():
+    estimate = estimate_memory(_setup(schedule="seq1f1b", splits=4, tp=2))
+    last = estimate.stages[-1]
+    vocab_model = replace(MODEL, vocab_size=estimate.setup.padded_vocab_size)
+    assert last.peak_live_spans == 4       # P - r + k - 1 with r = P - 1
+    assert last.logits_bytes == pytest.approx(4 * logits_bytes(vocab_model, 1024, tp=2))
+    assert all(s.logits_bytes == 0 for s in estimate.stages[:-1])
+
+
+def test_megatron_schedules_hold_what_our_plans_of_their_order_hold():
+    for megatron, ours, chunks in (("megatron-1f1b", "1f1b", 1),
+                                   ("megatron-interleaved-1f1b", "interleaved-1f1b", 2)):
+        a = estimate_memory(_setup(schedule=megatron, chunks=chunks))
+        b = estimate_memory(_setup(schedule=ours, chunks=chunks))
+        assert [s.total_bytes for s in a.stages] == [s.total_bytes for s in b.stages]
+
+
+def test_total_and_verdict():
+    estimate = estimate_memory(_setup(overhead_gib=0.5))
+    stage = estimate.stages[0]
+    assert stage.total_bytes == pytest.approx(
+        stage.parameter_bytes + stage.gradient_bytes + stage.optimizer_bytes_replicated
+        + stage.held_for_backward_bytes + stage.workspace_bytes + 0.5 * GIB)
+    peak = estimate.peak_bytes / GIB
+    assert estimate.fits(peak * 1.001) and not estimate.fits(peak * 0.999)
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(tp=3), "--tp"), (dict(dp=0), "--dp"), (dict(precision="fp8"), "--precision"),
+    (dict(overhead_gib=-1.0), "--overhead-gb"), (dict(pp=3), "--pp"),
+])
+def test_bad_setups_name_the_flag(kwargs, flag):
+    with pytest.raises(ScheduleError, match=flag):
+        estimate_memory(_setup(**kwargs))
+
+
+# -- tools/plan.py memory ---------------------------------------------------------------------
+_spec = importlib.util.spec_from_file_location("plan_cli_memory", REPO / "tools" / "plan.py")
+plan_cli = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = plan_cli
+_spec.loader.exec_module(plan_cli)
+
+ARGS = ["memory", "--schedule", "seq1f1b", "--pp", "4", "--microbatches", "32", "--splits", "4",
+        "--model", "7b", "--seq-length", "65536", "--tp", "8", "--sequence-parallel",
+        "--partition", "compute", "--distributed-optimizer"]
+
+
+def test_cli_json_matches_the_library(capsys):
+    assert plan_cli.main(ARGS + ["--json", "--gpu-memory", "40"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["span_lengths"] == [25136, 16248, 13000, 11152]
+    assert len(data["stages"]) == 4 and data["gpu_memory_gib"] == 40
+    assert data["oom"] == (data["peak_bytes"] > 40 * GIB)
+    assert data["peak_bytes"] == max(s["total_bytes"] for s in data["stages"])
+    for stage in data["stages"]:
+        assert stage["optimizer_bytes"] == stage["optimizer_bytes_sharded"]
+
+
+def test_cli_text_table(capsys):
+    assert plan_cli.main(ARGS) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[:4] == ["rank", "spans", "params", "grads"]
+    assert [line.split()[0] for line in out[2:6]] == ["0", "1", "2", "3"]
+    assert out[-1].startswith("peak ") and "fits" in out[-1]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--gpu-memory", "0"], "--gpu-memory"), (["--tp", "3"], "--tp"),
+    (["--precision", "fp8"], "--precision"),
+])
+def test_cli_errors_are_one_line(capsys, extra, needle):
+    assert plan_cli.main(ARGS + extra) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err
