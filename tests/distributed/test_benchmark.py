@@ -1,0 +1,94 @@
+"""Smoke runs of the measuring tools: tools/benchmark.py in one torchrun launch of 2 processes
+(a tiny model, one timed iteration per schedule) and tools/device_check.py --tiny on the CPU.
+Timings are printed by the tools, never asserted: only the shape and sanity of what they report."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+SCHEDULES = ["1f1b", "seq1f1b", "megatron-1f1b", "seq1f1b-interleaved"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def benchmark(tmp_path_factory):
+    out = tmp_path_factory.mktemp("benchmark")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           str(ROOT / "tools" / "benchmark.py"), "--pp", "2", "--num-layers", "4",
+           "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+           "--vocab-size", "64", "--num-microbatches", "2", "--splits", "2", "--warmup", "0",
+           "--iterations", "1", "--schedules", *SCHEDULES, "--output", str(out / "result.json"),
+           "--plot", str(out / "timelines.png")]
+    proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return proc.stdout, json.loads((out / "result.json").read_text()), out
+
+
+def test_every_schedule_is_reported_in_order(benchmark):
+    stdout, result, _ = benchmark
+    runs = result["runs"]
+    assert [r["schedule"] for r in runs] == SCHEDULES
+    assert [(r["splits"], r["chunks"]) for r in runs] == [(1, 1), (2, 1), (1, 1), (2, 2)]
+    assert runs[0]["ratio_to_first"] == 1.0
+    tokens = result["config"]["tokens_per_iteration"]
+    assert tokens == 2 * 32
+    for run in runs:
+        assert run["iteration_s"] > 0
+        assert run["tokens_per_s"] == pytest.approx(tokens / run["iteration_s"])
+    assert stdout.count("\n| ") >= len(SCHEDULES)          # the markdown rows
+
+
+def test_traced_schedules_have_bubbles_predictions_and_memory(benchmark):
+    _, result, _ = benchmark
+    for run in result["runs"]:
+        if run["schedule"].startswith("megatron"):
+            assert "measured_bubble" not in run and "peak_saved_bytes" not in run
+            continue
+        assert 0 <= run["measured_bubble"] < 1 and 0 <= run["simulated_bubble"] < 1
+        assert run["simulated_makespan_s"] > 0
+        stages = 2 * run["chunks"]
+        assert len(run["calibrated_forward_s"]) == stages
+        assert all(len(row) == run["splits"] for row in run["calibrated_backward_s"])
+        assert len(run["peak_saved_bytes"]) == 2 and min(run["peak_saved_bytes"]) > 0
+        assert len(run["estimated_held_bytes"]) == 2 and min(run["estimated_held_bytes"]) > 0
+
+
+def test_plot_is_written(benchmark):
+    _, _, out = benchmark
+    assert (out / "timelines.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_schedule_is_one_line_exit_2():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "benchmark.py"), "--schedules",
+                           "seq1f1b:0"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("benchmark.py: error: --schedules")
+
+
+def test_device_check_tiny_runs_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "device_check.py"),
+                           str(tmp_path), "--tiny"], env=ENV, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads((tmp_path / "device_check.json").read_text())
+    backends = data["attention"]["backends"]
+    assert set(backends) == {"eager", "sdpa", "flex", "flash", "te"}
+    assert "span_forward_backward_s" in backends["sdpa"]
+    assert "skipped" in backends["flash"]                    # no GPU here
+    assert [run["seq_length"] for run in data["stage"]] == data["shapes"]["stage_lengths"]
+    for run in data["stage"]:
+        assert len(run["spans"]) == data["shapes"]["splits"]
+        assert run["memory"]["peak_saved_bytes"] > 0

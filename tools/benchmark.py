@@ -1,0 +1,397 @@
+#!/usr/bin/env python3
+"""Side by side: one model, one batch, several pipeline schedules, in the same processes.
+
+    torchrun --nproc-per-node 2 tools/benchmark.py --pp 2 --num-microbatches 2 --splits 4 \\
+        --num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 \\
+        --schedules 1f1b seq1f1b --partition compute --plot timelines.png
+
+Each schedule runs --warmup untimed iterations, then --iterations timed ones (a barrier before
+each; the iteration time is the slowest rank's forward-backward, grad finalisation included, no
+optimizer step), then one more with the saved-tensor meter on (memory is measured apart so that
+the meter's hooks do not slow the timed iterations). Per schedule it reports: median iteration
+time, tokens/s, the ratio to the first schedule and what uniform span costs would predict for it,
+the measured bubble (idle / (P x makespan) from the per-action timeline, waits for a neighbour
+counted as idle), the simulator's bubble and makespan for the same plan with per-action costs
+calibrated from the measured ones (median F and B per stage and span), and per rank the measured
+peak bytes held for backward beside the memory estimator's figure for them.
+
+A schedule takes --splits when its name starts with "seq1f1b" and k=1 otherwise; "NAME:K" sets k
+for one entry (e.g. `--schedules megatron-1f1b seq1f1b:1`). megatron-core's own schedules
+(megatron-*) run without a trace: they are timed as a whole.
+Output: a markdown table on rank 0; --json prints JSON instead; --output FILE also writes it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROG = "benchmark.py"
+
+
+class UsageError(Exception):
+    """Bad command line: one line on stderr, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise UsageError(message)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One entry of --schedules."""
+
+    schedule: str
+    splits: int
+    chunks: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.schedule} k={self.splits}" + (f" V={self.chunks}" if self.chunks > 1
+                                                      else "")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--schedules", nargs="+", required=True, metavar="NAME[:K]",
+        help="schedules to compare; the first is the baseline of the ratios")
+    add("--num-layers", type=int, default=4)
+    add("--hidden-size", type=int, default=256)
+    add("--num-attention-heads", type=int, default=4)
+    add("--num-query-groups", type=int, default=None)
+    add("--ffn-hidden-size", type=int, default=None)
+    add("--vocab-size", type=int, default=1024)
+    add("--seq-length", type=int, default=512)
+    add("--micro-batch-size", type=int, default=1)
+    add("--num-microbatches", type=int, default=2)
+    add("--tp", type=int, default=1, help="tensor-parallel size")
+    add("--pp", type=int, default=1, help="pipeline-parallel size")
+    add("--chunks", type=int, default=2, help="model chunks per rank of interleaved schedules")
+    add("--splits", type=int, default=1, help="k of the seq1f1b* schedules")
+    add("--partition", choices=["even", "compute", "explicit"], default="even")
+    add("--span-lengths", type=int, nargs="+", default=None,
+        help="explicit span lengths (implies --partition explicit)")
+    add("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    add("--sequence-parallel", action="store_true")
+    add("--attention-backend", choices=["auto", "eager", "sdpa", "flex", "flash", "te"],
+        default="auto")
+    add("--seed", type=int, default=1234)
+    add("--warmup", type=int, default=1, help="untimed iterations per schedule")
+    add("--iterations", type=int, default=3, help="timed iterations per schedule")
+    add("--threads", type=int, default=1, help="torch intra-op threads per process")
+    add("--json", action="store_true", help="print JSON instead of the markdown table")
+    add("--output", metavar="FILE.json", help="also write the JSON here")
+    add("--plot", metavar="FILE.png", help="measured vs simulated timelines of traced schedules")
+    return parser
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, list[Run]]:
+    """Parse and check everything that can be checked before the processes meet."""
+    from seq1f1b.runtime.forward_backward import MEGATRON_SCHEDULES, schedule_names
+
+    args = build_parser().parse_args(argv)
+    if args.span_lengths:
+        args.partition = "explicit"
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
+                 "micro_batch_size", "num_microbatches", "tp", "pp", "chunks", "splits",
+                 "iterations", "threads"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        raise UsageError("--warmup must be >= 0")
+    if args.num_layers % args.pp:
+        raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pp {args.pp}")
+    runs = []
+    for entry in args.schedules:
+        name, _, k_text = entry.partition(":")
+        if name not in schedule_names():
+            raise UsageError(f"--schedules: unknown schedule {name!r}; choose from "
+                             f"{', '.join(schedule_names())}")
+        if k_text and not (k_text.isdigit() and int(k_text) >= 1):
+            raise UsageError(f"--schedules {entry}: K must be a positive integer")
+        k = int(k_text) if k_text else (args.splits if name.startswith("seq1f1b") else 1)
+        if name in MEGATRON_SCHEDULES and k != 1:
+            raise UsageError(f"--schedules {entry}: megatron's schedules run whole sequences "
+                             "(k = 1)")
+        if args.span_lengths and k != len(args.span_lengths):
+            raise UsageError(f"--schedules {entry}: k = {k} but --span-lengths gives "
+                             f"{len(args.span_lengths)} spans")
+        chunks = args.chunks if _is_chunked(name) else 1
+        if _is_chunked(name) and (chunks < 2 or args.num_layers % (args.pp * chunks)):
+            raise UsageError(f"--chunks {chunks}: {name} needs >= 2 chunks that divide the "
+                             f"{args.num_layers} layers over --pp {args.pp}")
+        if k > args.seq_length:
+            raise UsageError(f"--schedules {entry}: k = {k} exceeds --seq-length")
+        runs.append(Run(name, k, chunks))
+    return args, runs
+
+
+def _is_chunked(name: str) -> bool:
+    from seq1f1b.equivalence import _is_chunked as chunked
+
+    return chunked(name)
+
+
+# -- running ------------------------------------------------------------------------------------
+def _case(args: argparse.Namespace, run: Run):
+    from seq1f1b.equivalence import EquivalenceCase
+
+    return EquivalenceCase(
+        schedule=run.schedule, num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        num_microbatches=args.num_microbatches, tp=args.tp, pp=args.pp, chunks=run.chunks,
+        splits=run.splits, partition=args.partition, span_lengths=args.span_lengths,
+        position_embedding_type=args.position_embedding_type,
+        sequence_parallel=args.sequence_parallel, attention_backend=args.attention_backend,
+        seed=args.seed)
+
+
+def _whole_model_weights(case) -> dict:
+    """The unsplit model's weights by their place in the global tensors (what `_Layout` copies
+    into each layout's chunks), so every schedule runs the same model."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from seq1f1b.equivalence import _build, _config, _place, _shard_index
+
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
+    model = _build(case, _config(case, 1, 1, 1, False), pre_process=True, post_process=True,
+                   vp_stage=None)
+    params = dict(model.named_parameters())
+    weights = {_place(sharded): params[name].detach().clone()
+               for name, sharded in _shard_index(model).values()}
+    parallel_state.destroy_model_parallel()
+    return weights
+
+
+@dataclass
+class Measured:
+    """What one rank measured for one schedule."""
+
+    pp_rank: int
+    representative: bool          # DP rank 0 and TP rank 0: the one reported for its pp rank
+    seconds: list[float]
+    traces: list[list[tuple[str, float, float]]]     # per timed iteration, this rank's actions
+    peak_saved_bytes: Optional[int]
+    peak_device_bytes: Optional[int]
+
+
+def _run_schedule(args: argparse.Namespace, run: Run, weights: dict, batches: list) -> Measured:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from seq1f1b.equivalence import _forward_step, _Layout
+    from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
+                                                  get_forward_backward_func)
+    from seq1f1b.runtime.trace import ExecutionTrace
+
+    case = _case(args, run)
+    chunked = run.chunks > 1
+    layout = _Layout(case, chunked, weights)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    representative = dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+    mine = batches[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
+    traced = run.schedule not in MEGATRON_SCHEDULES
+
+    def iteration(trace: Optional[ExecutionTrace]) -> float:
+        settings = SpanSettings(run.splits, case.partition,
+                                tuple(case.span_lengths) if case.span_lengths else None,
+                                trace=trace)
+        for model in layout.chunks:
+            model.zero_grad_buffer()
+        iterators = [iter(mine) for _ in layout.chunks]
+        function = get_forward_backward_func(run.schedule, settings)
+        dist.barrier()
+        start = time.perf_counter()
+        function(forward_step_func=_forward_step,
+                 data_iterator=iterators if chunked else iterators[0],
+                 model=layout.chunks if chunked else layout.chunks[0],
+                 num_microbatches=case.num_microbatches, seq_length=case.seq_length,
+                 micro_batch_size=case.micro_batch_size)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    for _ in range(args.warmup):
+        iteration(None)
+    seconds, traces = [], []
+    for _ in range(args.iterations):
+        trace = ExecutionTrace() if traced else None
+        seconds.append(iteration(trace))
+        if trace is not None:
+            traces.append([(a.action, a.start, a.end) for a in trace.actions])
+    peak_saved = peak_device = None
+    if traced:
+        trace = ExecutionTrace(measure_memory=True)
+        iteration(trace)
+        peak_saved, peak_device = trace.peak_saved_bytes, trace.peak_device_bytes
+    parallel_state.destroy_model_parallel()
+    return Measured(pp_rank, representative, seconds, traces, peak_saved, peak_device)
+
+
+# -- analysis (rank 0) ---------------------------------------------------------------------------
+def _plan_name(schedule: str) -> str:
+    from seq1f1b.plan.memory import MEGATRON_PLANS
+
+    return MEGATRON_PLANS.get(schedule, schedule)
+
+
+def _memory_estimate(args: argparse.Namespace, run: Run, dp: int):
+    from seq1f1b.plan.costs import ModelConfig
+    from seq1f1b.plan.memory import TrainingSetup, estimate_memory
+
+    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                        num_attention_heads=args.num_attention_heads,
+                        ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
+                        num_query_groups=args.num_query_groups)
+    setup = TrainingSetup(
+        model=model, seq_length=args.seq_length, schedule=run.schedule, pp=args.pp,
+        microbatches=args.num_microbatches, splits=run.splits, chunks=run.chunks, tp=args.tp,
+        dp=dp, micro_batch_size=args.micro_batch_size,
+        sequence_parallel=args.sequence_parallel, partition=args.partition,
+        span_lengths=tuple(args.span_lengths) if args.span_lengths else None,
+        precision="fp32", make_vocab_size_divisible_by=1)   # the benchmark's model: unpadded
+    return estimate_memory(setup)
+
+
+def _uniform_makespan(schedule) -> float:
+    """Makespan with every span costing its share of a micro-batch on a rank (F 1, B 2 per
+    micro-batch and rank): the ideal the measured ratios are held against."""
+    from seq1f1b.plan.simulate import simulate, uniform_costs
+
+    share = schedule.splits * schedule.chunks
+    return simulate(schedule, uniform_costs(schedule, 1 / share, 2 / share)).makespan
+
+
+def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measured]],
+            dp: int) -> tuple[dict, list]:
+    """Rank 0: the per-schedule figures (JSON-ready) and (measured, simulated) report pairs.
+
+    `measured[n][pp_rank]` is what pipeline rank `pp_rank` measured for run n.
+    """
+    from seq1f1b.plan import registry
+    from seq1f1b.plan.simulate import calibrated_costs, measured_report, simulate
+
+    tokens = args.num_microbatches * args.micro_batch_size * args.seq_length * dp
+    rows, pairs = [], []
+    for run, ranks in zip(runs, measured):
+        schedule = registry.build(_plan_name(run.schedule), args.pp, args.num_microbatches,
+                                  run.splits, run.chunks)
+        seconds = ranks[0].seconds
+        median = statistics.median(seconds)
+        row = {"schedule": run.schedule, "splits": run.splits, "chunks": run.chunks,
+               "iteration_s": median, "iterations_s": seconds, "tokens_per_s": tokens / median,
+               "uniform_cost_makespan": _uniform_makespan(schedule)}
+        if ranks[0].traces:
+            reports = [measured_report(schedule, [r.traces[n] for r in ranks])
+                       for n in range(len(ranks[0].traces))]
+            costs = calibrated_costs(schedule, reports)
+            predicted = simulate(schedule, costs)
+            bubble = statistics.median(r.bubble_ratio for r in reports)
+            estimate = _memory_estimate(args, run, dp)
+            peaks = [r.peak_saved_bytes for r in ranks]
+            held = [s.held_for_backward_bytes for s in estimate.stages]
+            row.update(
+                measured_makespan_s=statistics.median(r.makespan for r in reports),
+                measured_bubble=bubble, simulated_makespan_s=predicted.makespan,
+                simulated_bubble=predicted.bubble_ratio,
+                bubble_rel_diff=(bubble - predicted.bubble_ratio) / predicted.bubble_ratio
+                if predicted.bubble_ratio else None,
+                calibrated_forward_s=[list(r) for r in costs.forward],
+                calibrated_backward_s=[list(r) for r in costs.backward],
+                peak_saved_bytes=peaks, peak_device_bytes=[r.peak_device_bytes for r in ranks],
+                estimated_held_bytes=held,
+                measured_over_estimated=[p / e if e else None for p, e in zip(peaks, held)])
+            pairs.append((reports[len(reports) // 2], predicted))
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        row["ratio_to_first"] = row["tokens_per_s"] / base["tokens_per_s"]
+        row["uniform_cost_ratio"] = base["uniform_cost_makespan"] / row["uniform_cost_makespan"]
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "output", "plot")}
+    return {"config": {**config, "dp": dp, "tokens_per_iteration": tokens}, "runs": rows}, pairs
+
+
+def markdown(result: dict) -> str:
+    def pct(value):
+        return "-" if value is None else f"{value:.1%}"
+
+    def mib(values):
+        return "-" if not values or values[0] is None else f"{values[0] / 2**20:.1f}"
+
+    lines = ["| schedule | k | V | iter ms | tokens/s | ratio | uniform-cost ratio | "
+             "bubble meas | bubble sim | bubble diff | makespan meas/sim | rank-0 peak MiB | "
+             "rank-0 est MiB |",
+             "|" + "---|" * 13]
+    for r in result["runs"]:
+        makespans = (f"{r['measured_makespan_s'] * 1e3:.0f}/{r['simulated_makespan_s'] * 1e3:.0f}"
+                     if "measured_makespan_s" in r else "-")
+        lines.append(
+            f"| {r['schedule']} | {r['splits']} | {r['chunks']} | {r['iteration_s'] * 1e3:.1f} | "
+            f"{r['tokens_per_s']:.0f} | {r['ratio_to_first']:.3f} | "
+            f"{r['uniform_cost_ratio']:.3f} | {pct(r.get('measured_bubble'))} | "
+            f"{pct(r.get('simulated_bubble'))} | {pct(r.get('bubble_rel_diff'))} | {makespans} | "
+            f"{mib(r.get('peak_saved_bytes'))} | {mib(r.get('estimated_held_bytes'))} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    first_rank = os.environ.get("RANK", "0") == "0"
+    try:
+        args, runs = parse_args(argv)
+    except UsageError as err:
+        if first_rank:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    import torch
+    import torch.distributed as dist
+
+    from seq1f1b.distributed import init_distributed
+    from seq1f1b.equivalence import _global_batch
+
+    torch.set_num_threads(args.threads)
+    init_distributed()
+    world = dist.get_world_size()
+    if world % (args.tp * args.pp):
+        if first_rank:
+            print(f"{PROG}: error: world size {world} is not divisible by --tp {args.tp} x "
+                  f"--pp {args.pp}", file=sys.stderr)
+        return 2
+    dp = world // (args.tp * args.pp)
+    weights = _whole_model_weights(_case(args, runs[0]))
+    batches = _global_batch(_case(args, runs[0]), dp)
+    mine = [_run_schedule(args, run, weights, batches) for run in runs]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() == 0:
+        measured = [sorted((process[n] for process in gathered if process[n].representative),
+                           key=lambda m: m.pp_rank) for n in range(len(runs))]
+        result, pairs = analyse(args, runs, measured, dp)
+        text = json.dumps(result)
+        if args.output:
+            with open(args.output, "w") as out:
+                out.write(text)
+        print(text if args.json else markdown(result))
+        if args.plot and pairs:
+            from seq1f1b.plan import render
+
+            render.plot_measured_vs_simulated(pairs, args.plot)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

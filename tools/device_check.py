@@ -1,0 +1,349 @@
+#!/usr/bin/env python3
+"""Measure on one device what the cost model and the memory estimator assume.
+
+    device_check.py OUTDIR            on a GPU (about 3-6 minutes on one H200)
+    device_check.py OUTDIR --tiny     small shapes, runs on a CPU in seconds (CI smoke test)
+
+Writes OUTDIR/device_check.json with three parts:
+- attention: per kernel backend of `SpanAttention` (eager, sdpa, flex, flash, te; the ones that
+  cannot run here are listed with the reason), the forward and forward+backward time of a query
+  span of L/4 tokens at the end of a sequence of L, attending to its cached prefix, against full
+  causal attention over a sequence with the same number of query-key pairs (equal FLOPs).
+- stage: a 7B-shaped model of 8 layers (one stage of the 32-layer 7B at PP=4; as the only stage
+  it also holds the embedding and the output layer), bf16, one micro-batch cut into k=4
+  computation-balanced spans and run by the seq1f1b executor at L = 32K and 64K: per-span F and B
+  times beside the cost model's FLOPs for them (achieved TFLOPS per span), the iteration time.
+- memory: for the same runs, torch.cuda.max_memory_allocated and the saved-tensor meter's peak
+  beside the estimator's parameters + gradients + held-for-backward + workspace (no optimizer:
+  no step is taken).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROG = "device_check.py"
+BACKENDS = ("eager", "sdpa", "flex", "flash", "te")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Sizes of one run of the check."""
+
+    attention_length: int          # L of the attention comparison
+    heads: int
+    head_dim: int
+    eager_max_score_bytes: float   # skip eager when its fp32 score matrix would exceed this
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    stage_lengths: tuple[int, ...]
+    splits: int
+    repeats: int
+
+
+GPU = Shapes(attention_length=16384, heads=32, head_dim=128, eager_max_score_bytes=24e9,
+             hidden_size=4096, num_layers=8, vocab_size=50304,
+             stage_lengths=(32768, 65536), splits=4, repeats=2)
+TINY = Shapes(attention_length=256, heads=4, head_dim=16, eager_max_score_bytes=1e9,
+              hidden_size=64, num_layers=2, vocab_size=128, stage_lengths=(128, 256), splits=4,
+              repeats=2)
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_seconds(run: Callable[[], None], repeats: int) -> float:
+    run()                                   # warm-up (kernel selection, compilation)
+    times = []
+    for _ in range(repeats):
+        _sync()
+        start = time.perf_counter()
+        run()
+        _sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _setup_process() -> None:
+    """A one-process world with TP = PP = 1 (gloo on CPU with the platform layer, NCCL on GPU)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from seq1f1b.distributed import init_distributed
+
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    init_distributed()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    assert dist.get_world_size() == 1, "device_check.py runs as one process"
+
+
+def _config(hidden_size: int, heads: int, layers: int):
+    """fp32 on the CPU, bf16 on a GPU (the paper's precision)."""
+    import torch
+
+    from seq1f1b import megatron_adapter
+
+    return megatron_adapter.make_transformer_config(
+        num_layers=layers, hidden_size=hidden_size, num_attention_heads=heads,
+        fp32=not torch.cuda.is_available())
+
+
+# -- attention -----------------------------------------------------------------------------------
+def _equal_pairs_length(length: int, span: int) -> int:
+    """The causal sequence with as many query-key pairs as a span of `span` queries ending at
+    `length` (span*length - span^2/2 = full^2/2), rounded to a multiple of 64 when that is
+    possible."""
+    exact = math.sqrt(2 * span * length - span * span)
+    return max(64, round(exact / 64) * 64) if exact >= 64 else max(1, round(exact))
+
+
+def check_attention(shapes: Shapes) -> dict:
+    import torch
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from seq1f1b.plan.costs import ModelConfig, layer_flops
+    from seq1f1b.runtime.attention import SpanAttention, backend_unavailable_reason
+    from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
+
+    config = _config(shapes.heads * shapes.head_dim, shapes.heads, 1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = config.params_dtype
+    n, d, length = shapes.heads, shapes.head_dim, shapes.attention_length
+    span = length // 4
+    full = _equal_pairs_length(length, span)
+    model = ModelConfig(num_layers=1, hidden_size=n * d, num_attention_heads=n)
+    results = {"length": length, "span": span, "prefix": length - span, "full_length": full,
+               "heads": n, "head_dim": d, "dtype": str(dtype).replace("torch.", ""),
+               "backends": {}}
+
+    def tensors(rows: int) -> list:
+        return [torch.randn(rows, 1, n, d, device=device, dtype=dtype, requires_grad=True)
+                for _ in range(3)]
+
+    for name in BACKENDS:
+        reason = backend_unavailable_reason(name, config)
+        score_bytes = 4.0 * n * max(span * length, full * full)
+        if reason is None and name == "eager" and score_bytes > shapes.eager_max_score_bytes:
+            reason = f"its fp32 score matrix would take {score_bytes / 1e9:.0f} GB"
+        if reason is None and name == "flex" and device.type == "cpu":
+            reason = "torch's FlexAttention has no CPU backward"
+        if reason is not None:
+            results["backends"][name] = {"skipped": reason}
+            continue
+        module = SpanAttention(config, 1, AttnMaskType.causal, "self", backend=name).to(device)
+        q_full, k_full, v_full = tensors(full)
+        q_span, k_span, v_span = tensors(span)
+        prefix_k, prefix_v = (torch.randn(length - span, 1, n, d, device=device, dtype=dtype,
+                                          requires_grad=True) for _ in range(2))
+
+        def full_forward():
+            return module(q_full, k_full, v_full, None)
+
+        def span_forward():
+            cache = MicrobatchKVCache(0)
+            cache.store(module, 0, prefix_k, prefix_v)
+            with span_context(SpanContext(0, 1, length - span, length, cache)):
+                return module(q_span, k_span, v_span, None)
+
+        def forward_backward(forward):
+            def run():
+                forward().float().sum().backward()
+            return run
+
+        try:
+            with torch.no_grad():
+                times = {"full_forward_s": _median_seconds(full_forward, shapes.repeats),
+                         "span_forward_s": _median_seconds(span_forward, shapes.repeats)}
+            times["full_forward_backward_s"] = _median_seconds(forward_backward(full_forward),
+                                                               shapes.repeats)
+            times["span_forward_backward_s"] = _median_seconds(forward_backward(span_forward),
+                                                               shapes.repeats)
+        except (RuntimeError, ValueError, NotImplementedError) as err:
+            results["backends"][name] = {"skipped": f"{type(err).__name__}: "
+                                                    f"{str(err).splitlines()[0]}"}
+            continue
+        span_flops = layer_flops(model, span, length).attention
+        full_flops = layer_flops(model, full, full).attention
+        times.update(
+            span_forward_tflops=span_flops / times["span_forward_s"] / 1e12,
+            full_forward_tflops=full_flops / times["full_forward_s"] / 1e12,
+            span_over_full_forward_backward=(times["span_forward_backward_s"] / span_flops)
+            / (times["full_forward_backward_s"] / full_flops))
+        results["backends"][name] = times
+    return results
+
+
+# -- one stage -----------------------------------------------------------------------------------
+def _stage_model(shapes: Shapes, seq_length: int):
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from seq1f1b import megatron_adapter
+
+    config = _config(shapes.hidden_size, shapes.heads, shapes.num_layers)
+    chunk = megatron_adapter.build_model_chunk(
+        config, vocab_size=shapes.vocab_size, max_sequence_length=seq_length,
+        position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    if torch.cuda.is_available():
+        chunk = chunk.cuda()
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True), chunk)
+    config.no_sync_func = model.no_sync
+    return config, model
+
+
+def _batch(shapes: Shapes, seq_length: int) -> dict:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens = torch.randint(0, shapes.vocab_size, (1, seq_length + 1), device=device)
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": torch.ones(1, seq_length, device=device),
+            "position_ids": torch.arange(seq_length, device=device).unsqueeze(0)}
+
+
+def _stage_estimate(shapes: Shapes, seq_length: int, precision: str):
+    from seq1f1b.plan.costs import ModelConfig
+    from seq1f1b.plan.memory import TrainingSetup, estimate_memory
+
+    model = ModelConfig(num_layers=shapes.num_layers, hidden_size=shapes.hidden_size,
+                        num_attention_heads=shapes.heads, vocab_size=shapes.vocab_size)
+    return estimate_memory(TrainingSetup(
+        model=model, seq_length=seq_length, schedule="seq1f1b", pp=1, microbatches=1,
+        splits=shapes.splits, partition="compute", precision=precision,
+        make_vocab_size_divisible_by=1))
+
+
+def check_stage(shapes: Shapes) -> list[dict]:
+    import torch
+
+    from seq1f1b.equivalence import _forward_step
+    from seq1f1b.plan.costs import layer_flops, logits_flops
+    from seq1f1b.plan.memory import GIB
+    from seq1f1b.plan.partition import span_bounds
+    from seq1f1b.runtime.forward_backward import SpanSettings, get_forward_backward_func
+    from seq1f1b.runtime.trace import ExecutionTrace
+
+    runs = []
+    for seq_length in shapes.stage_lengths:
+        config, model = _stage_model(shapes, seq_length)
+        precision = "fp32" if config.params_dtype == torch.float32 else "bf16"
+        batch = _batch(shapes, seq_length)
+
+        def iteration(trace: ExecutionTrace) -> float:
+            model.zero_grad_buffer()
+            function = get_forward_backward_func("seq1f1b", SpanSettings(
+                shapes.splits, "compute", trace=trace))
+            _sync()
+            start = time.perf_counter()
+            function(forward_step_func=_forward_step, data_iterator=iter([batch]), model=model,
+                     num_microbatches=1, seq_length=seq_length, micro_batch_size=1)
+            _sync()
+            return time.perf_counter() - start
+
+        iteration(ExecutionTrace())                          # warm-up
+        traces = [ExecutionTrace() for _ in range(shapes.repeats)]
+        seconds = [iteration(trace) for trace in traces]
+        memory_trace = ExecutionTrace(measure_memory=True)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        iteration(memory_trace)
+        estimate = _stage_estimate(shapes, seq_length, precision)
+        stage = estimate.stages[0]
+        cost_model = estimate.setup.model
+        spans = []
+        for j, (start, end) in enumerate(span_bounds(estimate.span_lengths)):
+            flops = (layer_flops(cost_model, end - start, end).scaled(shapes.num_layers)
+                     + logits_flops(cost_model, end - start))
+            forward = statistics.median(_action_seconds(t, f"F0.{j}") for t in traces)
+            backward = statistics.median(_action_seconds(t, f"B0.{j}") for t in traces)
+            spans.append({"span": j, "start": start, "end": end, "forward_s": forward,
+                          "backward_s": backward, "forward_flops": flops.forward,
+                          "forward_tflops": flops.forward / forward / 1e12,
+                          "backward_tflops": flops.backward / backward / 1e12})
+        without_optimizer = (stage.parameter_bytes + stage.gradient_bytes
+                             + stage.held_for_backward_bytes + stage.workspace_bytes)
+        measured_device = memory_trace.peak_device_bytes
+        runs.append({
+            "seq_length": seq_length, "splits": shapes.splits, "layers": shapes.num_layers,
+            "hidden_size": shapes.hidden_size, "precision": precision,
+            "iteration_s": statistics.median(seconds), "spans": spans,
+            "memory": {
+                "peak_saved_bytes": memory_trace.peak_saved_bytes,
+                "estimated_held_for_backward_bytes": stage.held_for_backward_bytes,
+                "saved_over_estimated": memory_trace.peak_saved_bytes
+                / stage.held_for_backward_bytes,
+                "max_memory_allocated_bytes": measured_device,
+                "estimated_without_optimizer_bytes": without_optimizer,
+                "allocated_over_estimated": (measured_device / without_optimizer
+                                             if measured_device else None),
+                "estimate_gib": {k: v / GIB for k, v in asdict(stage).items()
+                                 if k.endswith("_bytes")}}})
+        del model, config
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return runs
+
+
+def _action_seconds(trace, label: str) -> float:
+    return next(a.end - a.start for a in trace.actions if a.action == label)
+
+
+def _environment() -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info.update(device=torch.cuda.get_device_name(), total_memory_bytes=
+                    torch.cuda.get_device_properties(0).total_memory)
+    return info
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("outdir", help="folder for device_check.json (created)")
+    parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
+    parser.add_argument("--skip-stage", action="store_true",
+                        help="only the attention comparison")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not args.tiny and not torch.cuda.is_available():
+        print(f"{PROG}: error: no GPU here; use --tiny for the CPU smoke test", file=sys.stderr)
+        return 2
+    outdir = Path(args.outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    shapes = TINY if args.tiny else GPU
+    torch.manual_seed(0)
+    _setup_process()
+    started = time.perf_counter()
+    result = {"environment": _environment(), "shapes": asdict(shapes),
+              "attention": check_attention(shapes)}
+    if not args.skip_stage:
+        result["stage"] = check_stage(shapes)
+    result["wall_s"] = time.perf_counter() - started
+    path = outdir / "device_check.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path} in {result['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
