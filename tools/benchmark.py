@@ -5,10 +5,12 @@
         --num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 \\
         --schedules 1f1b seq1f1b --partition compute --plot timelines.png
 
-Each schedule runs --warmup untimed iterations, then --iterations timed ones (a barrier before
-each; the iteration time is the slowest rank's forward-backward, grad finalisation included, no
-optimizer step), then one more with the saved-tensor meter on (memory is measured apart so that
-the meter's hooks do not slow the timed iterations). Per schedule it reports: median iteration
+Schedules with the same chunk count share one set of model chunks and are timed round-robin
+(each round runs every schedule once, so load changes on a shared machine hit all alike):
+--warmup untimed rounds, then --iterations timed ones (a barrier before each iteration; its time
+is the slowest rank's forward-backward, grad finalisation included, no optimizer step), then one
+iteration each with the saved-tensor meter on (memory is measured apart so that the meter's hooks
+do not slow the timed iterations). Per schedule it reports: median iteration
 time, tokens/s, the ratio to the first schedule and what uniform span costs would predict for it,
 the measured bubble (idle / (P x makespan) from the per-action timeline, waits for a neighbour
 counted as idle), the simulator's bubble and makespan for the same plan with per-action costs
@@ -52,11 +54,6 @@ class Run:
     schedule: str
     splits: int
     chunks: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.schedule} k={self.splits}" + (f" V={self.chunks}" if self.chunks > 1
-                                                      else "")
 
 
 def build_parser() -> Parser:
@@ -187,7 +184,11 @@ class Measured:
     peak_device_bytes: Optional[int]
 
 
-def _run_schedule(args: argparse.Namespace, run: Run, weights: dict, batches: list) -> Measured:
+def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
+               batches: list) -> list[Measured]:
+    """Time `runs` (all with the same chunk count) on one set of model chunks, round-robin: each
+    round runs every schedule once, so a change of load on a shared machine hits all of them
+    alike. Then one memory-metered iteration each."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -197,16 +198,15 @@ def _run_schedule(args: argparse.Namespace, run: Run, weights: dict, batches: li
                                                   get_forward_backward_func)
     from seq1f1b.runtime.trace import ExecutionTrace
 
-    case = _case(args, run)
-    chunked = run.chunks > 1
+    case = _case(args, runs[0])
+    chunked = case.chunks > 1
     layout = _Layout(case, chunked, weights)
     dp_rank = parallel_state.get_data_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     representative = dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
     mine = batches[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
-    traced = run.schedule not in MEGATRON_SCHEDULES
 
-    def iteration(trace: Optional[ExecutionTrace]) -> float:
+    def iteration(run: Run, trace: Optional[ExecutionTrace]) -> float:
         settings = SpanSettings(run.splits, case.partition,
                                 tuple(case.span_lengths) if case.span_lengths else None,
                                 trace=trace)
@@ -225,21 +225,24 @@ def _run_schedule(args: argparse.Namespace, run: Run, weights: dict, batches: li
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed)
 
+    measured = [Measured(pp_rank, representative, [], [], None, None) for _ in runs]
     for _ in range(args.warmup):
-        iteration(None)
-    seconds, traces = [], []
+        for run in runs:
+            iteration(run, None)
     for _ in range(args.iterations):
-        trace = ExecutionTrace() if traced else None
-        seconds.append(iteration(trace))
-        if trace is not None:
-            traces.append([(a.action, a.start, a.end) for a in trace.actions])
-    peak_saved = peak_device = None
-    if traced:
-        trace = ExecutionTrace(measure_memory=True)
-        iteration(trace)
-        peak_saved, peak_device = trace.peak_saved_bytes, trace.peak_device_bytes
+        for run, result in zip(runs, measured):
+            trace = None if run.schedule in MEGATRON_SCHEDULES else ExecutionTrace()
+            result.seconds.append(iteration(run, trace))
+            if trace is not None:
+                result.traces.append([(a.action, a.start, a.end) for a in trace.actions])
+    for run, result in zip(runs, measured):
+        if run.schedule not in MEGATRON_SCHEDULES:
+            trace = ExecutionTrace(measure_memory=True)
+            iteration(run, trace)
+            result.peak_saved_bytes, result.peak_device_bytes = (trace.peak_saved_bytes,
+                                                                 trace.peak_device_bytes)
     parallel_state.destroy_model_parallel()
-    return Measured(pp_rank, representative, seconds, traces, peak_saved, peak_device)
+    return measured
 
 
 # -- analysis (rank 0) ---------------------------------------------------------------------------
@@ -373,7 +376,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     dp = world // (args.tp * args.pp)
     weights = _whole_model_weights(_case(args, runs[0]))
     batches = _global_batch(_case(args, runs[0]), dp)
-    mine = [_run_schedule(args, run, weights, batches) for run in runs]
+    mine: list[Optional[Measured]] = [None] * len(runs)
+    for chunks in dict.fromkeys(run.chunks for run in runs):        # in order of appearance
+        members = [n for n, run in enumerate(runs) if run.chunks == chunks]
+        for n, result in zip(members, _run_group(args, [runs[n] for n in members], weights,
+                                                 batches)):
+            mine[n] = result
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:
