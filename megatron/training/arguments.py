@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional, Sequence
 
+from megatron.training.checkpoint_layout import read_tracker
 from megatron.training.data import DataConfig, check_data_config, parse_split
 from megatron.training.tokenizer import (
     DEFAULT_TOKENIZER_TYPE, TOKENIZER_TYPES, build_tokenizer, padded_vocab_size)
@@ -24,7 +25,7 @@ from megatron.training.tokenizer import (
 MEGATRON_SCHEDULES = {"megatron-1f1b": False, "megatron-interleaved-1f1b": True}
 """megatron-core's unmodified schedules (full sequences): name -> interleaves model chunks."""
 DEFAULT_SCHEDULE = "seq1f1b"
-PARTITIONS = ("even", "compute", "fit", "explicit")
+PARTITIONS = ("even", "compute", "explicit")   # what seq1f1b.plan.partition implements
 PIPE_SP_STRATEGIES = {"average": "even", "uniform_comp": "compute"}  # reference fork's names
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -133,6 +134,9 @@ def _add_training_args(parser: ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="grad-norm clip (0: off)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="gradient of the global batch's token mean (default: mean over "
+                        "micro-batches of each one's token mean, as Megatron)")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
@@ -157,11 +161,14 @@ def _add_run_args(parser: ArgumentParser) -> None:
     g.add_argument("--save", help="checkpoint directory to write")
     g.add_argument("--load", help="checkpoint directory to resume from")
     g.add_argument("--save-interval", type=int, help="iterations between checkpoints")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir")
-    g.add_argument("--exit-interval", type=int, help="stop after this many iterations")
+    g.add_argument("--eval-interval", type=int, default=1000,
+                   help="iterations between evaluations on the validation split")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches per evaluation (0: no evaluation)")
+    g.add_argument("--log-interval", type=int, default=100, help="iterations per log line")
+    g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
+    g.add_argument("--exit-interval", type=int,
+                   help="save (with --save) and stop once the iteration is a multiple of this")
 
 
 def build_parser() -> ArgumentParser:
@@ -408,8 +415,16 @@ def _validate_data(args: argparse.Namespace) -> None:
 
 
 def _validate_run(args: argparse.Namespace) -> None:
-    if args.load is not None and not os.path.isdir(args.load):
-        _fail(f"--load: checkpoint directory {args.load} does not exist")
+    if args.load is not None:
+        if not os.path.isdir(args.load):
+            _fail(f"--load: checkpoint directory {args.load} does not exist")
+        try:
+            iteration = read_tracker(args.load)
+        except ValueError as err:
+            _fail(str(err))
+        if iteration is not None and iteration > args.train_iters:
+            _fail(f"--train-iters {args.train_iters} is below the iteration {iteration} of the "
+                  f"checkpoint in --load {args.load}")
     for flag in ("save", "tensorboard_dir", "data_cache_path"):
         path = getattr(args, flag)
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
@@ -439,12 +454,31 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     return args
 
 
-def parse_and_validate_args(argv: Optional[Sequence[str]], world_size: int
+def world_size_from_environment() -> int:
+    """The world size torchrun (WORLD_SIZE) or srun (SLURM_NTASKS) announces; 1 without either.
+
+    The same variables `seq1f1b.distributed.init_distributed` reads, so flags are validated
+    against the world the run will have, before any process group exists.
+    """
+    env = os.environ
+    text = env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1"))
+    try:
+        return int(text)
+    except ValueError:
+        raise ArgumentError(f"world size: WORLD_SIZE / SLURM_NTASKS is {text!r}, not a number") \
+            from None
+
+
+def parse_and_validate_args(argv: Optional[Sequence[str]], world_size: Optional[int] = None
                             ) -> argparse.Namespace:
-    """The CLI entry: bad flags print one line on stderr and exit with code 2."""
+    """The CLI entry: bad flags print one line on stderr and exit with code 2.
+
+    `world_size` defaults to `world_size_from_environment()`.
+    """
     args = parse_args(argv)
     try:
-        return validate_args(args, world_size)
+        world = world_size_from_environment() if world_size is None else world_size
+        return validate_args(args, world)
     except ArgumentError as err:
         print(f"{os.path.basename(sys.argv[0]) or 'pretrain_gpt.py'}: error: {err}",
               file=sys.stderr)

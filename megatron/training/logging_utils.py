@@ -1,0 +1,166 @@
+"""What a run reports: Megatron's log line, throughput as the paper counts it, peak memory per
+pipeline stage, an ETA, and TensorBoard scalars.
+
+The log line keeps Megatron-LM's fields, order and number formats (so tools that parse Megatron
+logs keep working) and appends the paper's metrics:
+
+     iteration       10/     100 | consumed samples:          320 | elapsed time per iteration
+     (ms): 812.4 | learning rate: 3.000000E-04 | global batch size:    32 | lm loss: 4.123456E+00 |
+     loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 | tokens/s: 5042 |
+     TFLOPS/GPU: 0.01 | peak mem per stage (MB held for backward): 12.5, 9.8 | ETA 0:01:13 |
+
+(one line in the log). Peak memory: on a GPU, `torch.cuda.max_memory_reserved` (what the paper's
+reference logged); on the CPU, the bytes autograd holds for backward (activations and the weights
+their graphs reference), measured by `seq1f1b.runtime.memory.SavedTensorMeter`, since a CPU has no
+allocator statistics and the process RSS is dominated by imports. Each stage reports the maximum
+over its TP and DP ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from seq1f1b.plan.costs import ModelConfig, iteration_flops
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """tokens/s of the whole job and model TFLOPS per GPU (the paper's definitions)."""
+
+    tokens_per_second: float
+    tflops_per_gpu: float
+
+
+def throughput(model: ModelConfig, seq_length: int, global_batch_size: int, world_size: int,
+               seconds_per_iteration: float) -> Throughput:
+    """tokens/s = global batch x sequence / time; TFLOPS/GPU = 3 x forward FLOPs of the global
+    batch (seq1f1b.plan.costs.iteration_flops) / time / GPUs."""
+    seconds = max(seconds_per_iteration, 1e-12)
+    return Throughput(global_batch_size * seq_length / seconds,
+                      iteration_flops(model, seq_length, global_batch_size)
+                      / seconds / world_size / 1e12)
+
+
+def format_eta(seconds: float) -> str:
+    """H:MM:SS (days folded into hours)."""
+    whole = max(0, int(round(seconds)))
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+@dataclass(frozen=True)
+class IntervalReport:
+    """The figures of one log line: means over the iterations since the previous line."""
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    seconds_per_iteration: float
+    learning_rate: float
+    global_batch_size: int
+    lm_loss: Optional[float]            # None: no iteration of the interval produced a loss
+    loss_scale: float
+    grad_norm: Optional[float]          # None with --clip-grad 0 (megatron then computes none)
+    skipped_iterations: int
+    throughput: Throughput
+    peak_memory_mb: Sequence[float]     # one per pipeline stage
+    memory_source: str
+
+    def line(self) -> str:
+        fields = [f" iteration {self.iteration:8d}/{self.train_iters:8d}",
+                  f" consumed samples: {self.consumed_samples:12d}",
+                  f" elapsed time per iteration (ms): {self.seconds_per_iteration * 1000:.1f}",
+                  f" learning rate: {self.learning_rate:.6E}",
+                  f" global batch size: {self.global_batch_size:5d}"]
+        if self.lm_loss is not None:
+            fields.append(f" lm loss: {self.lm_loss:.6E}")
+        fields.append(f" loss scale: {self.loss_scale:.1f}")
+        if self.grad_norm is not None:
+            fields.append(f" grad norm: {self.grad_norm:.3f}")
+        remaining = (self.train_iters - self.iteration) * self.seconds_per_iteration
+        fields += [f" number of skipped iterations: {self.skipped_iterations:3d}",
+                   f" tokens/s: {self.throughput.tokens_per_second:.0f}",
+                   f" TFLOPS/GPU: {self.throughput.tflops_per_gpu:.4g}",
+                   f" peak mem per stage ({self.memory_source}): "
+                   + ", ".join(f"{mb:.1f}" for mb in self.peak_memory_mb),
+                   f" ETA {format_eta(remaining)}"]
+        return "".join(f"{field} |" for field in fields)
+
+
+def validation_lines(where: str, lm_loss: float) -> list[str]:
+    """Megatron's boxed evaluation report: loss and perplexity."""
+    ppl = math.exp(min(20.0, lm_loss))
+    text = f" validation loss at {where} | lm loss value: {lm_loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    rule = "-" * (len(text) + 1)
+    return [rule, text, rule]
+
+
+class PeakMemory:
+    """Peak memory of this rank over a logging interval (see the module docstring for what)."""
+
+    def __init__(self) -> None:
+        self.on_gpu = torch.cuda.is_available()
+        self.source = "MB reserved" if self.on_gpu else "MB held for backward"
+        self._peak_bytes = 0
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        """Wrap the forward-backward of one iteration."""
+        if self.on_gpu:
+            yield
+            self._peak_bytes = max(self._peak_bytes, torch.cuda.max_memory_reserved())
+            return
+        from seq1f1b.runtime.memory import SavedTensorMeter
+        with SavedTensorMeter() as meter:
+            yield
+        self._peak_bytes = max(self._peak_bytes, meter.peak_bytes)
+
+    def take_bytes(self) -> int:
+        """The peak since the last call; starts a new interval."""
+        peak, self._peak_bytes = self._peak_bytes, 0
+        if self.on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        return peak
+
+
+class TensorBoard:
+    """Scalars under Megatron's tag names, written by the logging rank only (no-op without a
+    directory)."""
+
+    def __init__(self, directory: Optional[str], enabled: bool) -> None:
+        self._writer = None
+        if directory and enabled:
+            from torch.utils.tensorboard import SummaryWriter
+            self._writer = SummaryWriter(log_dir=directory, max_queue=1000)
+
+    def training(self, report: IntervalReport) -> None:
+        if self._writer is None:
+            return
+        step = report.iteration
+        scalars = {"learning-rate": report.learning_rate,
+                   "batch-size": report.global_batch_size,
+                   "loss-scale": report.loss_scale,
+                   "iteration-time": report.seconds_per_iteration,
+                   "tokens-per-second": report.throughput.tokens_per_second,
+                   "tflops-per-gpu": report.throughput.tflops_per_gpu}
+        if report.lm_loss is not None:
+            scalars["lm loss"] = report.lm_loss
+        if report.grad_norm is not None:
+            scalars["grad-norm"] = report.grad_norm
+        for stage, mb in enumerate(report.peak_memory_mb):
+            scalars[f"peak-memory-mb/stage-{stage}"] = mb
+        for tag, value in scalars.items():
+            self._writer.add_scalar(tag, value, step)
+
+    def validation(self, iteration: int, lm_loss: float) -> None:
+        if self._writer is None:
+            return
+        self._writer.add_scalar("lm loss validation", lm_loss, iteration)
+        self._writer.add_scalar("lm loss validation ppl", math.exp(min(20.0, lm_loss)), iteration)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

@@ -1,0 +1,118 @@
+"""From validated args to what the train loop steps: model chunks in megatron DDP, the megatron
+optimizer and the LR schedule.
+
+All of it is megatron-core's own machinery, configured the way Megatron-LM's training.py does:
+the user's model provider builds each chunk, `Float16Module` casts it for --bf16/--fp16,
+`DistributedDataParallel` owns the gradient buffers, `get_megatron_optimizer` builds Adam (or the
+distributed optimizer) with gradient clipping, and `OptimizerParamScheduler` anneals the LR in
+samples, as Megatron does.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Optional
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from seq1f1b import megatron_adapter
+
+ModelProvider = Callable[..., torch.nn.Module]
+"""`model_provider(pre_process, post_process, vp_stage, config) -> one model chunk`."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    return _DTYPES[args.params_dtype]
+
+
+def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
+    """The TransformerConfig of the run (fusions off, CPU initialisation without a GPU)."""
+    dtype = params_dtype(args)
+    return megatron_adapter.make_transformer_config(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        fp16=args.fp16, bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        calculate_per_token_loss=args.calculate_per_token_loss)
+
+
+def build_model(args: argparse.Namespace, config: TransformerConfig,
+                model_provider: ModelProvider) -> list[DistributedDataParallel]:
+    """This rank's model chunks (one, or V with interleaving), cast and wrapped in megatron DDP.
+
+    Also installs the hooks megatron's schedules call on `config`: no_sync (one per chunk when
+    interleaving) and finalize_model_grads.
+    """
+    chunks = []
+    for vp_stage in range(args.virtual_pipeline_model_parallel_size or 1):
+        vp = vp_stage if args.virtual_pipeline_model_parallel_size else None
+        chunk = model_provider(
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            vp_stage=vp, config=config)
+        for param in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if args.fp16 or args.bf16:
+            chunk = Float16Module(config, chunk)
+        chunks.append(chunk)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer)
+    model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+             for index, chunk in enumerate(chunks)]
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    config.finalize_model_grads_func = finalize_model_grads
+    return model
+
+
+def build_optimizer(args: argparse.Namespace, config: TransformerConfig,
+                    model: list[DistributedDataParallel]) -> MegatronOptimizer:
+    """Megatron's Adam (or distributed optimizer) with --clip-grad; also sets the loss scaling
+    hook the schedules call (dynamic loss scaling with --fp16)."""
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=params_dtype(args), use_distributed_optimizer=args.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(optimizer_config, model)
+    config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def build_lr_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer
+                       ) -> OptimizerParamScheduler:
+    """Warm-up then decay to --min-lr, counted in samples (iterations x global batch)."""
+    samples = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples,
+        lr_decay_steps=args.lr_decay_iters * samples, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The user's model under the DDP and Float16Module wrappers (whose state dict keys it
+    owns: checkpoints name parameters as the model does, without `module.` prefixes)."""
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+def first_or_last_stage(vp_stage: Optional[int]) -> bool:
+    """Whether chunk `vp_stage` of this rank reads data (first stage: tokens, last: labels)."""
+    return (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+            or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))

@@ -1,0 +1,347 @@
+"""`pretrain`: Megatron's training loop, with every pipeline schedule of the registry.
+
+One iteration: zero megatron DDP's grad buffers, run the forward-backward function of
+`--pipeline-schedule` (spans cut by `--seq1f1b-*`) over `num_micro_batches` micro-batches of this
+DP rank, let megatron's optimizer step (grad finalisation over DP/TP/PP happened inside the
+schedule; clipping and, with --fp16, loss scaling happen in `optimizer.step()`), advance the LR
+schedule by one global batch. Around it: log every --log-interval, evaluate every --eval-interval
+(forward only, same schedule and spans), save every --save-interval and at the end, stop at
+--exit-interval. The flow follows Megatron-LM's `pretrain()`; the user supplies the same three
+functions a Megatron `pretrain_gpt.py` does.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron.training import checkpointing, model_setup
+from megatron.training.data import MicroBatchIterator, train_valid_test_num_samples
+from megatron.training.global_vars import set_global_variables
+from megatron.training.initialize import finish_megatron, initialize_megatron
+from megatron.training.logging_utils import (IntervalReport, PeakMemory, TensorBoard, throughput,
+                                             validation_lines)
+from seq1f1b.plan.costs import ModelConfig
+from seq1f1b.runtime.forward_backward import SpanSettings, get_forward_backward_func
+
+DatasetsProvider = Callable[[Sequence[int]], Sequence[Optional[object]]]
+"""`provider([train, valid, test] sample counts) -> (train, valid, test) datasets (or None)`."""
+ForwardStep = Callable[..., tuple]
+"""Megatron's `forward_step(data_iterator, model) -> (output, loss_func)`."""
+
+
+@dataclass
+class IterationRecord:
+    """One training iteration as the last pipeline stage saw it (losses empty elsewhere)."""
+
+    iteration: int
+    losses: dict[str, float]
+    grad_norm: Optional[float]
+    learning_rate: float
+    skipped: bool
+
+
+@dataclass
+class TrainingSummary:
+    """What `pretrain` did, for callers and tests."""
+
+    start_iteration: int
+    iteration: int
+    history: list[IterationRecord] = field(default_factory=list)
+    validation: list[tuple[object, dict[str, float]]] = field(default_factory=list)
+    """(iteration, or "end/valid" / "end/test", reduced losses) of each evaluation."""
+    checkpoints: list[str] = field(default_factory=list)
+
+
+def print_rank_0(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def is_last_rank() -> bool:
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def print_rank_last(message: str) -> None:
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def is_dataset_built_on_rank() -> bool:
+    """Whether this rank feeds data to any of its model chunks (first or last pipeline stage)."""
+    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    return any(model_setup.first_or_last_stage(vp if chunks > 1 else None)
+               for vp in range(chunks))
+
+
+class _Run:
+    """The state one call of `pretrain` carries through its loop."""
+
+    def __init__(self, args: argparse.Namespace, forward_step_func: ForwardStep,
+                 model: list, optimizer: MegatronOptimizer,
+                 scheduler: OptimizerParamScheduler,
+                 position: checkpointing.RunPosition) -> None:
+        self.args = args
+        self.forward_step_func = forward_step_func
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.iteration = position.iteration
+        self.consumed_train_samples = position.consumed_train_samples
+        self.consumed_valid_samples = position.consumed_valid_samples
+        self.forward_backward = get_forward_backward_func(args.pipeline_schedule, SpanSettings(
+            splits=args.seq1f1b_splits, partition=args.seq1f1b_partition,
+            span_lengths=tuple(args.seq1f1b_span_lengths) if args.seq1f1b_span_lengths else None,
+            p2p_timeout_s=args.p2p_timeout))
+        self.memory = PeakMemory()
+        self.tensorboard = TensorBoard(args.tensorboard_dir, enabled=is_last_rank())
+        self.cost_model = ModelConfig(
+            num_layers=args.num_layers, hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+            vocab_size=args.padded_vocab_size)
+        self.summary = TrainingSummary(position.iteration, position.iteration)
+        self._interval: list[tuple[IterationRecord, float]] = []
+
+    # -- data --------------------------------------------------------------------------------
+    def iterators(self, dataset: Optional[object], consumed_samples: int) -> list:
+        """One MicroBatchIterator per model chunk that reads data, None for the others."""
+        chunks = len(self.model)
+        return [MicroBatchIterator(dataset, self.args.micro_batch_size,
+                                   parallel_state.get_data_parallel_rank(),
+                                   parallel_state.get_data_parallel_world_size(),
+                                   consumed_samples)
+                if model_setup.first_or_last_stage(vp if chunks > 1 else None) else None
+                for vp in range(chunks)]
+
+    # -- one iteration -----------------------------------------------------------------------
+    def _run_schedule(self, iterators: list, forward_only: bool) -> list:
+        args = self.args
+        return self.forward_backward(
+            forward_step_func=self.forward_step_func, data_iterator=iterators,
+            model=self.model, num_microbatches=args.num_micro_batches,
+            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+            forward_only=forward_only)
+
+    def train_step(self, iterators: list) -> IterationRecord:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        with self.memory.measure():
+            losses = self._run_schedule(iterators, forward_only=False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=self.args.global_batch_size)
+        self.iteration += 1
+        self.consumed_train_samples += self.args.global_batch_size
+        return IterationRecord(self.iteration, reduce_losses(losses),
+                               None if grad_norm is None else float(grad_norm),
+                               learning_rate, not update_successful)
+
+    # -- reporting ---------------------------------------------------------------------------
+    def record(self, record: IterationRecord, seconds: float) -> None:
+        self.summary.history.append(record)
+        self.summary.iteration = record.iteration
+        self._interval.append((record, seconds))
+        if record.iteration % self.args.log_interval == 0:
+            self.log_interval()
+
+    def log_interval(self) -> None:
+        """Emit one log line for the iterations since the last one (collective: gathers the
+        per-stage memory peaks)."""
+        args = self.args
+        records = [r for r, _ in self._interval]
+        seconds = sum(s for _, s in self._interval) / len(self._interval)
+        stage_peaks = _peaks_per_stage(self.memory.take_bytes())
+        self._interval = []
+        counted = [r for r in records if not r.skipped and "lm loss" in r.losses]
+        report = IntervalReport(
+            iteration=self.iteration, train_iters=args.train_iters,
+            consumed_samples=self.consumed_train_samples, seconds_per_iteration=seconds,
+            learning_rate=records[-1].learning_rate, global_batch_size=args.global_batch_size,
+            lm_loss=(sum(r.losses["lm loss"] for r in counted) / len(counted)) if counted
+            else None,
+            loss_scale=float(self.optimizer.get_loss_scale()),
+            grad_norm=records[-1].grad_norm,
+            skipped_iterations=sum(r.skipped for r in records),
+            throughput=throughput(self.cost_model, args.seq_length, args.global_batch_size,
+                                  args.world_size, seconds),
+            peak_memory_mb=[peak / 2**20 for peak in stage_peaks],
+            memory_source=self.memory.source)
+        print_rank_last(report.line())
+        self.tensorboard.training(report)
+
+    # -- evaluation --------------------------------------------------------------------------
+    def evaluate(self, iterators: list, where: str) -> dict[str, float]:
+        """--eval-iters global batches, forward only; prints Megatron's validation box."""
+        for chunk in self.model:
+            chunk.eval()
+        totals: list = []
+        with torch.no_grad():
+            for _ in range(self.args.eval_iters):
+                totals.append(self._run_schedule(iterators, forward_only=True))
+        for chunk in self.model:
+            chunk.train()
+        losses = reduce_losses([entry for batch in totals for entry in batch])
+        if "lm loss" in losses:
+            for line in validation_lines(where, losses["lm loss"]):
+                print_rank_last(line)
+        return losses
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self) -> None:
+        start = time.perf_counter()
+        folder = checkpointing.save_checkpoint(
+            self.args.save, self.model, self.optimizer, self.scheduler,
+            checkpointing.RunPosition(self.iteration, self.consumed_train_samples,
+                                      self.consumed_valid_samples))
+        self.summary.checkpoints.append(folder)
+        print_rank_0(f"  saved checkpoint at iteration {self.iteration:7d} to {folder} "
+                     f"in {time.perf_counter() - start:.2f} s")
+
+
+def reduce_losses(losses: list) -> dict[str, float]:
+    """Megatron's report of the loss dicts one iteration returned on the last stage.
+
+    Per-token entries (`[sum, count]`) are summed over micro-batches and DP ranks and divided: the
+    token mean of the global batch. Scalar entries are averaged over micro-batches and DP ranks.
+    Returns {} off the last pipeline stage.
+    """
+    if not losses or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return {}
+    group = parallel_state.get_data_parallel_group()
+    reduced = {}
+    for key in losses[0]:
+        values = [torch.as_tensor(entry[key]).detach().float().view(-1) for entry in losses]
+        if values[0].numel() == 2:
+            total = torch.stack(values).sum(dim=0)
+            dist.all_reduce(total, group=group)
+            reduced[key] = float(total[0] / total[1].clamp(min=1))
+        else:
+            total = torch.stack(values).mean(dim=0)
+            dist.all_reduce(total, group=group)
+            reduced[key] = float(total[0]) / dist.get_world_size(group)
+    return reduced
+
+
+def _peaks_per_stage(local_bytes: int) -> list[int]:
+    """Every rank's peak gathered; the maximum over the ranks of each pipeline stage."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    mine = torch.tensor([parallel_state.get_pipeline_model_parallel_rank(), local_bytes],
+                        dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    peaks = [0] * parallel_state.get_pipeline_model_parallel_world_size()
+    for stage, peak in (tuple(int(v) for v in t.tolist()) for t in gathered):
+        peaks[stage] = max(peaks[stage], peak)
+    return peaks
+
+
+def _train(run: _Run, train_iterators: list, valid_iterators: Optional[list]) -> bool:
+    """The loop; returns whether it reached --train-iters (False: stopped by --exit-interval)."""
+    args = run.args
+    saved_at = None
+    while run.iteration < args.train_iters:
+        start = time.perf_counter()
+        record = run.train_step(train_iterators)
+        run.record(record, time.perf_counter() - start)
+        iteration = run.iteration
+        if valid_iterators is not None and args.eval_iters and iteration % args.eval_interval == 0:
+            run.summary.validation.append(
+                (iteration, run.evaluate(valid_iterators, f"iteration {iteration}")))
+            run.consumed_valid_samples += args.eval_iters * args.global_batch_size
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            run.save()
+            saved_at = iteration
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            if args.save and saved_at != iteration:
+                run.save()
+            print_rank_0(f" exiting program at iteration {iteration} (--exit-interval)")
+            return iteration >= args.train_iters
+    if args.save and saved_at != run.iteration:
+        run.save()
+    return True
+
+
+def pretrain(args: argparse.Namespace, train_valid_test_datasets_provider: DatasetsProvider,
+             model_provider: model_setup.ModelProvider,
+             forward_step_func: ForwardStep) -> TrainingSummary:
+    """Train a model from validated `args` (megatron.training.arguments.parse_and_validate_args).
+
+    Collective: every rank of the torchrun / srun world calls it. Callable again in the same
+    process (the process group is reused, parallel_state rebuilt).
+    """
+    set_global_variables(args)
+    initialize_megatron(args)
+    try:
+        return _pretrain(args, train_valid_test_datasets_provider, model_provider,
+                         forward_step_func)
+    finally:
+        finish_megatron()
+
+
+def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
+              model_provider: model_setup.ModelProvider,
+              forward_step_func: ForwardStep) -> TrainingSummary:
+    print_rank_0(f"> training with {args.world_size} processes: TP={args.tensor_model_parallel_size}"
+                 f" PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}"
+                 f" V={args.virtual_pipeline_model_parallel_size or 1}, schedule "
+                 f"{args.pipeline_schedule} k={args.seq1f1b_splits} ({args.seq1f1b_partition}),"
+                 f" {args.num_micro_batches} micro-batches of {args.micro_batch_size}")
+    config = model_setup.core_transformer_config_from_args(args)
+    model = model_setup.build_model(args, config, model_provider)
+    if parallel_state.get_data_parallel_rank() == 0:
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+              f"({parallel_state.get_tensor_model_parallel_rank()}, "
+              f"{parallel_state.get_pipeline_model_parallel_rank()}): "
+              f"{sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
+    optimizer = model_setup.build_optimizer(args, config, model)
+    scheduler = model_setup.build_lr_scheduler(args, optimizer)
+
+    position = checkpointing.RunPosition()
+    if args.load:
+        loaded = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler)
+        if loaded is None:
+            print_rank_0(f" no checkpoint in --load {args.load}; starting from iteration 0")
+        else:
+            position = loaded
+            print_rank_0(f" loaded checkpoint from {args.load} at iteration {loaded.iteration}")
+
+    train_ds, valid_ds, test_ds = datasets_provider(train_valid_test_num_samples(
+        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters))
+    has_train, has_valid, has_test = _splits_present((train_ds, valid_ds, test_ds))
+    if not has_train:
+        raise RuntimeError("the datasets provider returned no training dataset")
+    run = _Run(args, forward_step_func, model, optimizer, scheduler, position)
+    valid_iterators = run.iterators(valid_ds, position.consumed_valid_samples) \
+        if has_valid and args.eval_iters else None
+    finished = _train(run, run.iterators(train_ds, position.consumed_train_samples),
+                      valid_iterators)
+    if finished and valid_iterators is not None:
+        run.summary.validation.append(
+            ("end/valid", run.evaluate(valid_iterators, "the end of training for val data")))
+    if finished and has_test and args.eval_iters:
+        run.summary.validation.append(
+            ("end/test", run.evaluate(run.iterators(test_ds, 0),
+                                      "the end of training for test data")))
+    run.tensorboard.close()
+    return run.summary
+
+
+def _splits_present(datasets: Sequence[Optional[object]]) -> list[bool]:
+    """Whether each split has data on some rank (ranks that feed no chunk build none), agreed
+    by every rank so that all of them run the same evaluations."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    present = torch.tensor([dataset is not None for dataset in datasets], dtype=torch.int64,
+                           device=device)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX)
+    return [bool(flag) for flag in present.tolist()]

@@ -1,0 +1,87 @@
+"""Pretrain a GPT with Megatron-LM's flags and any pipeline schedule of Seq1F1B's registry.
+
+    torchrun --nproc-per-node 4 pretrain_gpt.py --tensor-model-parallel-size 2 \\
+        --pipeline-model-parallel-size 2 --pipeline-schedule seq1f1b --seq1f1b-splits 4 ...
+    srun python pretrain_gpt.py ...            (rank and world from SLURM_PROCID / SLURM_NTASKS)
+
+The three functions below are what a Megatron user writes (model provider, forward step with the
+per-token loss, datasets provider); `megatron.training.training.pretrain` does the rest. Flags are
+validated before megatron-core is imported, so a bad one is reported at once: one line on stderr,
+exit code 2, nothing written. Module-level imports stay light on purpose: megatron-core's
+checkpoint writer starts a `spawn` helper process, which re-imports this file.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron.training.global_vars import get_args, get_tokenizer
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
+                   config=None) -> torch.nn.Module:
+    """One GPT model chunk: megatron's GPTModel with Seq1F1B's span-aware attention."""
+    from seq1f1b.megatron_adapter import build_model_chunk
+
+    args = get_args()
+    return build_model_chunk(
+        config, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type, pre_process=pre_process,
+        post_process=post_process, vp_stage=vp_stage, attention_backend=args.attention_backend,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+
+
+def get_batch(data_iterator):
+    """(tokens, labels, loss_mask, attention_mask, position_ids) of the next micro-batch (or the
+    span of it the schedule runs); Nones on stages that read no data."""
+    if data_iterator is None:
+        return None, None, None, None, None
+    batch = next(data_iterator)
+    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"],
+            batch["position_ids"])
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's per-token form: (sum of masked token losses, token count, report).
+
+    The schedule divides by the micro-batch's token count over all of its spans (or by the
+    global count with --calculate-per-token-loss), so splitting a sequence changes nothing.
+    """
+    losses = output_tensor.float().reshape(-1)      # a span of a micro-batch: not contiguous
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward step: run the chunk, hand back the loss function for the last stage."""
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, functools.partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(num_samples):
+    """megatron-core's GPT datasets (or mock data) for the ranks that feed a model chunk."""
+    from megatron.training.data import DataConfig, build_datasets
+    from megatron.training.training import is_dataset_built_on_rank
+
+    return build_datasets(DataConfig.from_args(get_args()), get_tokenizer(), num_samples,
+                          is_dataset_built_on_rank)
+
+
+if __name__ == "__main__":
+    import warnings
+
+    from megatron.training.arguments import parse_and_validate_args
+
+    arguments = parse_and_validate_args(None)
+    # megatron-core warns about each optional kernel library (TE, Apex) it falls back from.
+    warnings.filterwarnings("ignore", message=r"(?s).*(Transformer Engine|Apex).*not installed")
+    warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron's own default
+    from megatron.training.training import pretrain
+
+    pretrain(arguments, train_valid_test_datasets_provider, model_provider, forward_step)

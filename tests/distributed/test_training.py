@@ -1,0 +1,134 @@
+"""The whole training loop is exact (CPU, one torchrun launch of 4 processes):
+
+- resume: 2 x N iterations in one run equal N iterations (stopped by --exit-interval, which saves)
+  plus N more resumed with --load: every logged loss, grad norm, learning rate and evaluation is
+  identical, bit for bit. Two layouts: PP2 x DP2 with the distributed optimizer in fp32, and
+  TP2 x PP2 x V2 (seq1f1b-interleaved, two model chunks per rank) in bf16 with megatron's
+  mixed-precision optimizer; warm-up + cosine LR, evaluations before and after the resume;
+- schedules: the same data and seed under --pipeline-schedule 1f1b and seq1f1b with k=4 give the
+  same loss at every one of 10 iterations (rtol 1e-5) at TP2 x PP2 with sequence parallelism, and
+  our 1f1b matches megatron-core's own 1F1B schedule (megatron-1f1b) over the same iterations.
+"""
+import subprocess
+import sys
+
+import pytest
+
+from launch import ROOT, run_cases
+
+WORLD = 4
+N = 3
+SCHEDULE_ITERS = 10
+
+
+def _model_flags(data_prefix: str, micro_batch_size: int = 2) -> list[str]:
+    return ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "64", "--micro-batch-size", str(micro_batch_size),
+            "--global-batch-size", "8",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--data-path", data_prefix,
+            "--split", "90,8,2", "--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style",
+            "cosine", "--lr-warmup-iters", "2", "--log-interval", "1", "--seed", "7"]
+
+
+RESUME_LAYOUTS = {
+    "dp2_distopt": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+                    "--pipeline-schedule", "seq1f1b", "--seq1f1b-splits", "2"],
+    "tp2_v2_bf16": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                    "--num-layers-per-virtual-pipeline-stage", "1", "--bf16",
+                    "--pipeline-schedule", "seq1f1b-interleaved", "--seq1f1b-splits", "2"],
+}
+
+
+def _resume_flags(data_prefix: str, layout: str) -> list[str]:
+    return _model_flags(data_prefix) + RESUME_LAYOUTS[layout] + [
+        "--train-iters", str(2 * N), "--eval-interval", "2", "--eval-iters", "1"]
+
+
+def _schedule_flags(data_prefix: str, schedule: str, splits: int) -> list[str]:
+    """Two micro-batches of 4 per iteration (fewer, larger spans: the same check, less time)."""
+    return _model_flags(data_prefix, micro_batch_size=4) + [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--sequence-parallel", "--pipeline-schedule", schedule, "--seq1f1b-splits", str(splits),
+        "--train-iters", str(SCHEDULE_ITERS), "--eval-interval", "5", "--eval-iters", "1"]
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory):
+    """The first 300 documents of the quickstart corpus, preprocessed with the byte tokenizer."""
+    folder = tmp_path_factory.mktemp("data")
+    lines = (ROOT / "examples" / "data" / "corpus.jsonl").read_text().splitlines()[:300]
+    (folder / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"),
+                    "--input", str(folder / "corpus.jsonl"), "--output-prefix",
+                    str(folder / "corpus"), "--append-eod"], check=True, capture_output=True)
+    return str(folder / "corpus_text_document")
+
+
+@pytest.fixture(scope="module")
+def results(data_prefix, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    cases = {}
+    for layout in RESUME_LAYOUTS:
+        flags, checkpoints = _resume_flags(data_prefix, layout), str(root / layout)
+        cases[(layout, "straight")] = flags
+        cases[(layout, "first_half")] = flags + ["--save", checkpoints, "--exit-interval", str(N)]
+        cases[(layout, "resumed")] = flags + ["--load", checkpoints, "--save", checkpoints]
+    cases.update({
+        "1f1b": _schedule_flags(data_prefix, "1f1b", 1),
+        "seq1f1b": _schedule_flags(data_prefix, "seq1f1b", 4),
+        "megatron-1f1b": _schedule_flags(data_prefix, "megatron-1f1b", 1),
+    })
+    out = run_cases(WORLD, "training_worker.py", [{"argv": argv} for argv in cases.values()])
+    by_name = dict(zip(cases, out))
+    for name, result in by_name.items():
+        assert "error" not in result, f"{name}: {result.get('traceback', result.get('error'))}"
+    print("seconds per case:", {str(name): r["seconds"] for name, r in by_name.items()})
+    by_name["checkpoint_root"] = str(root)
+    return by_name
+
+
+def _losses(result: dict) -> list[float]:
+    return [record["losses"]["lm loss"] for record in result["history"]]
+
+
+@pytest.mark.parametrize("layout", RESUME_LAYOUTS)
+def test_exit_interval_stops_and_saves(results, layout):
+    first = results[(layout, "first_half")]
+    assert first["iteration"] == N and len(first["history"]) == N
+    assert first["checkpoints"] == [f"{results['checkpoint_root']}/{layout}/iter_{N:07d}"]
+
+
+@pytest.mark.parametrize("layout", RESUME_LAYOUTS)
+def test_resumed_run_logs_exactly_what_the_straight_run_logged(results, layout):
+    straight, first, resumed = (results[(layout, name)]
+                                for name in ("straight", "first_half", "resumed"))
+    assert resumed["start_iteration"] == N and resumed["iteration"] == 2 * N
+    assert [r["iteration"] for r in resumed["history"]] == list(range(N + 1, 2 * N + 1))
+    assert first["history"] + resumed["history"] == straight["history"]   # floats, bit for bit
+    # the evaluation after the resume reads the validation data where the first half left it
+    assert first["validation"] + resumed["validation"] == straight["validation"]
+
+
+def test_loss_falls_and_lr_follows_warmup_then_cosine(results):
+    history = results[("dp2_distopt", "straight")]["history"]
+    assert [r["learning_rate"] for r in history[:2]] == [0.0, 1e-3]
+    assert history[2]["learning_rate"] == pytest.approx(2e-3)
+    assert all(a > b for a, b in zip([r["learning_rate"] for r in history[2:]],
+                                     [r["learning_rate"] for r in history[3:]]))
+    losses = _losses(results["1f1b"])
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("other", ["seq1f1b", "megatron-1f1b"])
+def test_schedules_give_the_same_loss_at_every_iteration(results, other):
+    reference, candidate = _losses(results["1f1b"]), _losses(results[other])
+    assert len(reference) == len(candidate) == SCHEDULE_ITERS
+    assert candidate == pytest.approx(reference, rel=1e-5, abs=0)
+    ref_eval = [losses["lm loss"] for _, losses in results["1f1b"]["validation"]]
+    got_eval = [losses["lm loss"] for _, losses in results[other]["validation"]]
+    assert len(ref_eval) == 4    # iterations 5 and 10, end of training (valid, test)
+    assert got_eval == pytest.approx(ref_eval, rel=1e-5, abs=0)
+    grad_norms = [r["grad_norm"] for r in results[other]["history"]]
+    assert grad_norms == pytest.approx([r["grad_norm"] for r in results["1f1b"]["history"]],
+                                       rel=1e-4)
+

@@ -1,0 +1,59 @@
+"""torchrun worker: runs pretrain_gpt.py's training for each case in turn, in one launch.
+
+A case is {"argv": [flags]}; the flags are validated for this world and trained with
+pretrain_gpt.py's own model provider, forward step and datasets provider. The last rank (which
+holds the losses) writes one result per case: the per-iteration history, the evaluations, the
+start and end iteration and the seconds it took, or the error.
+
+Imports of megatron-core happen inside the functions: a checkpoint save starts a `spawn` helper
+process that re-imports this file, and each of the four ranks would pay for them again.
+"""
+import json
+import sys
+import time
+import traceback
+import warnings
+
+
+def run(argv: list) -> dict:
+    import torch.distributed as dist
+
+    import pretrain_gpt
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.training import pretrain
+
+    args = validate_args(parse_args(argv), dist.get_world_size())
+    summary = pretrain(args, pretrain_gpt.train_valid_test_datasets_provider,
+                       pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+    return {"start_iteration": summary.start_iteration, "iteration": summary.iteration,
+            "history": [vars(record) for record in summary.history],
+            "validation": [[where, losses] for where, losses in summary.validation],
+            "checkpoints": summary.checkpoints}
+
+
+def main(cases_path: str, results_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from seq1f1b.distributed import init_distributed
+
+    warnings.simplefilter("ignore", UserWarning)
+    torch.set_num_threads(1)
+    init_distributed(timeout_s=300)
+    results = []
+    for case in json.load(open(cases_path)):
+        start = time.perf_counter()
+        try:
+            result = run(case["argv"])
+        except Exception as err:  # reported per case; the other cases still run
+            result = {"error": f"{type(err).__name__}: {err}",
+                      "traceback": traceback.format_exc()[-3000:]}
+        result["seconds"] = round(time.perf_counter() - start, 2)
+        results.append(result)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        json.dump(results, open(results_path, "w"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
