@@ -335,7 +335,14 @@ def markdown(result: dict) -> str:
     def mib(values):
         return "-" if not values or values[0] is None else f"{values[0] / 2**20:.1f}"
 
-    lines = ["| schedule | k | V | iter ms | tokens/s | ratio | uniform-cost ratio | "
+    c = result["config"]
+    lines = [f"P={c['pp']} TP={c['tp']} DP={c['dp']} m={c['num_microbatches']} "
+             f"b={c['micro_batch_size']} L={c['seq_length']} layers={c['num_layers']} "
+             f"h={c['hidden_size']} heads={c['num_attention_heads']} vocab={c['vocab_size']} "
+             f"partition={c['partition']} threads={c['threads']} warmup={c['warmup']} "
+             f"iterations={c['iterations']}; bubble diff = (measured - simulated) / simulated",
+             "",
+             "| schedule | k | V | iter ms | tokens/s | ratio | uniform-cost ratio | "
              "bubble meas | bubble sim | bubble diff | makespan meas/sim | rank-0 peak MiB | "
              "rank-0 est MiB |",
              "|" + "---|" * 13]

@@ -4,7 +4,8 @@
     device_check.py OUTDIR            on a GPU (about 3-6 minutes on one H200)
     device_check.py OUTDIR --tiny     small shapes, runs on a CPU in seconds (CI smoke test)
 
-Writes OUTDIR/device_check.json with three parts:
+Writes OUTDIR/device_check.json with three parts (the stage first; parts that would start after
+--budget-s are skipped and say so):
 - attention: per kernel backend of `SpanAttention` (eager, sdpa, flex, flash, te; the ones that
   cannot run here are listed with the reason), the forward and forward+backward time of a query
   span of L/4 tokens at the end of a sequence of L, attending to its cached prefix, against full
@@ -33,7 +34,18 @@ from typing import Callable, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROG = "device_check.py"
-BACKENDS = ("eager", "sdpa", "flex", "flash", "te")
+BACKENDS = ("sdpa", "flash", "te", "eager", "flex")
+"""In the order they are measured: flex last, its compilation takes the longest."""
+
+
+class Deadline:
+    """The wall-clock budget of the whole check; parts that would start past it are skipped."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.perf_counter() + seconds
+
+    def passed(self) -> bool:
+        return time.perf_counter() > self.end
 
 
 @dataclass(frozen=True)
@@ -114,7 +126,7 @@ def _equal_pairs_length(length: int, span: int) -> int:
     return max(64, round(exact / 64) * 64) if exact >= 64 else max(1, round(exact))
 
 
-def check_attention(shapes: Shapes) -> dict:
+def check_attention(shapes: Shapes, deadline: Deadline) -> dict:
     import torch
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -144,6 +156,8 @@ def check_attention(shapes: Shapes) -> dict:
             reason = f"its fp32 score matrix would take {score_bytes / 1e9:.0f} GB"
         if reason is None and name == "flex" and device.type == "cpu":
             reason = "torch's FlexAttention has no CPU backward"
+        if reason is None and deadline.passed():
+            reason = "the time budget (--budget-s) ran out"
         if reason is not None:
             results["backends"][name] = {"skipped": reason}
             continue
@@ -231,7 +245,7 @@ def _stage_estimate(shapes: Shapes, seq_length: int, precision: str):
         make_vocab_size_divisible_by=1))
 
 
-def check_stage(shapes: Shapes) -> list[dict]:
+def check_stage(shapes: Shapes, deadline: Deadline) -> list[dict]:
     import torch
 
     from seq1f1b.equivalence import _forward_step
@@ -243,6 +257,9 @@ def check_stage(shapes: Shapes) -> list[dict]:
 
     runs = []
     for seq_length in shapes.stage_lengths:
+        if deadline.passed():
+            runs.append({"seq_length": seq_length, "skipped": "the time budget ran out"})
+            continue
         config, model = _stage_model(shapes, seq_length)
         precision = "fp32" if config.params_dtype == torch.float32 else "bf16"
         batch = _batch(shapes, seq_length)
@@ -322,6 +339,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--skip-stage", action="store_true",
                         help="only the attention comparison")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="skip the parts that would start after this many seconds "
+                             "(default 420)")
     args = parser.parse_args(argv)
     import torch
 
@@ -334,10 +354,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.manual_seed(0)
     _setup_process()
     started = time.perf_counter()
-    result = {"environment": _environment(), "shapes": asdict(shapes),
-              "attention": check_attention(shapes)}
-    if not args.skip_stage:
-        result["stage"] = check_stage(shapes)
+    deadline = Deadline(args.budget_s)
+    result = {"environment": _environment(), "shapes": asdict(shapes)}
+    if not args.skip_stage:                 # first: it calibrates the cost model
+        result["stage"] = check_stage(shapes, deadline)
+    result["attention"] = check_attention(shapes, deadline)
     result["wall_s"] = time.perf_counter() - started
     path = outdir / "device_check.json"
     path.write_text(json.dumps(result, indent=1))
