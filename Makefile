@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-unit test-distributed clean
+.PHONY: setup test test-unit test-distributed test-slurm clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,11 @@ test-unit: setup
 
 test-distributed: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/distributed
+
+# A throwaway Slurm cluster (installed from Debian's packages when missing) runs the sbatch
+# scripts of examples/slurm for real; `make test` runs these too, as part of tests/.
+test-slurm: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/slurm
 
 clean:
 	rm -rf $(VENV) .pytest_cache
