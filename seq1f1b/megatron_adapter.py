@@ -24,6 +24,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from seq1f1b.runtime.attention import SpanAttention
 from seq1f1b.runtime.positions import make_span_aware
+from seq1f1b.runtime.wgrad import (
+    SplitBackwardColumnParallelLinear,
+    SplitBackwardRowParallelLinear,
+)
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 
@@ -64,8 +68,13 @@ class SequenceParallelNorm(MegatronModule):
         return F.layer_norm(hidden, (self.hidden_size,), weight, self.bias, self.eps)
 
 
-def span_layer_spec(config: TransformerConfig, attention_backend: str = "auto") -> ModuleSpec:
-    """megatron's local GPT layer spec with `SpanAttention` and `SequenceParallelNorm` injected."""
+def span_layer_spec(config: TransformerConfig, attention_backend: str = "auto",
+                    split_backward: bool = False) -> ModuleSpec:
+    """megatron's local GPT layer spec with `SpanAttention` and `SequenceParallelNorm` injected.
+
+    `split_backward`: the four linears (QKV, attention projection, FC1, FC2) defer their weight
+    gradients to W actions (runtime/wgrad.py), for the zero-bubble schedules.
+    """
     if config.num_moe_experts or config.multi_latent_attention:
         raise NotImplementedError("Seq1F1B's layer spec covers dense GPT layers (no MoE, no MLA)")
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
@@ -78,14 +87,18 @@ def span_layer_spec(config: TransformerConfig, attention_backend: str = "auto") 
     if config.qk_layernorm:
         attention.q_layernorm = SequenceParallelNorm
         attention.k_layernorm = SequenceParallelNorm
+    if split_backward:
+        mlp = layer.mlp.submodules
+        attention.linear_qkv = mlp.linear_fc1 = SplitBackwardColumnParallelLinear
+        attention.linear_proj = mlp.linear_fc2 = SplitBackwardRowParallelLinear
     return spec
 
 
 def span_block_spec(config: TransformerConfig, attention_backend: str = "auto",
-                    vp_stage: Optional[int] = None,
-                    pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+                    vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+                    split_backward: bool = False) -> TransformerBlockSubmodules:
     """The decoder block of one model chunk: its layers plus a final norm that allows SP."""
-    layer = span_layer_spec(config, attention_backend)
+    layer = span_layer_spec(config, attention_backend, split_backward)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * count,
                                       layer_norm=SequenceParallelNorm)
@@ -98,8 +111,11 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
                       share_embeddings_and_output_weights: bool = False,
                       parallel_output: bool = True, rotary_percent: float = 1.0,
                       rotary_base: int = 10000,
-                      pg_collection: Optional[ProcessGroupCollection] = None) -> GPTModel:
-    """One GPTModel chunk (the layers of `vp_stage` on this pipeline rank) that can run spans."""
+                      pg_collection: Optional[ProcessGroupCollection] = None,
+                      split_backward: bool = False) -> GPTModel:
+    """One GPTModel chunk (the layers of `vp_stage` on this pipeline rank) that can run spans.
+
+    `split_backward`: the layers' linears defer their weight gradients (span_layer_spec)."""
     if position_embedding_type not in POSITION_EMBEDDINGS:
         raise ValueError(f"--position-embedding-type {position_embedding_type!r}: Seq1F1B spans "
                          f"support {', '.join(POSITION_EMBEDDINGS)}")
@@ -108,7 +124,8 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
         config=config,
         transformer_layer_spec=span_block_spec(
             config, attention_backend, vp_stage,
-            pp_rank=pp_group.rank() if pp_group is not None else None),
+            pp_rank=pp_group.rank() if pp_group is not None else None,
+            split_backward=split_backward),
         vocab_size=vocab_size, max_sequence_length=max_sequence_length,
         pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,

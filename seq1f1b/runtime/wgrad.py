@@ -1,0 +1,176 @@
+"""Deferred weight gradients: megatron's tensor-parallel linears with backward split into B and W.
+
+Zero-bubble schedules run a span's backward as two actions. B computes the gradient w.r.t. the
+stage input (the previous stage waits for it); W computes the weight gradients (nobody waits).
+`SplitBackwardColumnParallelLinear` / `SplitBackwardRowParallelLinear` are megatron's
+ColumnParallelLinear / RowParallelLinear whose autograd function, when a backward runs inside
+`WeightGradStore.begin(key)`, does only the B half: the input-gradient GEMM with megatron's
+tensor-parallel reduction (all-reduce, or the sequence-parallel reduce-scatter), and the bias
+gradient (a cheap sum). The weight-gradient GEMM is queued under `key` with the tensors it needs,
+which autograd saved anyway (the layer input and the output gradient), and runs at
+`WeightGradStore.flush(key)`. Nothing is recomputed: B + W is the same work as one backward.
+
+Outside `begin` the layers are megatron's, untouched: the backward is megatron's own code, so
+schedules without W and forward-only runs are unaffected.
+
+Where the gradient goes: `flush` hands each weight its gradient through autograd's own
+accumulation (`torch.autograd.backward` on the parameter), exactly where a normal backward puts
+it: `weight.grad` without DDP; with megatron's DistributedDataParallel the parameter's
+grad-accumulator hook then adds it to `main_grad` (and clears `.grad`), as after any backward,
+so `finalize_model_grads` sees it. (With `gradient_accumulation_fusion` megatron would add into
+`main_grad` inside the GEMM; the deferred GEMM takes the hook path instead, same sum.) During B
+the hook still fires, with no gradient: harmless when `overlap_grad_reduce` is off (megatron's
+default and this project's); with it on, megatron's hook asserts a gradient exists.
+
+Under sequence parallelism the layer input is a sequence shard; the deferred GEMM needs the
+whole sequence and all-gathers it at W (all TP ranks run the same program, so the collective
+matches). Keeping the shard, not the gathered copy, holds between B and W only what autograd
+already held for the backward.
+
+One store per executor. The layers find it through a module-level slot that `begin` sets: a
+plain global, not thread-local, because on CUDA the autograd engine runs backward functions on
+its own device threads.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Hashable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    LinearWithGradAccumulationAndAsyncCommunication,
+    RowParallelLinear,
+    custom_bwd,
+)
+from megatron.core.utils import (
+    get_tensor_model_parallel_group_if_none,
+    prepare_input_tensors_for_wgrad_compute,
+)
+
+
+@dataclass
+class _DeferredGemm:
+    """One weight-gradient GEMM of one linear, with the tensors B left for it."""
+
+    weight: torch.nn.Parameter
+    input: torch.Tensor               # the layer input as autograd saved it (SP: a shard)
+    grad_output: torch.Tensor
+    sequence_parallel: bool
+    tp_group: Optional[dist.ProcessGroup]
+
+    def compute(self) -> torch.Tensor:
+        total_input = self.input
+        if self.sequence_parallel:
+            shape = list(self.input.shape)
+            shape[0] *= self.tp_group.size()
+            total_input = torch.empty(shape, dtype=self.input.dtype, device=self.input.device)
+            dist.all_gather_into_tensor(total_input, self.input.contiguous(),
+                                        group=self.tp_group)
+        grad_output, total_input = prepare_input_tensors_for_wgrad_compute(
+            self.grad_output, total_input)
+        return grad_output.t().matmul(total_input)
+
+
+_active: Optional[tuple["WeightGradStore", Hashable]] = None
+"""(store, key) that split-backward linears defer to while a B runs; None: full backward."""
+
+
+class WeightGradStore:
+    """Weight-gradient GEMMs deferred by B actions, by key, until their W action.
+
+    The executor owns one: at B(i,j,c) it runs the backward inside `begin((i, j, c))`, at W(i,j,c)
+    it calls `flush((i, j, c))`. After an iteration `pending()` is empty.
+    """
+
+    def __init__(self) -> None:
+        self._gemms: dict[Hashable, list[_DeferredGemm]] = {}
+
+    @contextlib.contextmanager
+    def begin(self, key: Hashable) -> Iterator[None]:
+        """Backwards run inside defer their weight gradients under `key`."""
+        global _active
+        previous, _active = _active, (self, key)
+        try:
+            yield
+        finally:
+            _active = previous
+
+    def defer(self, key: Hashable, gemm: _DeferredGemm) -> None:
+        self._gemms.setdefault(key, []).append(gemm)
+
+    def flush(self, key: Hashable) -> None:
+        """Run the GEMMs deferred under `key` and accumulate each weight's gradient the way
+        autograd does (DDP's hooks included). A key nothing was deferred under is a no-op."""
+        grads: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        with torch.no_grad():
+            for gemm in self._gemms.pop(key, []):
+                grad = gemm.compute().to(gemm.weight.dtype)
+                weight_id = id(gemm.weight)
+                if weight_id in grads:
+                    grad = grads[weight_id][1] + grad
+                grads[weight_id] = (gemm.weight, grad)
+        if grads:
+            weights, values = zip(*grads.values())
+            torch.autograd.backward(list(weights), grad_tensors=list(values))
+
+    def pending(self) -> list[Hashable]:
+        """Keys whose weight gradients are still deferred."""
+        return list(self._gemms)
+
+
+class _SplitBackwardLinear(LinearWithGradAccumulationAndAsyncCommunication):
+    """megatron's linear autograd function; inside `WeightGradStore.begin`, backward is B only."""
+
+    @staticmethod
+    @custom_bwd
+    def backward(ctx, grad_output):
+        target = _active
+        if target is None or ctx.grad_output_buffer is not None:
+            return LinearWithGradAccumulationAndAsyncCommunication.backward(ctx, grad_output)
+        store, key = target
+        input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        if ctx.sequence_parallel:
+            grad_shard = torch.empty(input.shape, dtype=input.dtype, device=grad_input.device)
+            dist.reduce_scatter_tensor(grad_shard, grad_input.contiguous(), group=ctx.tp_group)
+            grad_input = grad_shard
+        elif ctx.allreduce_dgrad:
+            dist.all_reduce(grad_input, group=ctx.tp_group)
+        store.defer(key, _DeferredGemm(weight, input, grad_output, ctx.sequence_parallel,
+                                       ctx.tp_group))
+        grad_bias = (grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
+                     if ctx.use_bias else None)
+        return grad_input, None, grad_bias, None, None, None, None, None, None
+
+
+def _split_backward_linear(input: torch.Tensor, weight: torch.Tensor,
+                           bias: Optional[torch.Tensor], gradient_accumulation_fusion: bool,
+                           allreduce_dgrad: bool, sequence_parallel: bool,
+                           grad_output_buffer: Optional[list] = None,
+                           wgrad_deferral_limit: Optional[int] = 0,
+                           tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """megatron's linear_with_grad_accumulation_and_async_allreduce with our autograd function."""
+    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    return _SplitBackwardLinear.apply(input, weight, bias, gradient_accumulation_fusion,
+                                      allreduce_dgrad, sequence_parallel, grad_output_buffer,
+                                      wgrad_deferral_limit, tp_group)
+
+
+class _SplitBackwardForward:
+    """Mixin: megatron's tensor-parallel linear forward, through `_SplitBackwardLinear`."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if not weight.requires_grad:        # frozen weights have no weight gradient to defer
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return _split_backward_linear(input, weight, *args, **kwargs)
+
+
+class SplitBackwardColumnParallelLinear(_SplitBackwardForward, ColumnParallelLinear):
+    """ColumnParallelLinear whose weight gradient waits for `WeightGradStore.flush`."""
+
+
+class SplitBackwardRowParallelLinear(_SplitBackwardForward, RowParallelLinear):
+    """RowParallelLinear whose weight gradient waits for `WeightGradStore.flush`."""
