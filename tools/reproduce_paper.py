@@ -23,7 +23,7 @@ import shlex
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
