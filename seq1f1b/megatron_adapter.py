@@ -27,6 +27,7 @@ from seq1f1b.runtime.positions import make_span_aware
 from seq1f1b.runtime.wgrad import (
     SplitBackwardColumnParallelLinear,
     SplitBackwardRowParallelLinear,
+    make_split_backward,
 )
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
@@ -115,7 +116,8 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
                       split_backward: bool = False) -> GPTModel:
     """One GPTModel chunk (the layers of `vp_stage` on this pipeline rank) that can run spans.
 
-    `split_backward`: the layers' linears defer their weight gradients (span_layer_spec)."""
+    `split_backward`: the layers' linears (span_layer_spec) and the output layer defer their
+    weight gradients to W actions (runtime/wgrad.py)."""
     if position_embedding_type not in POSITION_EMBEDDINGS:
         raise ValueError(f"--position-embedding-type {position_embedding_type!r}: Seq1F1B spans "
                          f"support {', '.join(POSITION_EMBEDDINGS)}")
@@ -133,6 +135,8 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
         rotary_base=rotary_base, pg_collection=pg_collection, vp_stage=vp_stage)
     if position_embedding_type == "rope":
         make_span_aware(model.rotary_pos_emb)
+    if split_backward and post_process:
+        make_split_backward(model.output_layer)
     return model
 
 

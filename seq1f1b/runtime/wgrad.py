@@ -3,11 +3,12 @@
 Zero-bubble schedules run a span's backward as two actions. B computes the gradient w.r.t. the
 stage input (the previous stage waits for it); W computes the weight gradients (nobody waits).
 `SplitBackwardColumnParallelLinear` / `SplitBackwardRowParallelLinear` are megatron's
-ColumnParallelLinear / RowParallelLinear whose autograd function, when a backward runs inside
-`WeightGradStore.begin(key)`, does only the B half: the input-gradient GEMM with megatron's
-tensor-parallel reduction (all-reduce, or the sequence-parallel reduce-scatter), and the bias
-gradient (a cheap sum). The weight-gradient GEMM is queued under `key` with the tensors it needs,
-which autograd saved anyway (the layer input and the output gradient), and runs at
+ColumnParallelLinear / RowParallelLinear (the layer spec's QKV, projection, FC1 and FC2;
+`make_split_backward` converts GPTModel's output layer) whose autograd function, when a backward
+runs inside `WeightGradStore.begin(key)`, does only the B half: the input-gradient GEMM with
+megatron's tensor-parallel reduction (all-reduce, or the sequence-parallel reduce-scatter), and
+the bias gradient (a cheap sum). The weight-gradient GEMM is queued under `key` with the tensors
+it needs, which autograd saved anyway (the layer input and the output gradient), and runs at
 `WeightGradStore.flush(key)`. Nothing is recomputed: B + W is the same work as one backward.
 
 Outside `begin` the layers are megatron's, untouched: the backward is megatron's own code, so
@@ -174,3 +175,18 @@ class SplitBackwardColumnParallelLinear(_SplitBackwardForward, ColumnParallelLin
 
 class SplitBackwardRowParallelLinear(_SplitBackwardForward, RowParallelLinear):
     """RowParallelLinear whose weight gradient waits for `WeightGradStore.flush`."""
+
+
+def make_split_backward(linear: ColumnParallelLinear | RowParallelLinear
+                        ) -> ColumnParallelLinear | RowParallelLinear:
+    """Turn a linear megatron built itself (GPTModel's output layer) into its split-backward
+    subclass, in place: the subclass adds no state, so every attribute stays megatron's."""
+    for base, split in ((ColumnParallelLinear, SplitBackwardColumnParallelLinear),
+                        (RowParallelLinear, SplitBackwardRowParallelLinear)):
+        if isinstance(linear, split):
+            return linear
+        if type(linear) is base:
+            linear.__class__ = split
+            return linear
+    raise TypeError(f"split backward supports megatron's ColumnParallelLinear and "
+                    f"RowParallelLinear, got {type(linear).__name__}")

@@ -40,7 +40,7 @@ def assert_exact_split(result: dict, case: str = "tp=1") -> None:
 @pytest.mark.parametrize("ddp", [False, True], ids=["plain", "ddp"])
 def test_b_then_w_equals_megatrons_backward(ddp):
     result = compare_split_backward(tp=1, sequence_parallel=False, ddp=ddp)
-    assert result["deferred"] == 2 * 4        # QKV, projection, FC1, FC2 of each of 2 layers
+    assert result["deferred"] == 2 * 4 + 1    # QKV, projection, FC1, FC2 of 2 layers; output
     assert_exact_split(result)
 
 
@@ -96,14 +96,16 @@ def test_w_reuses_what_b_saved_and_an_empty_key_is_a_no_op():
 
 
 @pytest.mark.usefixtures("megatron_world")
-def test_spans_b_in_reverse_then_w_in_any_order_equal_the_unsplit_model():
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_spans_b_in_reverse_then_w_in_any_order_equal_the_unsplit_model(tied):
     """The KV-cache routing of dK/dV survives the split: B(0,j) for j = k-1..0 each inside
-    begin((0, j, 0)), then the W in forward order (any order after their B is valid)."""
+    begin((0, j, 0)), then the W in forward order (any order after their B is valid). With tied
+    embeddings the output layer's deferred part joins the embedding's own gradient."""
     config = make_transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4,
                                      ffn_hidden_size=64, init_method_std=0.2)
     torch.manual_seed(0)
     model = build_model_chunk(config, vocab_size=64, max_sequence_length=24,
-                              split_backward=True)
+                              share_embeddings_and_output_weights=tied, split_backward=True)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 64, (2, 25), generator=gen)
     inputs, labels, positions = tokens[:, :-1], tokens[:, 1:], torch.arange(24).expand(2, 24)
