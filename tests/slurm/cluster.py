@@ -123,6 +123,7 @@ class SlurmCluster:
         self.spec = spec
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge-run" / "munge.socket"
+        self._children: list[subprocess.Popen] = []
 
     # -- what clients need ---------------------------------------------------------------------
     @property
@@ -147,11 +148,19 @@ class SlurmCluster:
         self._write_config()
         self._add_hosts()
         self._start_munged()
-        _run(["slurmctld", "-f", str(self.conf)], env=self.env)
+        self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
         for node in self.spec.nodes:
             (self.root / "spool" / node).mkdir(parents=True, exist_ok=True)
-            _run(["slurmd", "-f", str(self.conf), "-N", node], env=self.env)
+            self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-f", str(self.conf), "-N", node])
         self._wait_idle(timeout)
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        """A daemon in the foreground as our child, in its own session: this process reaps it
+        at stop() (an init that reaps no orphans would keep a daemonised one as a zombie)."""
+        with open(self.root / "log" / f"{name}.stderr", "ab") as stderr:
+            self._children.append(subprocess.Popen(
+                argv, env=self.env, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
+                start_new_session=True))
 
     def _write_config(self) -> None:
         spec, root = self.spec, self.root
@@ -210,9 +219,16 @@ class SlurmCluster:
         key.chmod(0o600)
         for path in (secret, key, run):
             shutil.chown(path, "munge", "munge")
-        _run(["runuser", "-u", "munge", "--", "munged", f"--socket={self.munge_socket}",
-              f"--key-file={key}", f"--pid-file={run}/munged.pid",
-              f"--log-file={secret}/munged.log", f"--seed-file={secret}/munged.seed"])
+        self._spawn("munged", ["setpriv", "--reuid=munge", "--regid=munge", "--clear-groups",
+                               "munged", "--foreground", f"--socket={self.munge_socket}",
+                               f"--key-file={key}", f"--pid-file={run}/munged.pid",
+                               f"--log-file={secret}/munged.log",
+                               f"--seed-file={secret}/munged.seed"])
+        deadline = time.monotonic() + 20
+        while not self.munge_socket.exists():
+            if time.monotonic() > deadline or self._children[-1].poll() is not None:
+                raise RuntimeError(f"munged did not start; see {secret}/munged.log")
+            time.sleep(0.1)
 
     def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -249,6 +265,10 @@ class SlurmCluster:
             pid = _read_pid(pid_file)
             if pid is not None and not _stop_pid(pid, timeout / 4):
                 survivors.append(pid)
+        for child in self._children:
+            if child.poll() is None and not _stop_pid(child.pid, timeout / 4):
+                survivors.append(child.pid)
+            child.poll()
         self._remove_hosts()
         return survivors
 
