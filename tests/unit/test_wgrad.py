@@ -82,9 +82,11 @@ def test_w_reuses_what_b_saved_and_an_empty_key_is_a_no_op():
         with store.begin(key):
             out.square().sum().backward()
         assert x.grad is not None and layer.weight.grad is None
+    per_key = (4 * 16 + 4 * 8) * 4      # the fp32 input (4x1x16) and output grad (4x1x8)
+    assert store.held_bytes() == 2 * per_key
     store.flush("nothing")
     store.flush(1)
-    assert store.pending() == [0]
+    assert store.pending() == [0] and store.held_bytes() == per_key
     first = layer.weight.grad.clone()
     out, _ = layer(inputs[1])
     expected_1 = torch.autograd.grad(out.square().sum(), layer.weight)[0]
