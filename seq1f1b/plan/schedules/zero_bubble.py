@@ -37,7 +37,7 @@ from seq1f1b.plan.schedules.gpipe import backward_order, forward_order
 from seq1f1b.plan.schedules.one_f_one_b import group_units, one_f_one_b_programs
 
 
-def peak_live_units(program: Sequence[Action]) -> int:
+def peak_live_spans(program: Sequence[Action]) -> int:
     """Most spans held at once by a program without W: each lives from its F to its B."""
     live = peak = 0
     for action in program:
@@ -112,7 +112,7 @@ def zero_bubble_programs(pp: int, microbatches: int, splits: int, unit_size: int
     forward = group_units(forward_order(microbatches, splits), unit_size)
     backward = group_units(backward_order(microbatches, splits), unit_size)
     bases = one_f_one_b_programs(pp, forward, backward, depth_per_rank=1)
-    limit = max(peak_live_units(program) for program in bases)
+    limit = max(peak_live_spans(program) for program in bases)
     replay = _Replay.of(pp, microbatches, splits, bases)
     ops = [action.op for _, action in replay.actions]
     # Steps are numbered rank by rank in program order, each B followed by its W.
