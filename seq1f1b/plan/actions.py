@@ -6,6 +6,7 @@ read the same thing. The dependency rules between actions live here, once, in `d
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import re
 from dataclasses import dataclass, field
@@ -108,7 +109,7 @@ class Schedule:
             rank = self.pp - 1 - rank
         return rank, chunk
 
-    @property
+    @functools.cached_property
     def split_backward(self) -> bool:
         """True when backward is split into B (input grad) and W (weight grad) actions."""
         return any(a.op == "W" for program in self.programs for a in program)
@@ -204,8 +205,14 @@ def dependencies(schedule: Schedule, rank: int, action: Action) -> list[tuple[in
     return needs
 
 
-def expected_actions(schedule: Schedule, rank: int) -> set[Action]:
+def expected_actions(schedule: Schedule, rank: int) -> frozenset[Action]:
     """Every action `rank` must run exactly once: F and B (and W when split) of every unit."""
-    ops: Iterable[str] = ("F", "B", "W") if schedule.split_backward else ("F", "B")
-    return {Action(op, i, j, c) for op in ops for i in range(schedule.microbatches)
-            for j in range(schedule.splits) for c in range(schedule.chunks)}
+    return _all_actions(schedule.microbatches, schedule.splits, schedule.chunks,
+                        schedule.split_backward)
+
+
+@functools.lru_cache(maxsize=16)
+def _all_actions(microbatches: int, splits: int, chunks: int, split: bool) -> frozenset[Action]:
+    ops: Iterable[str] = ("F", "B", "W") if split else ("F", "B")
+    return frozenset(Action(op, i, j, c) for op in ops for i in range(microbatches)
+                     for j in range(splits) for c in range(chunks))
