@@ -108,7 +108,9 @@ def _build(case: EquivalenceCase, config, *, pre_process: bool, post_process: bo
         position_embedding_type=case.position_embedding_type, pre_process=pre_process,
         post_process=post_process, vp_stage=vp_stage,
         share_embeddings_and_output_weights=not case.untie_embeddings,
-        attention_backend=case.attention_backend)
+        attention_backend=case.attention_backend,
+        split_backward=case.schedule not in MEGATRON_SCHEDULES
+        and registry.get(case.schedule).splits_backward)
 
 
 def _global_batch(case: EquivalenceCase, dp: int) -> list[dict]:

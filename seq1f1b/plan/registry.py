@@ -22,19 +22,21 @@ class ScheduleInfo:
     description: str
     chunked: bool = False      # uses V >= 2 model chunks per rank (interleaving)
     placement: str = "loop"    # how (rank, chunk) maps to a virtual stage
+    splits_backward: bool = False  # B is input-grad only and W actions carry the weight grads
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
 
 
-def register(name: str, *, description: str, chunked: bool = False, placement: str = "loop"
-             ) -> Callable[[Builder], Builder]:
+def register(name: str, *, description: str, chunked: bool = False, placement: str = "loop",
+             splits_backward: bool = False) -> Callable[[Builder], Builder]:
     """Decorator: register `builder` under `name`."""
 
     def wrap(builder: Builder) -> Builder:
         if name in _REGISTRY:
             raise ValueError(f"schedule {name!r} registered twice")
-        _REGISTRY[name] = ScheduleInfo(name, builder, description, chunked, placement)
+        _REGISTRY[name] = ScheduleInfo(name, builder, description, chunked, placement,
+                                       splits_backward)
         return builder
 
     return wrap

@@ -23,6 +23,7 @@ from seq1f1b.runtime.loss import MicrobatchLoss
 from seq1f1b.runtime.p2p import PipelineChannels
 from seq1f1b.runtime.span_data import SpanDataSource
 from seq1f1b.runtime.trace import ExecutionTrace
+from seq1f1b.runtime.wgrad import WeightGradStore
 
 
 @dataclass
@@ -85,9 +86,6 @@ class Executor:
     def __init__(self, inputs: StepInputs) -> None:
         self.inp = inputs
         sched = inputs.schedule
-        if sched.split_backward:
-            raise ScheduleError(f"--pipeline-schedule: {sched.name} splits backward into B and W; "
-                                "this runtime runs full backward actions only")
         if len(inputs.model_chunks) != sched.chunks:
             raise ScheduleError(f"the schedule has {sched.chunks} model chunks per rank, the model "
                                 f"has {len(inputs.model_chunks)}")
@@ -117,6 +115,9 @@ class Executor:
         self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         self.grad_sync = _GradSync(config.no_sync_func)
         self.deallocate = bool(config.deallocate_pipeline_outputs)
+        # Weight-gradient GEMMs that B defers to W (schedules that split backward): the model
+        # must be built with split-backward linears (build_model_chunk(split_backward=True)).
+        self.wgrad = WeightGradStore()
 
     # -- helpers ---------------------------------------------------------------------------------
     def _shape_of(self, span: int) -> tuple[int, int, int]:
@@ -211,7 +212,8 @@ class Executor:
             # Inside the span's context: a recomputed forward (activation recompute) must find
             # the same span, offsets and KV cache as the original one.
             start, end = self.inp.spans[j]
-            with span_context(SpanContext(i, j, start, end, cache)):
+            with span_context(SpanContext(i, j, start, end, cache)), self.wgrad.begin(
+                    action.key()) if self.schedule.split_backward else contextlib.nullcontext():
                 _backward([output], [grad], deallocated)
         cache.release(j)
         if j == 0:
@@ -222,12 +224,18 @@ class Executor:
                 input_grad = torch.zeros_like(input_tensor)
             self.channels.send(action, input_grad)
 
+    def weight_grad(self, action: Action, is_last_backward: bool) -> None:
+        """W(i,j): the weight-gradient GEMMs that B(i,j) deferred."""
+        if is_last_backward:
+            self.grad_sync.enable()
+        self.wgrad.flush(action.key())
+
     # -- the iteration ---------------------------------------------------------------------------
     def run(self) -> list:
         """Run the whole program; returns one entry per micro-batch on the last stage, else []."""
         if not self.inp.forward_only:
             self.grad_sync.disable()
-        last_backward = max((n for n, a in enumerate(self.program) if a.op == "B"), default=-1)
+        last_backward = max((n for n, a in enumerate(self.program) if a.op != "F"), default=-1)
         trace = self.inp.trace
         if trace is not None:
             trace.begin(self.held_bytes)
@@ -238,25 +246,28 @@ class Executor:
             start = time.perf_counter()
             if action.op == "F":
                 self.forward(action)
-            else:
+            elif action.op == "B":
                 self.backward(action, n == last_backward)
+            else:
+                self.weight_grad(action, n == last_backward)
             if trace is not None:
                 trace.record(action.format(show_chunk), start, time.perf_counter())
         self.channels.finish()
         if trace is not None:
             trace.end()
         self.grad_sync.enable()
-        leftovers = len(self.saved) + sum(len(cache) for cache in self.caches.values())
-        if leftovers or self.caches or self.losses:
-            raise RuntimeError(f"pipeline rank {self.inp.rank}: {len(self.saved)} activations and "
-                               f"{len(self.caches)} KV caches left after the iteration")
+        if self.saved or self.caches or self.losses or self.wgrad.pending():
+            raise RuntimeError(f"pipeline rank {self.inp.rank}: {len(self.saved)} activations, "
+                               f"{len(self.caches)} KV caches and {len(self.wgrad.pending())} "
+                               "deferred weight gradients left after the iteration")
         return self.forward_data_store if self._holds_last_stage() else []
 
     def held_bytes(self) -> int:
-        """Bytes of the stage outputs the executor stashes for backward (autograd may not save
-        them itself); the saved-tensor meter adds them to what autograd saves."""
-        return sum(out.untyped_storage().nbytes() for _, out in self.saved.values()
-                   if isinstance(out, torch.Tensor))
+        """Bytes the executor stashes beyond autograd's saved tensors: stage outputs kept for
+        backward and the output grads deferred to W; the saved-tensor meter adds them."""
+        return self.wgrad.held_bytes() + sum(
+            out.untyped_storage().nbytes() for _, out in self.saved.values()
+            if isinstance(out, torch.Tensor))
 
     def _holds_last_stage(self) -> bool:
         last = self.schedule.num_stages - 1

@@ -166,12 +166,13 @@ def _choose(state: _Rank, replay: _Replay, ops: list[str], now: int) -> Optional
 
 @register("zb-h1", description="zero-bubble ZB-H1: 1F1B's memory, backward split into B (input "
                                "grad) and W (weight grad) deferred into the bubbles; micro-batch "
-                               "units, each run span by span")
+                               "units, each run span by span", splits_backward=True)
 def zb_h1(pp: int, microbatches: int, splits: int, chunks: int) -> list[list[Action]]:
     return zero_bubble_programs(pp, microbatches, splits, unit_size=splits)
 
 
 @register("seq1f1b-zb-h1", description="Seq1F1B with ZB-H1: seq1f1b's memory, B in reverse span "
-                                       "order, W deferred into the bubbles")
+                                       "order, W deferred into the bubbles",
+          splits_backward=True)
 def seq1f1b_zb_h1(pp: int, microbatches: int, splits: int, chunks: int) -> list[list[Action]]:
     return zero_bubble_programs(pp, microbatches, splits, unit_size=1)
