@@ -5,6 +5,7 @@
     reproduce_paper.py --json              {"memory": [...], "throughput": [...], "ablation": [...]}
     reproduce_paper.py --launch DIR        one Slurm job per cell of the sweep (--submit: sbatch)
     reproduce_paper.py --collect DIR       the same tables from those jobs' logs, OOM runs included
+                                           (read with examples/slurm/job_results.py)
 
 (a) memory: per panel of the paper's memory figure, the estimator's peak GiB per GPU (the
     largest stage) with an OOM verdict at --gpu-memory (80), beside the paper's number or OOM
@@ -16,11 +17,10 @@ The paper does not state TP/PP per panel; `PANELS` holds what we assume and why.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import re
 import shlex
-import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,12 +30,13 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
-from seq1f1b.plan.costs import iteration_flops, preset  # noqa: E402
+from seq1f1b.plan.costs import preset  # noqa: E402
 from seq1f1b.plan.memory import GIB, TrainingSetup, estimate_memory  # noqa: E402
 from seq1f1b.plan.projection import A100, project  # noqa: E402
 
 PROG = "reproduce_paper.py"
 REPO = Path(__file__).resolve().parents[1]
+JOB_RESULTS = REPO / "examples" / "slurm" / "job_results.py"
 SPLITS = 4                  # k of the authors' scripts (--pipe-sp-splits 4)
 CHUNKS = 2                  # V of the interleaved runs (the authors' VPP 2)
 
@@ -272,6 +273,9 @@ def _job_script(panel: Panel, seq_length: int, schedule: str, folder: Path,
     nodes = max(1, panel.gpus // A100.gpus_per_node)
     flags = " ".join(shlex.quote(f) for f in training_flags(panel, seq_length, schedule,
                                                             train_iters))
+    cell = " ".join(f"{key}={value}"
+                    for key, value in _full_cell(panel, seq_length, schedule).items())
+    log = shlex.quote(str(folder / "train.log"))
     return f"""#!/bin/bash
 #SBATCH --job-name={_job_name(panel, seq_length, schedule)}
 #SBATCH --nodes={nodes}
@@ -290,78 +294,85 @@ export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
 export MASTER_PORT="${{MASTER_PORT:-29500}}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 if [ -n "${{DATA_PATH:-}}" ]; then DATA=(--data-path "$DATA_PATH"); else DATA=(--mock-data); fi
-srun --kill-on-bad-exit=1 "$PYTHON" {REPO}/pretrain_gpt.py {flags} "${{DATA[@]}}" \\
-    --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE"
-echo $? > {folder}/exit_code
+srun --kill-on-bad-exit=1 "$PYTHON" {shlex.quote(str(REPO / "pretrain_gpt.py"))} {flags} "${{DATA[@]}}" \\
+    --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE" \\
+    2>&1 | tee {log}
+rc=${{PIPESTATUS[0]}}
+"$PYTHON" {shlex.quote(str(JOB_RESULTS))} summarize --log {log} --exit-code "$rc" {cell}
+exit "$rc"
 """
 
 
+def _full_cell(panel: Panel, seq_length: int, schedule: str) -> dict:
+    setup = _setup(panel, seq_length, schedule)
+    return {**_cell(panel, seq_length, schedule), "splits": setup.splits, "chunks": setup.chunks}
+
+
 def launch(folder: Path, submit: bool, train_iters: int, time_limit: str) -> list[Path]:
-    """Write one job per (panel, L, schedule) under `folder`; with `submit`, sbatch each."""
-    scripts = []
+    """Write one job per (panel, L, schedule) under `folder`; with `submit`, sbatch each and
+    list them in folder/jobs.tsv (the format examples/slurm/job_results.py collect reads)."""
+    jobs = []
     for panel in PANELS:
         for seq_length in panel.seq_lengths:
             for _, schedule in SCHEDULES:
-                job = folder / _job_name(panel, seq_length, schedule)
+                job = (folder / _job_name(panel, seq_length, schedule)).resolve()
                 job.mkdir(parents=True, exist_ok=True)
-                setup = _setup(panel, seq_length, schedule)
-                (job / "cell.json").write_text(json.dumps({
-                    **_cell(panel, seq_length, schedule), "splits": setup.splits,
-                    "chunks": setup.chunks}))
+                cell = _full_cell(panel, seq_length, schedule)
+                (job / "cell.json").write_text(json.dumps(cell))
                 script = job / "job.sbatch"
-                script.write_text(_job_script(panel, seq_length, schedule, job.resolve(),
-                                              train_iters, time_limit))
-                scripts.append(script)
-    for script in scripts:
-        if submit:
-            subprocess.run(["sbatch", str(script)], check=True)
-    return scripts
+                script.write_text(_job_script(panel, seq_length, schedule, job, train_iters,
+                                              time_limit))
+                jobs.append((script, cell))
+    if submit:
+        lines = ["\t".join(["job_id", "output", *jobs[0][1]])]
+        for script, cell in jobs:
+            job_id = subprocess.run(["sbatch", "--parsable", str(script)], check=True,
+                                    capture_output=True, text=True).stdout.strip()
+            job_id = job_id.split(";")[0]
+            lines.append("\t".join([job_id, str(script.parent / "slurm-%j.out"),
+                                    *map(str, cell.values())]))
+        (folder / "jobs.tsv").write_text("\n".join(lines) + "\n")
+    return [script for script, _ in jobs]
 
 
-ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
-MAX_RESERVED_MB = re.compile(r"max reserved:\s*([0-9.]+)")
-OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError")
-
-
-def parse_log(text: str) -> dict:
-    """What one job's log says: iteration times (ms), per-rank max reserved (MB), OOM.
-
-    Reads megatron's log lines "elapsed time per iteration (ms): X" and its memory report
-    "... max reserved: Y" (MB, one line per rank), and torch's OOM error text.
-    """
-    return {"iteration_ms": [float(x) for x in ITERATION_MS.findall(text)],
-            "max_reserved_mb": [float(x) for x in MAX_RESERVED_MB.findall(text)],
-            "oom": any(marker in text for marker in OOM_MARKERS)}
+def _job_results():
+    """examples/slurm/job_results.py: the one parser of training logs and job summary lines."""
+    spec = importlib.util.spec_from_file_location("job_results", JOB_RESULTS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def collect(folder: Path) -> dict:
-    """The memory and throughput tables from the jobs under `folder` (launch's layout)."""
+    """The memory and throughput tables from the jobs under `folder` (launch's layout).
+
+    Each job's status and figures come from its summary line (job_results.py summarize, the
+    job script's last step) or, for a job that never printed one (killed, still running), from
+    its output as far as it got. Memory is the trainer's peak per stage (max_memory_reserved on a
+    GPU, the largest stage, median over the iterations after the first), in GiB.
+    """
+    results = _job_results()
     memory, throughput = [], []
     for cell_file in sorted(folder.glob("*/cell.json")):
         cell = json.loads(cell_file.read_text())
-        job = cell_file.parent
-        log = "\n".join(p.read_text(errors="replace") for p in sorted(job.glob("slurm-*.out")))
-        parsed = parse_log(log)
-        exit_file = job / "exit_code"
-        finished = exit_file.exists()
-        failed = finished and exit_file.read_text().strip() != "0"
-        oom = parsed["oom"]
-        times = parsed["iteration_ms"][1:] or parsed["iteration_ms"]     # skip the first
-        memory.append({**cell, "measured_gb": (max(parsed["max_reserved_mb"]) / 1024
-                                               if parsed["max_reserved_mb"] else None),
-                       "oom": oom, "failed": failed and not oom, "finished": finished})
-        row = {**cell, "tflops_per_gpu": None, "tokens_per_s": None, "iteration_s": None,
-               "oom": oom}
-        if times and not oom:
-            seconds = statistics.median(times) / 1000
-            tokens = cell["seq_length"] * cell["microbatches"] * \
-                cell["gpus"] // (cell["tp"] * cell["pp"])
-            model = preset(cell["model"])
-            row.update(iteration_s=seconds, tokens_per_s=tokens / seconds,
-                       tflops_per_gpu=iteration_flops(model, cell["seq_length"],
-                                                      tokens // cell["seq_length"])
-                       / seconds / cell["gpus"] / 1e12)
-        throughput.append(row)
+        outputs = sorted(cell_file.parent.glob("slurm-*.out"))
+        text = "\n".join(p.read_text(errors="replace") for p in outputs)
+        summary = results.parse_summary(text)
+        if summary is None:
+            summary = ({"status": results.classify(text, None), **results.metrics(text)}
+                       if text else {"status": "PENDING"})
+
+        def number(key: str) -> Optional[float]:
+            return float(summary[key]) if key in summary else None
+
+        status = summary["status"]
+        peak_mb, ms = number("peak_mem_mb"), number("ms_per_iteration")
+        memory.append({**cell, "status": status, "oom": status == "OOM",
+                       "measured_gb": peak_mb / 1024 if peak_mb is not None else None})
+        throughput.append({**cell, "status": status, "oom": status == "OOM",
+                           "iteration_s": ms / 1000 if ms is not None else None,
+                           "tokens_per_s": number("tokens_per_s"),
+                           "tflops_per_gpu": number("tflops_per_gpu")})
     return {"memory": memory, "throughput": throughput}
 
 

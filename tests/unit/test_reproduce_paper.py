@@ -117,35 +117,52 @@ def test_launch_writes_jobs_whose_flags_the_trainer_accepts(tmp_path):
                 (rp.CHUNKS if "interleaved" in schedule else 1)
     text = scripts[0].read_text()
     assert text.startswith("#!/bin/bash") and "srun" in text and "pretrain_gpt.py" in text
+    assert "job_results.py summarize" in text and "PIPESTATUS" in text
     assert "#SBATCH --nodes=1" in text
     assert "#SBATCH -p" not in text and "#SBATCH --partition" not in text
     cell = json.loads((scripts[0].parent / "cell.json").read_text())
     assert cell["schedule"] in registry.names()
 
 
+def _log_line(iteration: int, ms: float, peak_mb: tuple) -> str:
+    """A line in the trainer's format (megatron/training/logging_utils.py)."""
+    return (f" iteration {iteration:8d}/{5:8d} | consumed samples: {iteration * 32:12d} |"
+            f" elapsed time per iteration (ms): {ms:.1f} | learning rate: 6.000000E-05 |"
+            f" global batch size:    32 | lm loss: 1.000000E+01 | loss scale: 1.0 |"
+            f" number of skipped iterations:   0 | tokens/s: {32 * 32768 / ms * 1000:.0f} |"
+            f" TFLOPS/GPU: 123.4 | peak mem per stage (MB, max reserved): "
+            + ", ".join(f"{mb:.1f}" for mb in peak_mb) + " | ETA 0:00:10 |\n")
+
+
 def test_collect_turns_logs_into_rows_oom_included(tmp_path):
+    """Three jobs: one finished (summary line), one killed after two iterations (no summary),
+    one out of memory; the figures come through examples/slurm/job_results.py."""
+    results = rp._job_results()
     panel = rp.PANELS[1]
-    ok, oom = (tmp_path / "ok", tmp_path / "oom")
-    for job, schedule in ((ok, "seq1f1b"), (oom, "1f1b")):
+    logs = {"seq1f1b": "".join(_log_line(n, ms, (20480.0, 30720.0))
+                               for n, ms in enumerate([9000.0, 2000.0, 2200.0, 2100.0], 1)),
+            "interleaved-1f1b": _log_line(1, 9000.0, (1024.0,)) + _log_line(2, 3000.0, (1024.0,)),
+            "1f1b": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"}
+    for schedule, log in logs.items():
+        job = tmp_path / schedule
         job.mkdir()
-        (job / "cell.json").write_text(json.dumps({**rp._cell(panel, 32768, schedule),
-                                                   "splits": 4, "chunks": 1}))
-    iterations = "".join(f" iteration {n}/5 | elapsed time per iteration (ms): {ms} |\n"
-                         for n, ms in enumerate([9000.0, 2000.0, 2200.0, 2100.0], 1))
-    memory = ("[Rank 0] (after 1 iterations) memory (MB) | allocated: 1 | max allocated: 2 | "
-              "reserved: 3 | max reserved: 20480.0\n[Rank 7] memory (MB) | max reserved: 30720\n")
-    (ok / "slurm-1.out").write_text(iterations + memory)
-    (ok / "exit_code").write_text("0\n")
-    (oom / "slurm-2.out").write_text("torch.OutOfMemoryError: CUDA out of memory. Tried ...")
-    (oom / "exit_code").write_text("1\n")
+        cell = rp._full_cell(panel, 32768, schedule)
+        (job / "cell.json").write_text(json.dumps(cell))
+        if schedule != "interleaved-1f1b":          # the others printed their summary line
+            log += results.summary_line(log, 0 if schedule == "seq1f1b" else 1,
+                                        {k: str(v) for k, v in cell.items()}) + "\n"
+        (job / "slurm-7.out").write_text(log)
     data = rp.collect(tmp_path)
-    memory_rows = {r["schedule"]: r for r in data["memory"]}
-    assert memory_rows["seq1f1b"]["measured_gb"] == 30.0 and not memory_rows["seq1f1b"]["oom"]
-    assert memory_rows["1f1b"]["oom"] and memory_rows["1f1b"]["measured_gb"] is None
+    memory = {r["schedule"]: r for r in data["memory"]}
+    assert memory["seq1f1b"]["status"] == "OK" and not memory["seq1f1b"]["oom"]
+    assert memory["seq1f1b"]["measured_gb"] == 30.0       # the largest stage
+    assert memory["1f1b"]["oom"] and memory["1f1b"]["measured_gb"] is None
+    assert memory["interleaved-1f1b"]["status"] == "FAILED"
     rows = {r["schedule"]: r for r in data["throughput"]}
-    assert rows["seq1f1b"]["iteration_s"] == 2.1                 # median after the first
-    assert rows["seq1f1b"]["tokens_per_s"] == pytest.approx(32 * 32768 / 2.1)
-    assert rows["1f1b"]["tflops_per_gpu"] is None
+    assert rows["seq1f1b"]["iteration_s"] == 2.1                  # median after the first
+    assert rows["seq1f1b"]["tflops_per_gpu"] == 123.4
+    assert rows["interleaved-1f1b"]["iteration_s"] == 3.0
+    assert rows["1f1b"]["tokens_per_s"] is None and rows["1f1b"]["oom"]
 
 
 @pytest.mark.parametrize("argv, needle", [
