@@ -32,5 +32,10 @@ test-distributed: setup
 test-slurm: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/slurm
 
+# From nothing: the venv, the shipped corpus as .bin/.idx, a tiny GPT trained with Seq1F1B (k=4) on
+# 4 CPU processes (TP=2 x PP=2), a checkpoint and a timeline picture, all under runs/quickstart/.
+quickstart: setup
+	PY=$(PY) bash examples/quickstart.sh
+
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -7,16 +7,19 @@
 The three functions below are what a Megatron user writes (model provider, forward step with the
 per-token loss, datasets provider); `megatron.training.training.pretrain` does the rest. Flags are
 validated before megatron-core is imported, so a bad one is reported at once: one line on stderr,
-exit code 2, nothing written. Module-level imports stay light on purpose: megatron-core's
-checkpoint writer starts a `spawn` helper process, which re-imports this file.
+exit code 2, nothing written. Module-level imports stay light on purpose (torch and
+megatron-core are imported where they are used): validation then needs neither, and
+megatron-core's checkpoint writer starts a `spawn` helper process that re-imports this file.
 """
 from __future__ import annotations
 
 import functools
-
-import torch
+from typing import TYPE_CHECKING
 
 from megatron.training.global_vars import get_args, get_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
@@ -49,6 +52,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     The schedule divides by the micro-batch's token count over all of its spans (or by the
     global count with --calculate-per-token-loss), so splitting a sequence changes nothing.
     """
+    import torch
+
     losses = output_tensor.float().reshape(-1)      # a span of a micro-batch: not contiguous
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * mask)

@@ -154,6 +154,8 @@ def _add_data_args(parser: ArgumentParser) -> None:
     g.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     g.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
     g.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a tokenizers JSON file")
+    g.add_argument("--vocab-size", type=int,
+                   help="NullTokenizer: token ids 0 .. N-1 (EOD is N), e.g. for --mock-data")
 
 
 def _add_run_args(parser: ArgumentParser) -> None:
@@ -253,7 +255,7 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                  "seq1f1b_splits", "pipe_sp_splits", "make_vocab_size_divisible_by",
                  "lr_decay_iters", "save_interval", "eval_interval", "log_interval",
-                 "exit_interval"):
+                 "exit_interval", "vocab_size"):
         _check_range(args, name, 1)
     for name in ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad"):
         _check_range(args, name, 0)
@@ -400,7 +402,8 @@ def _validate_data(args: argparse.Namespace) -> None:
         _fail("--data-path is required (or --mock-data)")
     for flag, tokenizer_type in (("vocab_file", "GPT2BPETokenizer"),
                                  ("merge_file", "GPT2BPETokenizer"),
-                                 ("tokenizer_model", "HuggingFaceTokenizer")):
+                                 ("tokenizer_model", "HuggingFaceTokenizer"),
+                                 ("vocab_size", "NullTokenizer")):
         if getattr(args, flag) is not None and args.tokenizer_type != tokenizer_type:
             _fail(f"--{flag.replace('_', '-')} is only read by --tokenizer-type {tokenizer_type}, "
                   f"not {args.tokenizer_type}")

@@ -16,8 +16,8 @@ the default group (gloo on CPU works), then the other ranks read the cache, so `
 be called on every rank. Without a process group, megatron's BlendedDataset calls get_rank() when a
 cache path is set, so blending with --data-cache-path then raises a ValueError naming the flag.
 
-megatron.core is imported inside the functions that build datasets: it costs ~4 s per process, and
-argument validation (which calls the checks here) must stay instant.
+megatron.core and torch are imported inside the functions that need them (~4 s and ~1.5 s per
+process): argument validation calls the checks here and must stay instant.
 """
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import numpy
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_HEADER_BYTES = 9 + 8 + 1 + 8 + 8   # magic, version, dtype code, sequence count, doc count
@@ -220,6 +222,7 @@ def build_datasets(config: DataConfig, tokenizer: object, num_samples: Sequence[
     mask: attention is causal). Call on every rank when torch.distributed is initialised.
     """
     check_data_config(config)
+    import torch
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -246,7 +249,7 @@ def build_datasets(config: DataConfig, tokenizer: object, num_samples: Sequence[
                                          dataset_config).build()
 
 
-Batch = dict[str, Optional[torch.Tensor]]
+Batch = "dict[str, Optional[torch.Tensor]]"
 """tokens, labels (int64), loss_mask (float32), position_ids (int64): [micro, seq];
 attention_mask: None (causal)."""
 
@@ -301,6 +304,8 @@ class MicroBatchIterator:
 def collate(samples: Sequence[dict]) -> Batch:
     """Stack megatron-core dataset samples into a [micro, seq] batch; attention_mask is None
     (causal)."""
+    import torch
+
     batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
              for key in ("tokens", "labels", "loss_mask", "position_ids")}
     batch["attention_mask"] = None

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-TOKENIZER_TYPES = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 DEFAULT_TOKENIZER_TYPE = "ByteLevelTokenizer"
 NO_PAD = -1
 
@@ -27,12 +27,13 @@ _PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>")
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    """The four flags that choose a tokenizer (Megatron's names)."""
+    """The flags that choose a tokenizer (Megatron's names)."""
 
     tokenizer_type: str = DEFAULT_TOKENIZER_TYPE
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None
 
     @classmethod
     def from_args(cls, args: object) -> "TokenizerConfig":
@@ -42,6 +43,7 @@ class TokenizerConfig:
             vocab_file=getattr(args, "vocab_file", None),
             merge_file=getattr(args, "merge_file", None),
             tokenizer_model=getattr(args, "tokenizer_model", None),
+            vocab_size=getattr(args, "vocab_size", None),
         )
 
 
@@ -173,7 +175,39 @@ class HuggingFaceTokenizer(_TokenizersLibraryTokenizer):
                          _identifiers(kind, tokenizer_model=tokenizer_model))
 
 
-AnyTokenizer = ByteLevelTokenizer | GPT2BPETokenizer | HuggingFaceTokenizer
+class NullTokenizer:
+    """Megatron's NullTokenizer: text is already token ids ("12 7 31"); --vocab-size ids plus EOD
+    (id --vocab-size). For --mock-data at a real model's vocabulary size (e.g. GPT-2's 50257)."""
+
+    pad = NO_PAD
+
+    def __init__(self, vocab_size: Optional[int]) -> None:
+        if vocab_size is None:
+            raise ValueError("--vocab-size is required for --tokenizer-type NullTokenizer")
+        if vocab_size < 1:
+            raise ValueError(f"--vocab-size must be >= 1, got {vocab_size}")
+        self.eod = vocab_size
+        self.unique_identifiers = _identifiers(type(self).__name__)
+        self.unique_identifiers["vocab_size"] = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.eod + 1
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            ids = [int(token) for token in text.split()]
+        except ValueError:
+            raise ValueError("NullTokenizer: text must be whitespace-separated token ids") from None
+        if any(not 0 <= i < self.eod for i in ids):
+            raise ValueError(f"NullTokenizer: token ids must lie in [0, {self.eod})")
+        return ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+AnyTokenizer = ByteLevelTokenizer | GPT2BPETokenizer | HuggingFaceTokenizer | NullTokenizer
 
 
 def build_tokenizer(args: object) -> AnyTokenizer:
@@ -186,6 +220,8 @@ def build_tokenizer(args: object) -> AnyTokenizer:
         return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
     if cfg.tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(cfg.tokenizer_model)
+    if cfg.tokenizer_type == "NullTokenizer":
+        return NullTokenizer(cfg.vocab_size)
     raise ValueError(f"--tokenizer-type: unknown tokenizer {cfg.tokenizer_type!r}; "
                      f"choose from {', '.join(TOKENIZER_TYPES)}")
 
