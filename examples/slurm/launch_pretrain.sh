@@ -10,7 +10,7 @@
 #                   torchrun: one Slurm task per node running torchrun with GPUS_PER_NODE ranks
 #                   (submit with --ntasks-per-node=1)
 #   GPUS_PER_NODE   ranks per node with torchrun [SLURM_GPUS_ON_NODE, else 8]
-#   SCHEDULE, SPLITS    --pipeline-schedule and k [seq1f1b, 4]
+#   SCHEDULE, SPLITS    --pipeline-schedule and k [seq1f1b, 4 (1 for non-seq1f1b schedules)]
 #   PARTITION_METHOD    --seq1f1b-partition [compute]
 #   VPP_LAYERS      --num-layers-per-virtual-pipeline-stage, for the interleaved schedules [unset]
 #   MICRO_BATCHES   micro-batches per iteration and DP rank; global batch = this x DP x MICRO_BATCH
@@ -42,7 +42,9 @@ if [ -z "${PYTHON:-}" ]; then
     [ -x "$REPO/.venv/bin/python" ] && PYTHON="$REPO/.venv/bin/python"
 fi
 
-: "${LAUNCHER:=srun}" "${SCHEDULE:=seq1f1b}" "${SPLITS:=4}" "${PARTITION_METHOD:=compute}"
+: "${LAUNCHER:=srun}" "${SCHEDULE:=seq1f1b}" "${PARTITION_METHOD:=compute}"
+# k = 4 for the seq1f1b* schedules; the others run whole sequences unless SPLITS says otherwise.
+case "$SCHEDULE" in seq1f1b*) : "${SPLITS:=4}" ;; *) : "${SPLITS:=1}" ;; esac
 : "${MICRO_BATCH:=1}" "${TRAIN_ITERS:=20}" "${LOG_INTERVAL:=1}" "${VOCAB_SIZE:=50257}"
 : "${TOKENIZER_TYPE:=GPT2BPETokenizer}" "${P2P_TIMEOUT:=600}" "${DATA_PATH:=}"
 : "${EXTRA_ARGS:=}" "${CONTAINER_ARGS:=}" "${SAVE_INTERVAL:=}"
@@ -108,18 +110,29 @@ echo "launch: LAUNCHER=$LAUNCHER nodes=$NODES ($(echo "$HOSTS" | paste -sd, -)) 
      "master=$MASTER_ADDR:$MASTER_PORT run_dir=$RUN_DIR"
 
 LOG="$RUN_DIR/train.log"
+# Every Slurm task records its own exit code in RUN_DIR/exit.<task>: after the first failure srun
+# kills the other tasks and reports them as 128 + signal, which would hide the failing rank's code.
+RECORD_EXIT='"$@"; code=$?; echo "$code" > "$RUN_DIR/exit.$SLURM_PROCID"; exit "$code"'
+export RUN_DIR
+rm -f "$RUN_DIR"/exit.*
 # shellcheck disable=SC2086  # CONTAINER_ARGS is a list of srun options
 if [ "$LAUNCHER" = srun ]; then
-    srun --kill-on-bad-exit=1 $CONTAINER_ARGS "$PYTHON" pretrain_gpt.py "${ARGS[@]}" 2>&1 \
-        | tee "$LOG"
+    srun --kill-on-bad-exit=1 $CONTAINER_ARGS bash -c "$RECORD_EXIT" rank \
+        "$PYTHON" pretrain_gpt.py "${ARGS[@]}" 2>&1 | tee "$LOG"
 else
     # One torchrun per node; SLURM_NODEID is read inside each task, hence the inner shell.
     srun --kill-on-bad-exit=1 --ntasks-per-node=1 $CONTAINER_ARGS bash -c \
-        'exec "$0" -m torch.distributed.run --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" \
-            --nproc-per-node "$1" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-            pretrain_gpt.py "${@:2}"' "$PYTHON" "$GPUS_PER_NODE" "${ARGS[@]}" 2>&1 | tee "$LOG"
+        'set -- "$0" -m torch.distributed.run --nnodes "$SLURM_NNODES" \
+            --node-rank "$SLURM_NODEID" --nproc-per-node "$1" --master-addr "$MASTER_ADDR" \
+            --master-port "$MASTER_PORT" pretrain_gpt.py "${@:2}"; '"$RECORD_EXIT" \
+        "$PYTHON" "$GPUS_PER_NODE" "${ARGS[@]}" 2>&1 | tee "$LOG"
 fi
 STATUS=${PIPESTATUS[0]}
+# The job's exit code: that of the task that failed first (none recorded: srun's own).
+for exit_file in $(ls -tr "$RUN_DIR"/exit.* 2>/dev/null); do
+    code=$(cat "$exit_file")
+    if [ "$code" != 0 ]; then STATUS=$code; break; fi
+done
 
 "$PYTHON" examples/slurm/job_results.py summarize --log "$LOG" --exit-code "$STATUS" \
     model="$MODEL_NAME" nodes="$NODES" gpus="$WORLD" tp="$TP" pp="$PP" dp="$DP" \
