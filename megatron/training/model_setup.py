@@ -10,7 +10,7 @@ samples, as Megatron does.
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -112,7 +112,11 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def first_or_last_stage(vp_stage: Optional[int]) -> bool:
-    """Whether chunk `vp_stage` of this rank reads data (first stage: tokens, last: labels)."""
-    return (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-            or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+def chunks_reading_data() -> list[bool]:
+    """For each model chunk of this rank, whether it reads data: the first pipeline stage (tokens)
+    and the last (labels, loss mask); the chunks in between only receive activations."""
+    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    stages = [vp if chunks > 1 else None for vp in range(chunks)]
+    return [parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+            or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+            for vp in stages]

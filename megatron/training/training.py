@@ -76,9 +76,7 @@ def print_rank_last(message: str) -> None:
 
 def is_dataset_built_on_rank() -> bool:
     """Whether this rank feeds data to any of its model chunks (first or last pipeline stage)."""
-    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-    return any(model_setup.first_or_last_stage(vp if chunks > 1 else None)
-               for vp in range(chunks))
+    return any(model_setup.chunks_reading_data())
 
 
 class _Run:
@@ -112,13 +110,11 @@ class _Run:
     # -- data --------------------------------------------------------------------------------
     def iterators(self, dataset: Optional[object], consumed_samples: int) -> list:
         """One MicroBatchIterator per model chunk that reads data, None for the others."""
-        chunks = len(self.model)
         return [MicroBatchIterator(dataset, self.args.micro_batch_size,
                                    parallel_state.get_data_parallel_rank(),
                                    parallel_state.get_data_parallel_world_size(),
-                                   consumed_samples)
-                if model_setup.first_or_last_stage(vp if chunks > 1 else None) else None
-                for vp in range(chunks)]
+                                   consumed_samples) if reads else None
+                for reads in model_setup.chunks_reading_data()]
 
     # -- one iteration -----------------------------------------------------------------------
     def _run_schedule(self, iterators: list, forward_only: bool) -> list:
