@@ -34,3 +34,37 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     return rank, world
+
+
+def _process_groups(value, found: dict) -> None:
+    if isinstance(value, dist.ProcessGroup):
+        found[id(value)] = value
+    elif isinstance(value, (list, tuple, set)):
+        for item in value:
+            _process_groups(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _process_groups(item, found)
+
+
+def release_model_parallel() -> None:
+    """megatron's `destroy_model_parallel()`, plus destroying the process groups it only forgets.
+
+    A process that builds several layouts in turn (the equivalence check, benchmarks, tests)
+    otherwise keeps every group of every layout alive, each with its own gloo threads: after a
+    few dozen layouts, thousands of threads and most of the CPU time in the kernel.
+    """
+    from megatron.core import parallel_state
+
+    found: dict = {}
+    for value in list(vars(parallel_state).values()):
+        _process_groups(value, found)
+    parallel_state.destroy_model_parallel()
+    world = dist.group.WORLD
+    for group in found.values():
+        if group is world:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:  # destroyed by an earlier release: megatron lists every group it made
+            pass

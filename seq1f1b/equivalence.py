@@ -23,6 +23,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from seq1f1b import megatron_adapter
+from seq1f1b.distributed import release_model_parallel
 from seq1f1b.plan import registry
 from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
                                               get_forward_backward_func)
@@ -184,7 +185,7 @@ def _reference(case: EquivalenceCase, batches: list[dict]) -> tuple[float, dict,
         param = dict(model.named_parameters())[name]
         weights[_place(sharded)] = param.detach().clone()
         grads[_place(sharded)] = param.grad.detach().clone()
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return total, weights, grads
 
 
@@ -305,13 +306,13 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
         ref_loss, baseline = _Layout(base, _is_chunked(base.schedule), ref_weights).run(
             base.schedule, batches)
         reference = {_identity(sharded): grad for _, sharded, grad in baseline}
-        parallel_state.destroy_model_parallel()
+        release_model_parallel()
     loss, grads = _Layout(case, chunked, ref_weights).run(case.schedule, batches)
     triples = [(name, grad, reference[_identity(sharded)] if reference is not None
                 else _slice(ref_grads[_place(sharded)], sharded))
                for name, sharded, grad in grads]
     worst, name, compared = _worst_over_ranks(*_max_rel_diff(triples), dp)
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
     passed = (loss_rel <= case.loss_tolerance and worst <= case.grad_tolerance
               and not math.isnan(worst))

@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from seq1f1b.distributed import release_model_parallel
+
 
 def init_megatron(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                   virtual_pipeline_model_parallel_size: Optional[int] = None,
@@ -33,7 +35,7 @@ def init_megatron(tensor_model_parallel_size: int = 1, pipeline_model_parallel_s
         else:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        release_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -47,7 +49,5 @@ def megatron_world() -> None:
     """A one-process gloo world with TP = PP = 1, the CPU platform layer active."""
     init_megatron()
     yield
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     dist.destroy_process_group()

@@ -5,7 +5,7 @@ import traceback
 
 import torch.distributed as dist
 
-from seq1f1b.distributed import init_distributed
+from seq1f1b.distributed import init_distributed, release_model_parallel
 from seq1f1b.equivalence import EquivalenceCase, run_case
 
 
@@ -18,8 +18,7 @@ def main(cases_path: str, results_path: str) -> None:
         except Exception as err:  # reported per case; the other cases still run
             result = {"passed": False, "error": f"{type(err).__name__}: {err}",
                       "traceback": traceback.format_exc()[-3000:], "case": spec}
-            from megatron.core import parallel_state
-            parallel_state.destroy_model_parallel()
+            release_model_parallel()
         results.append(result)
     if dist.get_rank() == 0:
         json.dump(results, open(results_path, "w"))
