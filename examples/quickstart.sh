@@ -2,7 +2,7 @@
 # Quickstart, from nothing to a trained tiny GPT on 4 CPU processes (`make quickstart` runs it
 # after building .venv). Everything it writes goes to runs/quickstart/ (removed first):
 #   data/          the shipped corpus (examples/data/corpus.jsonl) as Megatron .bin/.idx
-#   train.log      the training log (Megatron's log line every 10 iterations)
+#   train.log      the training log (Megatron's log line every 5 iterations)
 #   checkpoints/   the dist_checkpointing checkpoint at the end (resume: add --load)
 #   tensorboard/   scalars (tensorboard --logdir runs/quickstart/tensorboard)
 #   timeline.png   the Seq1F1B schedule of this run (P=2, m=2, k=4), from the plan simulator
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/quickstart}
-TRAIN_ITERS=${TRAIN_ITERS:-80}
+TRAIN_ITERS=${TRAIN_ITERS:-50}
 PORT=${MASTER_PORT:-29517}
 
 rm -rf "$OUT"
@@ -34,10 +34,10 @@ OMP_NUM_THREADS=1 CUDA_DEVICE_MAX_CONNECTIONS=1 "$PY" -m torch.distributed.run \
     --pipeline-schedule seq1f1b --seq1f1b-splits 4 \
     --micro-batch-size 8 --global-batch-size 16 \
     --train-iters "$TRAIN_ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine \
-    --lr-warmup-iters 8 --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 \
+    --lr-warmup-iters 5 --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 \
     --hidden-dropout 0 --attention-dropout 0 \
     --data-path "$OUT/data/corpus_text_document" --split 949,50,1 \
-    --log-interval 10 --eval-interval 40 --eval-iters 1 \
+    --log-interval 5 --eval-interval 25 --eval-iters 1 \
     --save "$OUT/checkpoints" --tensorboard-dir "$OUT/tensorboard" \
     2>&1 | grep -v -e "UserWarning" -e "warnings.warn" | tee "$OUT/train.log"
 

@@ -13,17 +13,16 @@ import numpy
 import torch
 from megatron.core import parallel_state, tensor_parallel
 
-from seq1f1b.distributed import init_distributed
+from seq1f1b.distributed import init_distributed, release_model_parallel
 
 
 def initialize_megatron(args: argparse.Namespace) -> None:
     """Join (or reuse) the process group, build parallel_state for TP x PP (x V), seed the RNGs."""
-    rank, world = init_distributed(timeout_s=max(args.p2p_timeout, 60.0))
+    _, world = init_distributed(timeout_s=max(args.p2p_timeout, 60.0))
     if world != args.world_size:
         raise RuntimeError(f"the flags were validated for {args.world_size} processes, but the "
                            f"process group has {world}")
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    finish_megatron()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -42,6 +41,7 @@ def set_random_seed(seed: int) -> None:
 
 
 def finish_megatron() -> None:
-    """Drop parallel_state (the process group stays, for a next run in the same process)."""
+    """Drop parallel_state and its process groups (the default group stays, for a next run in the
+    same process: each layout's gloo groups hold threads of their own)."""
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        release_model_parallel()
