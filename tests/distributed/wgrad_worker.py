@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: conftest.init_megatron
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: megatron_world
 
-from conftest import init_megatron  # noqa: E402
+from megatron_world import init_megatron  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
