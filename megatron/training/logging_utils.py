@@ -155,11 +155,12 @@ class TensorBoard:
         for tag, value in scalars.items():
             self._writer.add_scalar(tag, value, step)
 
-    def validation(self, iteration: int, lm_loss: float) -> None:
+    def evaluation(self, split: str, iteration: int, lm_loss: float) -> None:
+        """`lm loss validation` / `lm loss test` and their perplexities (Megatron's tags)."""
         if self._writer is None:
             return
-        self._writer.add_scalar("lm loss validation", lm_loss, iteration)
-        self._writer.add_scalar("lm loss validation ppl", math.exp(min(20.0, lm_loss)), iteration)
+        self._writer.add_scalar(f"lm loss {split}", lm_loss, iteration)
+        self._writer.add_scalar(f"lm loss {split} ppl", math.exp(min(20.0, lm_loss)), iteration)
 
     def close(self) -> None:
         if self._writer is not None:

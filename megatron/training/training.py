@@ -175,8 +175,10 @@ class _Run:
         self.tensorboard.training(report)
 
     # -- evaluation --------------------------------------------------------------------------
-    def evaluate(self, iterators: list, where: str) -> dict[str, float]:
-        """--eval-iters global batches, forward only; prints Megatron's validation box."""
+    def evaluate(self, iterators: list, where: str, split: str = "validation"
+                 ) -> dict[str, float]:
+        """--eval-iters global batches of `split`, forward only; prints Megatron's validation box
+        and writes the TensorBoard scalars."""
         for chunk in self.model:
             chunk.eval()
         totals: list = []
@@ -189,6 +191,7 @@ class _Run:
         if "lm loss" in losses:
             for line in validation_lines(where, losses["lm loss"]):
                 print_rank_last(line)
+            self.tensorboard.evaluation(split, self.iteration, losses["lm loss"])
         return losses
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -327,7 +330,7 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
     if finished and has_test and args.eval_iters:
         run.summary.validation.append(
             ("end/test", run.evaluate(run.iterators(test_ds, 0),
-                                      "the end of training for test data")))
+                                      "the end of training for test data", split="test")))
     run.tensorboard.close()
     return run.summary
 

@@ -7,7 +7,8 @@
   mixed-precision optimizer; warm-up + cosine LR, evaluations before and after the resume;
 - schedules: the same data and seed under --pipeline-schedule 1f1b and seq1f1b with k=4 give the
   same loss at every one of 10 iterations (rtol 1e-5) at TP2 x PP2 with sequence parallelism, and
-  our 1f1b matches megatron-core's own 1F1B schedule (megatron-1f1b) over the same iterations.
+  our 1f1b matches megatron-core's own 1F1B schedule (megatron-1f1b) over the same iterations;
+- the TensorBoard scalars of a run are the figures it logged.
 """
 import subprocess
 import sys
@@ -74,7 +75,8 @@ def results(data_prefix, tmp_path_factory):
         cases[(layout, "first_half")] = flags + ["--save", checkpoints, "--exit-interval", str(N)]
         cases[(layout, "resumed")] = flags + ["--load", checkpoints, "--save", checkpoints]
     cases.update({
-        "1f1b": _schedule_flags(data_prefix, "1f1b", 1),
+        "1f1b": _schedule_flags(data_prefix, "1f1b", 1) + ["--tensorboard-dir",
+                                                            str(root / "tensorboard")],
         "seq1f1b": _schedule_flags(data_prefix, "seq1f1b", 4),
         "megatron-1f1b": _schedule_flags(data_prefix, "megatron-1f1b", 1),
     })
@@ -117,6 +119,20 @@ def test_loss_falls_and_lr_follows_warmup_then_cosine(results):
                                      [r["learning_rate"] for r in history[3:]]))
     losses = _losses(results["1f1b"])
     assert losses[-1] < losses[0]
+
+
+def test_tensorboard_holds_the_logged_figures(results):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(f"{results['checkpoint_root']}/tensorboard")
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "iteration-time", "tokens-per-second",
+            "tflops-per-gpu", "peak-memory-mb/stage-0", "peak-memory-mb/stage-1",
+            "lm loss validation", "lm loss test"} <= tags
+    logged = [(e.step, e.value) for e in events.Scalars("lm loss")]
+    assert logged == [(r["iteration"], pytest.approx(r["losses"]["lm loss"], rel=1e-6))
+                      for r in results["1f1b"]["history"]]
 
 
 @pytest.mark.parametrize("other", ["seq1f1b", "megatron-1f1b"])
