@@ -35,6 +35,19 @@ def _processes_named(names: tuple[str, ...]) -> dict[int, str]:
     return found
 
 
+def _processes_of(conf: Path) -> set[int]:
+    """Live processes started by the cluster: Slurm passes SLURM_CONF into every job."""
+    marker = f"SLURM_CONF={conf}".encode()
+    found = set()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker in environ.read_bytes().split(b"\0") and pid_alive(int(environ.parent.name)):
+                found.add(int(environ.parent.name))
+        except OSError:
+            continue
+    return found - {os.getpid()}
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     try:
@@ -55,6 +68,8 @@ def slurm_cluster():
     survivors = cluster.stop()
     left = {pid: name for pid, name in _processes_named(SLURM_PROCESSES).items()
             if pid not in before}
-    assert not survivors and not left, f"left running: {survivors} {left}"
+    jobs_left = _processes_of(cluster.conf)
+    assert not survivors and not left and not jobs_left, \
+        f"left running: daemons {survivors} {left}, job processes {sorted(jobs_left)}"
     assert HOSTS_MARK not in HOSTS_FILE.read_text()
     subprocess.run(["rm", "-rf", str(root)], check=True)

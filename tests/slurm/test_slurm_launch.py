@@ -1,9 +1,10 @@
 """The sbatch scripts of examples/slurm, submitted for real to the session's Slurm cluster.
 
-Every job is a paper script with a tiny model on CPU (gloo), given through the same environment
-variables and sbatch options a user of a real cluster sets (README, "Launch on a Slurm cluster").
-All jobs are submitted at once (`sbatch --wait`, one process each) so they overlap; each test
-waits for its own. Each job keeps `--time`, a p2p/gloo timeout, and an outer timeout here (the
+Every job is a paper script with a tiny model on CPU (gloo), set through the environment
+variables and sbatch options a user of a real cluster sets; README ("Launch on Slurm") shows the
+same commands, rendered from the constants below (test_readme_shows_what_ci_runs). All jobs are
+submitted at once (`sbatch --wait`, one process each) so they overlap; each test waits for its
+own. Every job keeps `--time`, a p2p/gloo timeout (P2P_TIMEOUT) and an outer timeout here (the
 job is cancelled when it passes).
 """
 from __future__ import annotations
@@ -11,41 +12,79 @@ from __future__ import annotations
 import csv
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SLURM = REPO / "examples" / "slurm"
 OUTER_TIMEOUT_S = 420
 TIME_LIMIT = "--time=6"
 
 TINY_MODEL = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "32", "NUM_ATTENTION_HEADS": "4",
-              "SEQ_LENGTH": "64", "MICRO_BATCHES": "4", "TRAIN_ITERS": "4", "SCHEDULE": "seq1f1b",
-              "SPLITS": "2", "TP": "1", "PP": "2", "P2P_TIMEOUT": "120"}
-"""The tiny CPU model every job trains: PP=2 over the two ranks, Seq1F1B with k=2."""
+              "SEQ_LENGTH": "64", "MICRO_BATCHES": "4", "TRAIN_ITERS": "4", "SPLITS": "2",
+              "TP": "1", "PP": "2", "P2P_TIMEOUT": "120"}
+"""The tiny CPU model every job trains: PP=2 over the two ranks, Seq1F1B (the scripts' default
+schedule) with k=2; everything else is the scripts' paper defaults (bf16, GPT-2 vocabulary)."""
 
 CPU_MEMORY_KB = 3_000_000
 """The CPU stand-in for a GPU's memory: an address-space limit per rank (ulimit -v), which
-Slurm's PropagateResourceLimits hands from the submitting shell to every task. Imports and a tiny
-model fit; the 16K-token sweep cell's attention does not, and torch's allocator fails there as
-it would on a full GPU."""
+Slurm's PropagateResourceLimits hands from the submitting shell to every task. Imports and the
+tiny model fit; the 16K-token sweep cell does not (its logits alone: 16384 x 50257 entries), and
+torch's allocator fails there as it would on a full GPU."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One example script with its environment and sbatch options, as a user types it."""
+
+    script: str
+    env: dict[str, str]
+    sbatch: tuple[str, ...]
+
+    def command(self) -> str:
+        """The shell line (README shows it after `export` of TINY_MODEL)."""
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env.items()), "sbatch",
+                         "--wait", TIME_LIMIT, *self.sbatch, f"examples/slurm/{self.script}"])
+
+
+SRUN = Launch("pretrain_gpt_2.7b_8gpu.sbatch", {"LAUNCHER": "srun", "SAVE_INTERVAL": "2"},
+              ("--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2"))
+"""One node, one srun task per (emulated) GPU, checkpoints every 2 iterations."""
+TORCHRUN = Launch("pretrain_gpt_7b_32gpu.sbatch", {"LAUNCHER": "torchrun", "SAVE_INTERVAL": "2"},
+                  ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1"))
+"""Two (emulated) nodes, one torchrun per node: the pipeline crosses the node boundary."""
+KILLED = replace(SRUN, env={"LAUNCHER": "srun", "TRAIN_ITERS": "100000"},
+                 sbatch=("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1"))
+"""srun ranks on two nodes, training until rank 1 is killed."""
+
+SWEEP_GRID = {"SCHEDULES": "seq1f1b", "SPLITS": "2", "SEQ_LENGTHS": "64 16384",
+              "MICRO_BATCHES": "4", "TRAIN_ITERS": "3", "LAUNCHER": "srun"}
+"""Two cells: 64 tokens train; 16384 tokens do not fit CPU_MEMORY_KB."""
+
+
+def sweep_command(out: Optional[Path] = None) -> str:
+    """The sweep under the memory limit (README shows it without --out)."""
+    grid = " ".join(f"{k}={shlex.quote(v)}" for k, v in SWEEP_GRID.items())
+    return (f"ulimit -v {CPU_MEMORY_KB} && {grid} examples/slurm/sweep.sh "
+            + (f"--out {out} " if out else "") + f"--wait {TIME_LIMIT} "
+            + " ".join(SRUN.sbatch) + f" examples/slurm/{SRUN.script}")
 
 
 @dataclass
 class Job:
-    """One `sbatch --wait` in flight."""
+    """One `sbatch --wait` (or sweep) in flight."""
 
     name: str
     process: subprocess.Popen
     output: Path
     run_dir: Path
-    started: float
+    started: float = field(default_factory=time.monotonic)
 
     def wait(self, cluster) -> int:
         try:
@@ -70,58 +109,57 @@ class Job:
         return dict(item.split("=", 1) for item in lines[-1].split()[1:])
 
 
-def _submit(cluster, work: Path, name: str, script: str, env: dict[str, str],
-            sbatch_options: list[str], args: list[str] = ()) -> Job:
-    """sbatch --wait SCRIPT as a user would, from the repository root."""
+def _shell(cluster, command: str) -> subprocess.Popen:
+    """`command` in bash from the repository root, after `export` of TINY_MODEL."""
+    return subprocess.Popen(["bash", "-c", command], cwd=REPO, env={**cluster.env, **TINY_MODEL},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _submit(cluster, work: Path, name: str, launch: Launch) -> Job:
+    """The launch's command line, with a job name, output file and run folder of this test."""
     output, run_dir = work / f"{name}.out", work / name
-    argv = ["sbatch", "--wait", f"--job-name={name}", f"--output={output}", TIME_LIMIT,
-            *sbatch_options, str(SLURM / script), *args]
-    process = subprocess.Popen(argv, cwd=REPO, env={**cluster.env, **TINY_MODEL, **env,
-                                                    "RUN_DIR": str(run_dir)},
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return Job(name, process, output, run_dir, time.monotonic())
-
-
-SWEEP_GRID = {"SCHEDULES": "seq1f1b", "SPLITS": "2", "SEQ_LENGTHS": "64 16384",
-              "MICRO_BATCHES": "4", "TRAIN_ITERS": "3"}
-"""Two cells: 64 tokens train; 16384 tokens do not fit CPU_MEMORY_KB (logits alone: 16384 x
-the mock vocabulary's 50304 entries)."""
-
-
-def _sweep(cluster, work: Path) -> Job:
-    """sweep.sh --wait over SWEEP_GRID under the memory limit, as one process."""
-    out = work / "sweep"
-    command = (f"ulimit -v {CPU_MEMORY_KB} && exec examples/slurm/sweep.sh --out {out} --wait "
-               f"{TIME_LIMIT} --nodes=1 --ntasks-per-node=2 --gpus-per-node=2 "
-               "examples/slurm/pretrain_gpt_2.7b_8gpu.sbatch")
-    env = {**cluster.env, **TINY_MODEL, **SWEEP_GRID, "LAUNCHER": "srun",
-           "PYTHON": str(REPO / ".venv" / "bin" / "python")}
-    process = subprocess.Popen(["bash", "-c", command], cwd=REPO, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    return Job("sweep-", process, out / "results.csv", out, time.monotonic())
+    command = launch.command().replace(
+        " sbatch ", f" RUN_DIR={run_dir} sbatch --job-name={name} --output={output} ", 1)
+    return Job(name, _shell(cluster, command), output, run_dir)
 
 
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster, tmp_path_factory):
     """Every job of this module, submitted at once."""
     work = tmp_path_factory.mktemp("jobs")
+    sweep = work / "sweep"
     submitted = {
-        "srun": _submit(slurm_cluster, work, "srun-ranks", "pretrain_gpt_2.7b_8gpu.sbatch",
-                        {"LAUNCHER": "srun", "SAVE_INTERVAL": "2"},
-                        ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2"]),
-        "torchrun": _submit(slurm_cluster, work, "torchrun-2nodes", "pretrain_gpt_7b_32gpu.sbatch",
-                            {"LAUNCHER": "torchrun", "SAVE_INTERVAL": "2"},
-                            ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1"]),
-        "killed": _submit(slurm_cluster, work, "killed-rank", "pretrain_gpt_2.7b_8gpu.sbatch",
-                          {"LAUNCHER": "srun", "TRAIN_ITERS": "100000"},
-                          ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=1"]),
-        "sweep": _sweep(slurm_cluster, work),
+        "srun": _submit(slurm_cluster, work, "srun-ranks", SRUN),
+        "torchrun": _submit(slurm_cluster, work, "torchrun-2nodes", TORCHRUN),
+        "killed": _submit(slurm_cluster, work, "killed-rank", KILLED),
+        "sweep": Job("sweep-", _shell(slurm_cluster, sweep_command(sweep)),
+                     sweep / "results.csv", sweep),
     }
     yield submitted
     for job in submitted.values():
         if job.process.poll() is None:
             slurm_cluster.slurm("scancel", "--name", job.name)
             job.process.wait(timeout=60)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "examples" / "slurm")
+                                           .glob("pretrain_gpt_*.sbatch")))
+def test_paper_scripts_are_accepted_as_written(slurm_cluster, script):
+    """Each paper script, unmodified, on DGX-shaped nodes: Slurm accepts its header and would
+    give it its nodes x 8 GPUs (sbatch --test-only: nothing runs)."""
+    text = (REPO / "examples" / "slurm" / script).read_text()
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M).group(1))
+    result = subprocess.run(["sbatch", "--test-only", f"examples/slurm/{script}"], cwd=REPO,
+                            env=slurm_cluster.env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"using {8 * nodes} processors" in result.stderr, result.stderr
+
+
+def test_readme_shows_what_ci_runs():
+    readme = (REPO / "README.md").read_text()
+    export = "export " + " ".join(f"{k}={v}" for k, v in TINY_MODEL.items())
+    for line in (export, SRUN.command(), TORCHRUN.command(), sweep_command()):
+        assert line in readme, f"README's Slurm section lacks: {line}"
 
 
 def _loss_lines(text: str) -> list[str]:
@@ -149,7 +187,7 @@ def test_torchrun_on_two_nodes_trains(jobs, slurm_cluster):
     assert job.wait(slurm_cluster) == 0, job.log()[-3000:]
     log = job.log()
     assert len(_loss_lines(log)) == int(TINY_MODEL["TRAIN_ITERS"]), log[-3000:]
-    assert _nodes_that_ran(slurm_cluster, job.job_id(), step=0) == {"seq1f1b-n1", "seq1f1b-n2"}
+    assert len(_nodes_that_ran(slurm_cluster, job.job_id(), step=0)) == 2
     summary = job.summary()
     assert summary["status"] == "OK" and summary["nodes"] == "2"
     _assert_checkpoint(job.run_dir / "checkpoints", int(TINY_MODEL["TRAIN_ITERS"]))
