@@ -419,8 +419,11 @@ def _validate_data(args: argparse.Namespace) -> None:
 
 def _validate_run(args: argparse.Namespace) -> None:
     if args.load is not None:
-        if not os.path.isdir(args.load):
-            _fail(f"--load: checkpoint directory {args.load} does not exist")
+        resumes_own_save = args.save is not None and \
+            os.path.abspath(args.load) == os.path.abspath(args.save)
+        if not os.path.isdir(args.load) and not resumes_own_save:   # a typo, or a fresh start
+            _fail(f"--load: checkpoint directory {args.load} does not exist (it may be missing "
+                  f"only when it is also --save)")
         try:
             iteration = read_tracker(args.load)
         except ValueError as err:

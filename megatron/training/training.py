@@ -247,7 +247,7 @@ def _peaks_per_stage(local_bytes: int) -> list[int]:
 def _train(run: _Run, train_iterators: list, valid_iterators: Optional[list]) -> bool:
     """The loop; returns whether it reached --train-iters (False: stopped by --exit-interval)."""
     args = run.args
-    saved_at = None
+    saved_at = run.iteration       # a resumed run's starting point is saved already
     while run.iteration < args.train_iters:
         start = time.perf_counter()
         record = run.train_step(train_iterators)

@@ -110,6 +110,16 @@ def test_a_load_folder_without_checkpoint_is_a_fresh_start(tmp_path):
     assert args.load == str(tmp_path / "empty")
 
 
+def test_load_may_be_missing_only_when_it_is_also_save(tmp_path):
+    """`--save X --load X` is the requeue pattern: the first submission finds no X yet."""
+    flags = {**_base(tmp_path), "--load": str(tmp_path / "ckpt")}          # --save is tmp/ckpt
+    assert validate_args(parse_args(_argv(flags)), 1).load == str(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    flags["--load"] = str(tmp_path / "ckpt_typo")
+    with pytest.raises(ArgumentError, match="^--load: checkpoint directory .* does not exist"):
+        validate_args(parse_args(_argv(flags)), 1)
+
+
 def test_null_tokenizer_gives_mock_data_a_real_vocabulary(tmp_path):
     """Megatron's NullTokenizer: --vocab-size ids plus EOD, padded like any vocabulary."""
     flags = {**_base(tmp_path), "--tokenizer-type": "NullTokenizer", "--vocab-size": "50257",
