@@ -9,7 +9,9 @@
 #   LAUNCHER        srun: one Slurm task per GPU, ranks from SLURM_PROCID/SLURM_NTASKS [srun]
 #                   torchrun: one Slurm task per node running torchrun with GPUS_PER_NODE ranks
 #                   (submit with --ntasks-per-node=1)
-#   GPUS_PER_NODE   ranks per node with torchrun [SLURM_GPUS_ON_NODE, else 8]
+#                   local: no Slurm, torchrun on this machine (examples/pretrain_gpt_single_node.sh)
+#   GPUS_PER_NODE   ranks per node with torchrun [SLURM_GPUS_ON_NODE, else the GPUs nvidia-smi
+#                   lists, else 8]
 #   SCHEDULE, SPLITS    --pipeline-schedule and k [seq1f1b, 4 (1 for non-seq1f1b schedules)]
 #   PARTITION_METHOD    --seq1f1b-partition [compute]
 #   VPP_LAYERS      --num-layers-per-virtual-pipeline-stage, for the interleaved schedules [unset]
@@ -61,9 +63,14 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 case "$LAUNCHER" in
     srun) WORLD="${SLURM_NTASKS:-1}" ;;
-    torchrun) GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
-              WORLD=$(( NODES * GPUS_PER_NODE )) ;;
-    *) echo "launch_pretrain.sh: LAUNCHER must be srun or torchrun, not '$LAUNCHER'" >&2; exit 2 ;;
+    torchrun|local)
+        if [ -z "${GPUS_PER_NODE:-}" ]; then
+            GPUS_PER_NODE="${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}"
+            [ "${GPUS_PER_NODE:-0}" -gt 0 ] || GPUS_PER_NODE=8
+        fi
+        WORLD=$(( NODES * GPUS_PER_NODE )) ;;
+    *) echo "launch_pretrain.sh: LAUNCHER must be srun, torchrun or local, not '$LAUNCHER'" >&2
+       exit 2 ;;
 esac
 MODEL_PARALLEL=$(( TP * PP ))
 if [ "$WORLD" -lt "$MODEL_PARALLEL" ] || [ $(( WORLD % MODEL_PARALLEL )) -ne 0 ]; then
@@ -116,7 +123,11 @@ RECORD_EXIT='"$@"; code=$?; echo "$code" > "$RUN_DIR/exit.$SLURM_PROCID"; exit "
 export RUN_DIR
 rm -f "$RUN_DIR"/exit.*
 # shellcheck disable=SC2086  # CONTAINER_ARGS is a list of srun options
-if [ "$LAUNCHER" = srun ]; then
+if [ "$LAUNCHER" = local ]; then
+    "$PYTHON" -m torch.distributed.run --nproc-per-node "$GPUS_PER_NODE" \
+        --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" pretrain_gpt.py "${ARGS[@]}" \
+        2>&1 | tee "$LOG"
+elif [ "$LAUNCHER" = srun ]; then
     srun --kill-on-bad-exit=1 $CONTAINER_ARGS bash -c "$RECORD_EXIT" rank \
         "$PYTHON" pretrain_gpt.py "${ARGS[@]}" 2>&1 | tee "$LOG"
 else
