@@ -114,7 +114,7 @@ def _build(case: EquivalenceCase, config, *, pre_process: bool, post_process: bo
         and registry.get(case.schedule).splits_backward)
 
 
-def _global_batch(case: EquivalenceCase, dp: int) -> list[dict]:
+def global_batch(case: EquivalenceCase, dp: int) -> list[dict]:
     """DP x m micro-batches of random tokens, next-token labels and a loss mask with holes."""
     gen = torch.Generator().manual_seed(case.seed + 1)
     shape = (case.micro_batch_size, case.seq_length)
@@ -138,7 +138,7 @@ def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
 
 
-def _forward_step(data_iterator, model):
+def forward_step(data_iterator, model):
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is None:
         return model(None, None, None), None
@@ -166,13 +166,33 @@ def _slice(full: torch.Tensor, sharded: ShardedTensor) -> torch.Tensor:
     return full[tuple(slice(o, o + n) for o, n in zip(offsets, sharded.local_shape))]
 
 
-def _reference(case: EquivalenceCase, batches: list[dict]) -> tuple[float, dict, dict]:
-    """Loss, weights and grads of the whole model on the whole global batch, in one process."""
+def _whole_model(case: EquivalenceCase) -> torch.nn.Module:
+    """The unsplit model (TP = PP = 1, no dropout, no recompute) from the case's seed; the
+    caller releases the model-parallel state it initialises."""
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
     config = _config(replace(case, recompute_granularity=None, hidden_dropout=0.0,
                              attention_dropout=0.0), 1, 1, 1, False)
-    model = _build(case, config, pre_process=True, post_process=True, vp_stage=None)
+    return _build(case, config, pre_process=True, post_process=True, vp_stage=None)
+
+
+def _by_place(model: torch.nn.Module, grads: bool = False) -> dict:
+    """Weights (or grads) of the whole model keyed by their place in the global tensors."""
+    params = dict(model.named_parameters())
+    return {_place(sharded): (params[name].grad if grads else params[name]).detach().clone()
+            for name, sharded in _shard_index(model).values()}
+
+
+def whole_model_weights(case: EquivalenceCase) -> dict:
+    """The unsplit model's weights, as `ParallelLayout` copies them into any layout's chunks."""
+    weights = _by_place(_whole_model(case))
+    release_model_parallel()
+    return weights
+
+
+def _reference(case: EquivalenceCase, batches: list[dict]) -> tuple[float, dict, dict]:
+    """Loss, weights and grads of the whole model on the whole global batch, in one process."""
+    model = _whole_model(case)
     total = 0.0
     for batch in batches:
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
@@ -180,11 +200,7 @@ def _reference(case: EquivalenceCase, batches: list[dict]) -> tuple[float, dict,
         scaled = loss / max(int(tokens), 1) / len(batches)
         scaled.backward()
         total += float(scaled)
-    weights, grads = {}, {}
-    for name, sharded in _shard_index(model).values():
-        param = dict(model.named_parameters())[name]
-        weights[_place(sharded)] = param.detach().clone()
-        grads[_place(sharded)] = param.grad.detach().clone()
+    weights, grads = _by_place(model), _by_place(model, grads=True)
     release_model_parallel()
     return total, weights, grads
 
@@ -212,7 +228,7 @@ def _worst_over_ranks(worst: float, name: str, compared: int, dp: int) -> tuple[
             int(sum(float(g[1]) for g in gathered) / dp))
 
 
-class _Layout:
+class ParallelLayout:
     """This rank's chunks of the case's TP x PP x V layout, wrapped in megatron DDP."""
 
     def __init__(self, case: EquivalenceCase, chunked: bool, ref_weights: dict) -> None:
@@ -260,7 +276,7 @@ class _Layout:
         settings = SpanSettings(case.splits, "explicit" if case.span_lengths else case.partition,
                                 tuple(case.span_lengths) if case.span_lengths else None)
         losses = get_forward_backward_func(schedule, settings)(
-            forward_step_func=_forward_step,
+            forward_step_func=forward_step,
             data_iterator=iterators if self.chunked else iterators[0],
             model=self.chunks if self.chunked else self.chunks[0],
             num_microbatches=case.num_microbatches, seq_length=case.seq_length,
@@ -289,25 +305,25 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
     if world % (case.tp * case.pp):
         raise ValueError(f"world size {world} is not divisible by --tp {case.tp} x --pp {case.pp}")
     dp = world // (case.tp * case.pp)
-    chunked = _is_chunked(case.schedule)
-    if chunked != (case.chunks > 1) or (case.against and _is_chunked(case.against) != chunked):
+    chunked = is_chunked(case.schedule)
+    if chunked != (case.chunks > 1) or (case.against and is_chunked(case.against) != chunked):
         raise ValueError(f"--chunks {case.chunks} does not fit schedule {case.schedule!r}")
     if (case.hidden_dropout or case.attention_dropout) and not (case.against or
                                                                 case.against_no_recompute):
         raise ValueError("--hidden-dropout/--attention-dropout > 0 draw other masks than the "
                          "unsplit model: compare with --against or --against-no-recompute")
-    batches = _global_batch(case, dp)
+    batches = global_batch(case, dp)
     ref_loss, ref_weights, ref_grads = _reference(case, batches)
     reference = None
     if case.against or case.against_no_recompute:
         base = replace(case, schedule=case.against or case.schedule,
                        recompute_granularity=None if case.against_no_recompute
                        else case.recompute_granularity)
-        ref_loss, baseline = _Layout(base, _is_chunked(base.schedule), ref_weights).run(
+        ref_loss, baseline = ParallelLayout(base, is_chunked(base.schedule), ref_weights).run(
             base.schedule, batches)
         reference = {_identity(sharded): grad for _, sharded, grad in baseline}
         release_model_parallel()
-    loss, grads = _Layout(case, chunked, ref_weights).run(case.schedule, batches)
+    loss, grads = ParallelLayout(case, chunked, ref_weights).run(case.schedule, batches)
     triples = [(name, grad, reference[_identity(sharded)] if reference is not None
                 else _slice(ref_grads[_place(sharded)], sharded))
                for name, sharded, grad in grads]
@@ -323,7 +339,7 @@ def _identity(sharded: ShardedTensor) -> tuple:
     return sharded.key, tuple(sharded.global_offset)
 
 
-def _is_chunked(schedule: str) -> bool:
+def is_chunked(schedule: str) -> bool:
     if schedule in MEGATRON_SCHEDULES:
         return schedule == "megatron-interleaved-1f1b"
     return registry.get(schedule).chunked

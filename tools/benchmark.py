@@ -122,8 +122,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
         if args.span_lengths and k != len(args.span_lengths):
             raise UsageError(f"--schedules {entry}: k = {k} but --span-lengths gives "
                              f"{len(args.span_lengths)} spans")
-        chunks = args.chunks if _is_chunked(name) else 1
-        if _is_chunked(name) and (chunks < 2 or args.num_layers % (args.pp * chunks)):
+        chunks = args.chunks if is_chunked(name) else 1
+        if is_chunked(name) and (chunks < 2 or args.num_layers % (args.pp * chunks)):
             raise UsageError(f"--chunks {chunks}: {name} needs >= 2 chunks that divide the "
                              f"{args.num_layers} layers over --pp {args.pp}")
         if k > args.seq_length:
@@ -132,8 +132,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
     return args, runs
 
 
-def _is_chunked(name: str) -> bool:
-    from seq1f1b.equivalence import _is_chunked as chunked
+def is_chunked(name: str) -> bool:
+    from seq1f1b.equivalence import is_chunked as chunked
 
     return chunked(name)
 
@@ -152,24 +152,6 @@ def _case(args: argparse.Namespace, run: Run):
         position_embedding_type=args.position_embedding_type,
         sequence_parallel=args.sequence_parallel, attention_backend=args.attention_backend,
         seed=args.seed)
-
-
-def _whole_model_weights(case) -> dict:
-    """The unsplit model's weights by their place in the global tensors (what `_Layout` copies
-    into each layout's chunks), so every schedule runs the same model."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    from seq1f1b.equivalence import _build, _config, _place, _shard_index
-
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
-    model = _build(case, _config(case, 1, 1, 1, False), pre_process=True, post_process=True,
-                   vp_stage=None)
-    params = dict(model.named_parameters())
-    weights = {_place(sharded): params[name].detach().clone()
-               for name, sharded in _shard_index(model).values()}
-    parallel_state.destroy_model_parallel()
-    return weights
 
 
 @dataclass
@@ -193,14 +175,14 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from seq1f1b.equivalence import _forward_step, _Layout
+    from seq1f1b.equivalence import forward_step, ParallelLayout
     from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
                                                   get_forward_backward_func)
     from seq1f1b.runtime.trace import ExecutionTrace
 
     case = _case(args, runs[0])
     chunked = case.chunks > 1
-    layout = _Layout(case, chunked, weights)
+    layout = ParallelLayout(case, chunked, weights)
     dp_rank = parallel_state.get_data_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     representative = dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
@@ -216,7 +198,7 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
         function = get_forward_backward_func(run.schedule, settings)
         dist.barrier()
         start = time.perf_counter()
-        function(forward_step_func=_forward_step,
+        function(forward_step_func=forward_step,
                  data_iterator=iterators if chunked else iterators[0],
                  model=layout.chunks if chunked else layout.chunks[0],
                  num_microbatches=case.num_microbatches, seq_length=case.seq_length,
@@ -381,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch.distributed as dist
 
     from seq1f1b.distributed import init_distributed
-    from seq1f1b.equivalence import _global_batch
+    from seq1f1b.equivalence import global_batch, whole_model_weights
 
     torch.set_num_threads(args.threads)
     init_distributed()
@@ -392,8 +374,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"--pp {args.pp}", file=sys.stderr)
         return 2
     dp = world // (args.tp * args.pp)
-    weights = _whole_model_weights(_case(args, runs[0]))
-    batches = _global_batch(_case(args, runs[0]), dp)
+    weights = whole_model_weights(_case(args, runs[0]))
+    batches = global_batch(_case(args, runs[0]), dp)
     mine: list[Optional[Measured]] = [None] * len(runs)
     for chunks in dict.fromkeys(run.chunks for run in runs):        # in order of appearance
         members = [n for n, run in enumerate(runs) if run.chunks == chunks]

@@ -248,7 +248,7 @@ def _stage_estimate(shapes: Shapes, seq_length: int, precision: str):
 def check_stage(shapes: Shapes, deadline: Deadline) -> list[dict]:
     import torch
 
-    from seq1f1b.equivalence import _forward_step
+    from seq1f1b.equivalence import forward_step
     from seq1f1b.plan.costs import layer_flops, logits_flops
     from seq1f1b.plan.memory import GIB
     from seq1f1b.plan.partition import span_bounds
@@ -270,7 +270,7 @@ def check_stage(shapes: Shapes, deadline: Deadline) -> list[dict]:
                 shapes.splits, "compute", trace=trace))
             _sync()
             start = time.perf_counter()
-            function(forward_step_func=_forward_step, data_iterator=iter([batch]), model=model,
+            function(forward_step_func=forward_step, data_iterator=iter([batch]), model=model,
                      num_microbatches=1, seq_length=seq_length, micro_batch_size=1)
             _sync()
             return time.perf_counter() - start
