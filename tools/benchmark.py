@@ -180,7 +180,13 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
                                                   get_forward_backward_func)
     from seq1f1b.runtime.trace import ExecutionTrace
 
-    case = _case(args, runs[0])
+    from seq1f1b.plan import registry
+
+    # Split-backward linears when any schedule defers W: without a W key they back-propagate
+    # exactly like megatron's, so the other schedules run unchanged on the same chunks.
+    splitting = [run for run in runs if run.schedule not in MEGATRON_SCHEDULES
+                 and registry.get(run.schedule).splits_backward]
+    case = _case(args, (splitting or runs)[0])
     chunked = case.chunks > 1
     layout = ParallelLayout(case, chunked, weights)
     dp_rank = parallel_state.get_data_parallel_rank()

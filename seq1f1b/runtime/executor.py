@@ -23,7 +23,7 @@ from seq1f1b.runtime.loss import MicrobatchLoss
 from seq1f1b.runtime.p2p import PipelineChannels
 from seq1f1b.runtime.span_data import SpanDataSource
 from seq1f1b.runtime.trace import ExecutionTrace
-from seq1f1b.runtime.wgrad import WeightGradStore
+from seq1f1b.runtime.wgrad import WeightGradStore, has_split_backward
 
 
 @dataclass
@@ -118,6 +118,9 @@ class Executor:
         # Weight-gradient GEMMs that B defers to W (schedules that split backward): the model
         # must be built with split-backward linears (build_model_chunk(split_backward=True)).
         self.wgrad = WeightGradStore()
+        if sched.split_backward and not any(has_split_backward(m) for m in inputs.model_chunks):
+            raise ScheduleError(f"--pipeline-schedule {sched.name} defers weight gradients to W "
+                                "actions: build the model with split_backward=True")
 
     # -- helpers ---------------------------------------------------------------------------------
     def _shape_of(self, span: int) -> tuple[int, int, int]:

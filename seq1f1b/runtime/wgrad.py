@@ -202,3 +202,8 @@ def make_split_backward(linear: ColumnParallelLinear | RowParallelLinear
             return linear
     raise TypeError(f"split backward supports megatron's ColumnParallelLinear and "
                     f"RowParallelLinear, got {type(linear).__name__}")
+
+
+def has_split_backward(model: torch.nn.Module) -> bool:
+    """Whether `model` holds any split-backward linear (else W actions would defer nothing)."""
+    return any(isinstance(module, _SplitBackwardForward) for module in model.modules())
