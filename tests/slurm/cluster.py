@@ -142,6 +142,14 @@ class SlurmCluster:
 
     # -- start ---------------------------------------------------------------------------------
     def start(self, timeout: float = 60) -> None:
+        """Start every daemon and wait until the nodes are idle; on failure, undo what started."""
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o755)     # munged, as the munge user, must reach its socket below
         for sub in ("state", "log", "dev"):
@@ -201,10 +209,16 @@ class SlurmCluster:
                 for node in spec.nodes] if spec.gpus_per_node else []
         (root / "gres.conf").write_text("\n".join(gres) + "\n")
 
+    @property
+    def hosts_mark(self) -> str:
+        """The comment that ends this cluster's /etc/hosts line."""
+        return f"{HOSTS_MARK} {self.root}"
+
     def _add_hosts(self) -> None:
         """Name the emulated nodes 127.0.0.1 (one marked line, removed by stop())."""
-        kept = [line for line in HOSTS_FILE.read_text().splitlines() if HOSTS_MARK not in line]
-        kept.append(f"127.0.0.1 {' '.join(self.spec.nodes)} {HOSTS_MARK}")
+        kept = [line for line in HOSTS_FILE.read_text().splitlines()
+                if not line.endswith(self.hosts_mark)]
+        kept.append(f"127.0.0.1 {' '.join(self.spec.nodes)} {self.hosts_mark}")
         HOSTS_FILE.write_text("\n".join(kept) + "\n")
 
     def _start_munged(self) -> None:
@@ -282,7 +296,7 @@ class SlurmCluster:
 
     def _remove_hosts(self) -> None:
         lines = HOSTS_FILE.read_text().splitlines()
-        kept = [line for line in lines if HOSTS_MARK not in line]
+        kept = [line for line in lines if not line.endswith(self.hosts_mark)]
         if kept != lines:
             HOSTS_FILE.write_text("\n".join(kept) + "\n")
 

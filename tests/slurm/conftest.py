@@ -16,8 +16,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster import (HOSTS_FILE, HOSTS_MARK, SlurmCluster, SlurmUnavailable,  # noqa: E402
-                     install_slurm, pid_alive)
+from cluster import (HOSTS_FILE, SlurmCluster, SlurmUnavailable, install_slurm,  # noqa: E402
+                     pid_alive)
 
 SLURM_PROCESSES = ("slurmctld", "slurmd", "slurmstepd", "munged")
 
@@ -59,11 +59,7 @@ def slurm_cluster():
     before = _processes_named(SLURM_PROCESSES)
     root = Path(tempfile.mkdtemp(prefix="seq1f1b-slurm-"))
     cluster = SlurmCluster(root)
-    try:
-        cluster.start()
-    except (RuntimeError, subprocess.CalledProcessError):
-        cluster.stop()
-        raise
+    cluster.start()
     yield cluster
     survivors = cluster.stop()
     left = {pid: name for pid, name in _processes_named(SLURM_PROCESSES).items()
@@ -71,5 +67,5 @@ def slurm_cluster():
     jobs_left = _processes_of(cluster.conf)
     assert not survivors and not left and not jobs_left, \
         f"left running: daemons {survivors} {left}, job processes {sorted(jobs_left)}"
-    assert HOSTS_MARK not in HOSTS_FILE.read_text()
+    assert cluster.hosts_mark not in HOSTS_FILE.read_text()
     subprocess.run(["rm", "-rf", str(root)], check=True)
