@@ -260,11 +260,16 @@ def _memory_estimate(args: argparse.Namespace, run: Run, dp: int):
 
 def _uniform_makespan(schedule) -> float:
     """Makespan with every span costing its share of a micro-batch on a rank (F 1, B 2 per
-    micro-batch and rank): the ideal the measured ratios are held against."""
+    micro-batch and rank; a split backward is B 1 + W 1): the ideal the measured ratios are held
+    against."""
     from seq1f1b.plan.simulate import simulate, uniform_costs
 
     share = schedule.splits * schedule.chunks
-    return simulate(schedule, uniform_costs(schedule, 1 / share, 2 / share)).makespan
+    if schedule.split_backward:
+        costs = uniform_costs(schedule, 1 / share, 1 / share, 1 / share)
+    else:
+        costs = uniform_costs(schedule, 1 / share, 2 / share)
+    return simulate(schedule, costs).makespan
 
 
 def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measured]],
