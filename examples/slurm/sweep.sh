@@ -9,9 +9,10 @@
 # SPLITS (k) applies to the seq1f1b* schedules; the other schedules run once each with k = 1.
 # Each job gets SCHEDULE, SPLITS, SEQ_LENGTH and MICRO_BATCHES in its environment (the example
 # scripts read them) and everything else exported here; sbatch options go before SCRIPT in their
-# --name=value form, ARGs after it reach the script (and pretrain_gpt.py). The jobs' output files,
-# DIR/jobs.tsv (what was submitted) and DIR/results.csv (one row per job, written by --wait and
-# --collect through job_results.py) all live in DIR (default: runs/sweep-<date>-<time>).
+# --name=value form, ARGs after it reach the script (and pretrain_gpt.py). The jobs' output files
+# and run folders (RUN_DIR: training log, checkpoints), DIR/jobs.tsv (what was submitted) and
+# DIR/results.csv (one row per job, written by --wait and --collect through job_results.py) all
+# live in DIR (default: runs/sweep-<date>-<time>).
 set -euo pipefail
 
 usage() { echo "sweep.sh: error: $1" >&2; exit 2; }
@@ -61,7 +62,7 @@ for schedule in $SCHEDULES; do
                 name="sweep-$schedule-k$k-L$length-m$m"
                 output="$OUT/$name-%j.out"
                 id=$(SCHEDULE="$schedule" SPLITS="$k" SEQ_LENGTH="$length" MICRO_BATCHES="$m" \
-                    sbatch --parsable --export=ALL --job-name="$name" --output="$output" \
+                    RUN_DIR="$OUT/$name" sbatch --parsable --export=ALL --job-name="$name" --output="$output" \
                     ${SBATCH_OPTIONS[@]+"${SBATCH_OPTIONS[@]}"} "$SCRIPT" "$@")
                 id="${id%%;*}"
                 printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$id" "$output" "$schedule" "$k" "$length" \

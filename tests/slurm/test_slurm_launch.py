@@ -247,3 +247,4 @@ def test_sweep_gives_one_row_per_job_oom_included(jobs, slurm_cluster):
     assert ok["exit"] == "0" and ok["iterations"] == SWEEP_GRID["TRAIN_ITERS"]
     assert float(ok["lm_loss"]) > 0
     assert oom["exit"] not in ("", "0")
+    assert (sweep.run_dir / "sweep-seq1f1b-k2-L64-m4" / "train.log").exists()   # all in --out
