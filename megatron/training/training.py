@@ -230,12 +230,16 @@ def reduce_losses(losses: list) -> dict[str, float]:
     return reduced
 
 
+def _collective_device() -> torch.device:
+    """Where small tensors for collectives live: the GPU with NCCL, the CPU with gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 def _peaks_per_stage(local_bytes: int) -> list[int]:
     """Every rank's peak gathered; the maximum over the ranks of each pipeline stage."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
     mine = torch.tensor([parallel_state.get_pipeline_model_parallel_rank(), local_bytes],
-                        dtype=torch.int64, device=device)
+                        dtype=torch.int64, device=_collective_device())
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     peaks = [0] * parallel_state.get_pipeline_model_parallel_world_size()
@@ -338,9 +342,7 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
 def _splits_present(datasets: Sequence[Optional[object]]) -> list[bool]:
     """Whether each split has data on some rank (ranks that feed no chunk build none), agreed
     by every rank so that all of them run the same evaluations."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
     present = torch.tensor([dataset is not None for dataset in datasets], dtype=torch.int64,
-                           device=device)
+                           device=_collective_device())
     dist.all_reduce(present, op=dist.ReduceOp.MAX)
     return [bool(flag) for flag in present.tolist()]
