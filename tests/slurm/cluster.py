@@ -182,6 +182,9 @@ class SlurmCluster:
             f"ClusterName={spec.cluster_name}",
             "SlurmctldHost=localhost(127.0.0.1)",
             f"SlurmctldPort={ctld_port}",
+            # Job ids from a free port's number: two clusters on one host (a developer's beside
+            # CI's) then give their jobs different ids, hence different default MASTER_PORTs.
+            f"FirstJobId={ctld_port}",
             "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket}",
@@ -267,24 +270,40 @@ class SlurmCluster:
                 + [self.root / "slurmctld.pid", self.munge_socket.parent / "munged.pid"])
 
     def stop(self, timeout: float = 30) -> list[int]:
-        """Cancel every job, then stop the daemons by pid; returns the pids still alive."""
+        """Cancel every job and wait for its processes (slurmstepd outlives slurmd), then stop
+        the daemons by pid; returns the pids still alive (none when all went well)."""
+        daemons = {pid for pid in map(_read_pid, self.pid_files()) if pid is not None}
+        daemons |= {child.pid for child in self._children}
         if self.conf.exists():
             try:
                 self.slurm("scancel", "--full", "--user", "root", timeout=10)
                 self._wait_no_jobs(timeout / 2)
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired, RuntimeError):
                 pass            # daemons may be half up; stopping them by pid still works
-        survivors = []
-        for pid_file in self.pid_files():
-            pid = _read_pid(pid_file)
-            if pid is not None and not _stop_pid(pid, timeout / 4):
-                survivors.append(pid)
+        deadline = time.monotonic() + timeout / 2
+        while self.job_processes() - daemons and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivors = [pid for pid in sorted(self.job_processes() - daemons)
+                     if not _stop_pid(pid, timeout / 4)]
+        survivors += [pid for pid in sorted(daemons) if not _stop_pid(pid, timeout / 4)]
         for child in self._children:
-            if child.poll() is None and not _stop_pid(child.pid, timeout / 4):
-                survivors.append(child.pid)
             child.poll()
         self._remove_hosts()
         return survivors
+
+    def job_processes(self) -> set[int]:
+        """Live processes of this cluster other than this one: the daemons, slurmstepd and every
+        job process (Slurm hands SLURM_CONF, unique to the cluster, to all of them)."""
+        marker = f"SLURM_CONF={self.conf}".encode()
+        found = set()
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                pid = int(environ.parent.name)
+                if marker in environ.read_bytes().split(b"\0") and pid_alive(pid):
+                    found.add(pid)
+            except OSError:
+                continue
+        return found - {os.getpid()}
 
     def _wait_no_jobs(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

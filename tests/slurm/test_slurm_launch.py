@@ -32,10 +32,11 @@ TINY_MODEL = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "32", "NUM_ATTENTION_HEADS": "4"
 """The tiny CPU model every job trains: PP=2 over the two ranks, Seq1F1B (the scripts' default
 schedule) with k=2; everything else is the scripts' paper defaults (bf16, GPT-2 vocabulary)."""
 
-CPU_MEMORY_KB = 3_000_000
+CPU_MEMORY_KB = 4_000_000
 """The CPU stand-in for a GPU's memory: an address-space limit per rank (ulimit -v), which
 Slurm's PropagateResourceLimits hands from the submitting shell to every task. Imports and the
-tiny model fit; the 16K-token sweep cell does not (its logits alone: 16384 x 50257 entries), and
+tiny model fit (a rank peaks near 2.4 GB of address space); the 16K-token sweep cell does not
+(its logits alone: 16384 x 50257 entries, 1.6 GB in bf16, twice that in fp32), and
 torch's allocator fails there as it would on a full GPU."""
 
 
