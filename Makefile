@@ -13,7 +13,7 @@ setup: $(STAMP)
 # namespace package and the tools run from anywhere.
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --no-compile --disable-pip-version-check -r requirements.txt
 	$(PY) -c "import site, os; open(os.path.join(site.getsitepackages()[0], 'seq1f1b-repo.pth'), 'w').write(os.path.abspath('.') + '\n')"
 	$(PY) -c "import torch, megatron.core, seq1f1b; print('setup ok: torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
 	@touch $(STAMP)

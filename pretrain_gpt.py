@@ -26,6 +26,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                    config=None) -> torch.nn.Module:
     """One GPT model chunk: megatron's GPTModel with Seq1F1B's span-aware attention."""
     from seq1f1b.megatron_adapter import build_model_chunk
+    from seq1f1b.runtime.forward_backward import splits_backward
 
     args = get_args()
     return build_model_chunk(
@@ -33,7 +34,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         max_sequence_length=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type, pre_process=pre_process,
         post_process=post_process, vp_stage=vp_stage, attention_backend=args.attention_backend,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        split_backward=splits_backward(args.pipeline_schedule))
 
 
 def get_batch(data_iterator):

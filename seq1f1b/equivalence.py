@@ -26,7 +26,7 @@ from seq1f1b import megatron_adapter
 from seq1f1b.distributed import release_model_parallel
 from seq1f1b.plan import registry
 from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
-                                              get_forward_backward_func)
+                                              get_forward_backward_func, splits_backward)
 
 
 @dataclass
@@ -110,8 +110,7 @@ def _build(case: EquivalenceCase, config, *, pre_process: bool, post_process: bo
         post_process=post_process, vp_stage=vp_stage,
         share_embeddings_and_output_weights=not case.untie_embeddings,
         attention_backend=case.attention_backend,
-        split_backward=case.schedule not in MEGATRON_SCHEDULES
-        and registry.get(case.schedule).splits_backward)
+        split_backward=splits_backward(case.schedule))
 
 
 def global_batch(case: EquivalenceCase, dp: int) -> list[dict]:

@@ -177,15 +177,12 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
 
     from seq1f1b.equivalence import forward_step, ParallelLayout
     from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
-                                                  get_forward_backward_func)
+                                                  get_forward_backward_func, splits_backward)
     from seq1f1b.runtime.trace import ExecutionTrace
-
-    from seq1f1b.plan import registry
 
     # Split-backward linears when any schedule defers W: without a W key they back-propagate
     # exactly like megatron's, so the other schedules run unchanged on the same chunks.
-    splitting = [run for run in runs if run.schedule not in MEGATRON_SCHEDULES
-                 and registry.get(run.schedule).splits_backward]
+    splitting = [run for run in runs if splits_backward(run.schedule)]
     case = _case(args, (splitting or runs)[0])
     chunked = case.chunks > 1
     layout = ParallelLayout(case, chunked, weights)

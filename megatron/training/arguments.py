@@ -85,6 +85,14 @@ def _add_model_args(parser: ArgumentParser) -> None:
                    help="pad the vocabulary to a multiple of this x TP")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="core attention kernel of the span-aware attention")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"],
+                   help="activation recompute: whole layers (full) or core attention "
+                        "(selective); exact with spans")
+    g.add_argument("--recompute-method", choices=["uniform", "block"],
+                   help="full recompute: checkpoint groups of --recompute-num-layers layers "
+                        "(uniform) or the first --recompute-num-layers layers of a stage (block)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per recompute group (uniform) or recomputed per stage (block)")
 
 
 def _add_parallel_args(parser: ArgumentParser) -> None:
@@ -266,6 +274,13 @@ def _validate_basics(args: argparse.Namespace) -> None:
 
 
 def _validate_model(args: argparse.Namespace) -> None:
+    if args.recompute_granularity == "full":
+        args.recompute_method = args.recompute_method or "uniform"
+        args.recompute_num_layers = args.recompute_num_layers or 1
+        if args.recompute_num_layers < 1:
+            _fail(f"--recompute-num-layers must be at least 1, got {args.recompute_num_layers}")
+    elif args.recompute_method or args.recompute_num_layers is not None:
+        _fail("--recompute-method / --recompute-num-layers need --recompute-granularity full")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
     if args.max_position_embeddings is None:

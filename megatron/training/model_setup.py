@@ -45,7 +45,17 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         sequence_parallel=args.sequence_parallel, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         fp16=args.fp16, bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
-        calculate_per_token_loss=args.calculate_per_token_loss)
+        calculate_per_token_loss=args.calculate_per_token_loss, **_recompute_fields(args))
+
+
+def _recompute_fields(args: argparse.Namespace) -> dict:
+    """Megatron's recompute settings; selective recompute is of core attention."""
+    if args.recompute_granularity == "full":
+        return dict(recompute_granularity="full", recompute_method=args.recompute_method,
+                    recompute_num_layers=args.recompute_num_layers)
+    if args.recompute_granularity == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    return {}
 
 
 def build_model(args: argparse.Namespace, config: TransformerConfig,

@@ -43,6 +43,12 @@ def schedule_names() -> list[str]:
     return registry.names() + list(MEGATRON_SCHEDULES)
 
 
+def splits_backward(name: str) -> bool:
+    """Whether schedule `name` defers weight gradients to W actions: its model chunks must then
+    be built with split-backward linears (`build_model_chunk(split_backward=True)`)."""
+    return name not in MEGATRON_SCHEDULES and registry.get(name).splits_backward
+
+
 def _megatron_function(name: str) -> Callable:
     def run(**kwargs):
         pp_group = _pp_group(kwargs.get("p2p_communicator"), kwargs.get("pg_collection"))
