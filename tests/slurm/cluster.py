@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import socket
@@ -105,6 +106,27 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
+def _first_job_id(ports: int = 32) -> int:
+    """A first job id N whose jobs' default rendezvous ports (MASTER_PORT = 20000 + id mod 20000
+    in examples/slurm/launch_pretrain.sh) are free, below the kernel's ephemeral range (where the
+    daemons' ports are), and differ from those of another cluster on this host."""
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(20000, 32000 - ports)
+        if all(_port_free(port) for port in range(first, first + ports)):
+            return first
+    raise RuntimeError("no free port range for the jobs' rendezvous in 20000-32000")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _memory_mb() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -182,9 +204,7 @@ class SlurmCluster:
             f"ClusterName={spec.cluster_name}",
             "SlurmctldHost=localhost(127.0.0.1)",
             f"SlurmctldPort={ctld_port}",
-            # Job ids from a free port's number: two clusters on one host (a developer's beside
-            # CI's) then give their jobs different ids, hence different default MASTER_PORTs.
-            f"FirstJobId={ctld_port}",
+            f"FirstJobId={_first_job_id()}",
             "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket}",
