@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 from megatron.training.arguments import ArgumentParser  # noqa: E402
 from megatron.training.tokenizer import (  # noqa: E402
-    DEFAULT_TOKENIZER_TYPE, TOKENIZER_TYPES, TokenizerConfig, build_tokenizer)
+    TokenizerConfig, add_tokenizer_args, build_tokenizer)
 
 
 class InputError(ValueError):
@@ -39,12 +39,7 @@ def get_args(argv: Optional[Sequence[str]] = None):
     group.add_argument("--json-keys", nargs="+", default=["text"],
                        help="keys to extract from each JSON object (default: text)")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE, choices=TOKENIZER_TYPES)
-    group.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
-    group.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
-    group.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a tokenizers JSON file")
-    group.add_argument("--vocab-size", type=int,
-                       help="NullTokenizer: the text holds token ids 0 .. N-1")
+    add_tokenizer_args(group)
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to every document")
     group = parser.add_argument_group("output data")

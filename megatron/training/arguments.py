@@ -20,7 +20,7 @@ from typing import NoReturn, Optional, Sequence
 from megatron.training.checkpoint_layout import read_tracker
 from megatron.training.data import DataConfig, check_data_config, parse_split
 from megatron.training.tokenizer import (
-    DEFAULT_TOKENIZER_TYPE, TOKENIZER_TYPES, build_tokenizer, padded_vocab_size)
+    add_tokenizer_args, build_tokenizer, padded_vocab_size)
 
 MEGATRON_SCHEDULES = {"megatron-1f1b": False, "megatron-interleaved-1f1b": True}
 """megatron-core's unmodified schedules (full sequences): name -> interleaves model chunks."""
@@ -158,12 +158,7 @@ def _add_data_args(parser: ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true", help="synthetic data, no files")
     g.add_argument("--data-cache-path", help="where megatron-core caches sample indices")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD tokens")
-    g.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE, choices=TOKENIZER_TYPES)
-    g.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
-    g.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
-    g.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a tokenizers JSON file")
-    g.add_argument("--vocab-size", type=int,
-                   help="NullTokenizer: token ids 0 .. N-1 (EOD is N), e.g. for --mock-data")
+    add_tokenizer_args(g)
 
 
 def _add_run_args(parser: ArgumentParser) -> None:

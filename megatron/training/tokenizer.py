@@ -17,6 +17,16 @@ from typing import Iterable, Optional, Sequence
 
 TOKENIZER_TYPES = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 DEFAULT_TOKENIZER_TYPE = "ByteLevelTokenizer"
+
+
+def add_tokenizer_args(group) -> None:
+    """Megatron's tokenizer flags, shared by pretrain_gpt.py and tools/preprocess_data.py."""
+    group.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE, choices=TOKENIZER_TYPES)
+    group.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
+    group.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
+    group.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a tokenizers JSON file")
+    group.add_argument("--vocab-size", type=int,
+                       help="NullTokenizer: token ids 0 .. N-1 (EOD is N)")
 NO_PAD = -1
 
 _GPT2_EOD = "<|endoftext|>"
