@@ -300,12 +300,15 @@ class SlurmCluster:
                 self._wait_no_jobs(timeout / 2)
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired, RuntimeError):
                 pass            # daemons may be half up; stopping them by pid still works
+        def of_jobs() -> set[int]:      # not a daemon nor a daemon's helper (slurmscriptd)
+            return {pid for pid in self.job_processes() - daemons if _parent(pid) not in daemons}
+
         deadline = time.monotonic() + timeout / 2
-        while self.job_processes() - daemons and time.monotonic() < deadline:
+        while of_jobs() and time.monotonic() < deadline:
             time.sleep(0.2)
-        survivors = [pid for pid in sorted(self.job_processes() - daemons)
-                     if not _stop_pid(pid, timeout / 4)]
+        survivors = [pid for pid in sorted(of_jobs()) if not _stop_pid(pid, timeout / 4)]
         survivors += [pid for pid in sorted(daemons) if not _stop_pid(pid, timeout / 4)]
+        survivors += [pid for pid in sorted(self.job_processes()) if not _stop_pid(pid, 5.0)]
         for child in self._children:
             child.poll()
         self._remove_hosts()
@@ -354,6 +357,13 @@ def pid_alive(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state != "Z"
+
+
+def _parent(pid: int) -> Optional[int]:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, IndexError, ValueError):
+        return None
 
 
 def _stop_pid(pid: int, timeout: float) -> bool:
