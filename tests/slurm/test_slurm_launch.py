@@ -201,9 +201,10 @@ def _nodes_that_ran(cluster, job_id: str, step: int) -> set[str]:
             if launch in (cluster.root / "log" / f"slurmd-{node}.log").read_text()}
 
 
-def _rank_pid(job_id: str, rank: int) -> Optional[int]:
-    """The pid of the Python process of Slurm rank `rank` of job `job_id` (on this host)."""
-    wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}
+def _rank_pid(cluster, job_id: str, rank: int) -> Optional[int]:
+    """The pid of the Python process of Slurm rank `rank` of job `job_id` of this cluster."""
+    wanted = {f"SLURM_CONF={cluster.conf}".encode(), f"SLURM_JOB_ID={job_id}".encode(),
+              f"SLURM_PROCID={rank}".encode()}
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
             cmdline = (environ.parent / "cmdline").read_bytes()
@@ -227,7 +228,7 @@ def test_a_dead_rank_fails_the_job_with_its_exit_code(jobs, slurm_cluster):
         assert time.monotonic() < deadline, "no iteration logged"
         time.sleep(1)
     job_id = slurm_cluster.slurm("squeue", "-h", "--name", job.name, "-o", "%i").strip()
-    pid = _rank_pid(job_id, 1)
+    pid = _rank_pid(slurm_cluster, job_id, 1)
     assert pid is not None, "rank 1's process not found"
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
