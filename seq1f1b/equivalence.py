@@ -66,6 +66,37 @@ class EquivalenceCase:
     grad_tolerance: float = 1e-5
 
 
+def add_model_flags(parser, **defaults) -> None:
+    """The model and layout flags of EquivalenceCase (shared by check_equivalence.py and
+    benchmark.py); `defaults` overrides a flag's default by its dest, e.g. hidden_size=256."""
+    def add(flag: str, **kwargs) -> None:
+        dest = flag[2:].replace("-", "_")
+        if dest in defaults:
+            kwargs["default"] = defaults[dest]
+        parser.add_argument(flag, **kwargs)
+
+    add("--num-layers", type=int, default=4)
+    add("--hidden-size", type=int, default=32)
+    add("--num-attention-heads", type=int, default=4)
+    add("--num-query-groups", type=int, default=None)
+    add("--ffn-hidden-size", type=int, default=None)
+    add("--vocab-size", type=int, default=96)
+    add("--seq-length", type=int, default=24)
+    add("--micro-batch-size", type=int, default=2)
+    add("--num-microbatches", type=int, default=4)
+    add("--tp", type=int, default=1, help="tensor-parallel size")
+    add("--pp", type=int, default=1, help="pipeline-parallel size")
+    add("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedules)")
+    add("--splits", type=int, default=1, help="spans per micro-batch (k)")
+    add("--partition", choices=["even", "compute", "explicit"], default="even")
+    add("--span-lengths", type=int, nargs="+", default=None,
+        help="explicit span lengths (implies --partition explicit)")
+    add("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    add("--sequence-parallel", action="store_true")
+    add("--attention-backend", choices=["auto", "eager", "sdpa", "flex", "flash", "te"],
+        default="auto")
+
+
 @dataclass
 class EquivalenceResult:
     loss: float

@@ -57,30 +57,14 @@ class Run:
 
 
 def build_parser() -> Parser:
+    from seq1f1b.equivalence import add_model_flags
+
     parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--schedules", nargs="+", required=True, metavar="NAME[:K]",
         help="schedules to compare; the first is the baseline of the ratios")
-    add("--num-layers", type=int, default=4)
-    add("--hidden-size", type=int, default=256)
-    add("--num-attention-heads", type=int, default=4)
-    add("--num-query-groups", type=int, default=None)
-    add("--ffn-hidden-size", type=int, default=None)
-    add("--vocab-size", type=int, default=1024)
-    add("--seq-length", type=int, default=512)
-    add("--micro-batch-size", type=int, default=1)
-    add("--num-microbatches", type=int, default=2)
-    add("--tp", type=int, default=1, help="tensor-parallel size")
-    add("--pp", type=int, default=1, help="pipeline-parallel size")
-    add("--chunks", type=int, default=2, help="model chunks per rank of interleaved schedules")
-    add("--splits", type=int, default=1, help="k of the seq1f1b* schedules")
-    add("--partition", choices=["even", "compute", "explicit"], default="even")
-    add("--span-lengths", type=int, nargs="+", default=None,
-        help="explicit span lengths (implies --partition explicit)")
-    add("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
-    add("--sequence-parallel", action="store_true")
-    add("--attention-backend", choices=["auto", "eager", "sdpa", "flex", "flash", "te"],
-        default="auto")
+    add_model_flags(parser, hidden_size=256, vocab_size=1024, seq_length=512,
+                    micro_batch_size=1, num_microbatches=2, chunks=2)
     add("--seed", type=int, default=1234)
     add("--warmup", type=int, default=1, help="untimed iterations per schedule")
     add("--iterations", type=int, default=3, help="timed iterations per schedule")

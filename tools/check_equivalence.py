@@ -18,33 +18,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from seq1f1b.equivalence import add_model_flags
     from seq1f1b.runtime.forward_backward import schedule_names
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--schedule", default="seq1f1b", choices=schedule_names())
-    add("--num-layers", type=int, default=4)
-    add("--hidden-size", type=int, default=32)
-    add("--num-attention-heads", type=int, default=4)
-    add("--num-query-groups", type=int, default=None)
-    add("--ffn-hidden-size", type=int, default=None)
-    add("--vocab-size", type=int, default=96)
-    add("--seq-length", type=int, default=24)
-    add("--micro-batch-size", type=int, default=2)
-    add("--num-microbatches", type=int, default=4)
-    add("--tp", type=int, default=1, help="tensor-parallel size")
-    add("--pp", type=int, default=1, help="pipeline-parallel size")
-    add("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedules)")
-    add("--splits", type=int, default=1, help="spans per micro-batch (k)")
-    add("--partition", choices=["even", "compute", "explicit"], default="even")
-    add("--span-lengths", type=int, nargs="+", default=None,
-        help="explicit span lengths (implies --partition explicit)")
-    add("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
-    add("--sequence-parallel", action="store_true")
+    add_model_flags(parser)
     add("--untie-embeddings-and-output-weights", action="store_true")
-    add("--attention-backend", choices=["auto", "eager", "sdpa", "flex", "flash", "te"],
-        default="auto")
     add("--init-method-std", type=float, default=0.2,
         help="weight init std (0.2: sharp attention, so a wrong position or K/V shows)")
     add("--recompute-granularity", choices=["full", "selective"], default=None,
