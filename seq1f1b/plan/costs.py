@@ -198,8 +198,11 @@ def kv_cache_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int
                    bytes_per_element: int = 2) -> float:
     """Bytes of one layer's K and V for one span: 2*s*b*g*d*bytes/TP.
 
-    Held from the span's forward (later spans read them) until its own backward B, which is the
-    last reader (backward runs spans in reverse order).
+    The runtime keeps one contiguous K and one V buffer per (micro-batch, model chunk, layer),
+    sized for the whole sequence: allocated at the micro-batch's first forward F(i,0), written
+    span by span, read through prefix views (no concatenated copy), freed after its last backward
+    B(i,0). So a micro-batch in flight holds the sum of this over all its spans, from F(i,0) on;
+    the simulator's replay counts it that way.
     """
     return 2 * span_length * batch * model.num_query_groups * model.kv_channels \
         * bytes_per_element / tp

@@ -13,7 +13,9 @@ schedule's memory is read off the same plan that runs. What the estimate counts,
   ranks by the distributed optimizer (both figures are reported);
 - activations: Korthikanti et al.'s per-layer bytes with flash attention, split by TP (and by SP
   where sequence parallelism shards them), no recompute, no dropout masks (dropout 0, as the paper);
-- the K/V cache of the spans in flight; the loss's fp32 softmax on the last stage;
+- the K/V cache of the micro-batches in flight, each the whole sequence's from its first span's
+  forward to its last backward (the runtime's one buffer per micro-batch); the loss's fp32
+  softmax on the last stage;
 - a backward workspace (costs.backward_workspace_bytes) and a fixed framework overhead
   (`FRAMEWORK_OVERHEAD_GIB`).
 Not counted: the pipeline's stashed stage outputs (megatron deallocates them after the send),

@@ -8,8 +8,11 @@ gives one. Invalid schedules (incomplete, misordered, deadlocking) are refused w
 `validate.validate`'s message.
 
 Memory: a span is live on a rank from the start of its F until the end of the action that frees its
-activations: B, or W when the schedule splits backward. Its K/V stay in the cache until its B (the
-last reader, see costs.kv_cache_bytes); the loss's logits (last stage only) go with the activations.
+activations: B, or W when the schedule splits backward; the loss's logits (last stage only) go with
+the activations. The K/V cache is per micro-batch, not per span: the runtime allocates one buffer
+for the whole sequence (all k spans) of a micro-batch on a virtual stage at its first span's
+forward F(i,0) and frees it after its last backward B(i,0) (see costs.kv_cache_bytes), so a
+micro-batch in flight holds all of its spans' K/V however few of them have run.
 
 Measured iterations enter through `measured_report` (the same report built from a runtime trace)
 and `calibrated_costs` (per-action costs taken from measured reports), so a measured run and its
@@ -203,7 +206,8 @@ def simulate(schedule: Schedule, costs: SpanCosts, p2p_latency: float = 0.0
 
 
 _HELD = ("activation", "kv_cache", "logits")
-"""What a rank holds for backward, by kind; K/V are freed at B, the others with the activations."""
+"""What a rank holds for backward, by kind: activations and logits per span (freed with the span's
+activations), K/V per micro-batch (the whole sequence's, from F(i,0) until after B(i,0))."""
 
 
 def _held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
@@ -213,10 +217,29 @@ def _held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
     return dict(zip(_HELD, (costs.activation_bytes, costs.kv_cache_bytes, logits)))
 
 
+def _held_change(tables: dict[str, Table], stage: int, action: Action, frees_activations: str
+                 ) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes of each kind `action` allocates when it starts and releases after it ends."""
+    span = action.span
+    whole_sequence_kv = sum(tables["kv_cache"][stage])
+    allocated = dict.fromkeys(_HELD, 0.0)
+    released = dict.fromkeys(_HELD, 0.0)
+    if action.op == "F":
+        allocated["activation"] = tables["activation"][stage][span]
+        allocated["logits"] = tables["logits"][stage][span]
+        if span == 0:
+            allocated["kv_cache"] = whole_sequence_kv
+    if action.op == frees_activations:
+        released["activation"] = tables["activation"][stage][span]
+        released["logits"] = tables["logits"][stage][span]
+    if action.op == "B" and span == 0:
+        released["kv_cache"] = whole_sequence_kv
+    return allocated, released
+
+
 def _rank_report(schedule: Schedule, costs: SpanCosts | None, rank: int,
                  timeline: list[TimedAction], makespan: float) -> RankReport:
     frees_activations = "W" if schedule.split_backward else "B"
-    frees = {"activation": frees_activations, "kv_cache": "B", "logits": frees_activations}
     tables = _held_tables(costs)
     live = peak_live = 0
     held = dict.fromkeys(_HELD, 0.0)
@@ -224,23 +247,23 @@ def _rank_report(schedule: Schedule, costs: SpanCosts | None, rank: int,
     at_peak, peak_total = dict(held), 0.0
     for timed in timeline:          # program order = time order on one rank
         action = timed.action
-        stage = schedule.stage_of(rank, action.chunk)
         if action.op == "F":
             live += 1
             peak_live = max(peak_live, live)
-            if tables is not None:
-                for kind in _HELD:
-                    held[kind] += tables[kind][stage][action.span]
-                    peaks[kind] = max(peaks[kind], held[kind])
-                if sum(held.values()) > peak_total:
-                    peak_total, at_peak = sum(held.values()), dict(held)
         # The freeing action still holds its span while it runs: release after it.
         if action.op == frees_activations:
             live -= 1
-        if tables is not None:
-            for kind in _HELD:
-                if action.op == frees[kind]:
-                    held[kind] -= tables[kind][stage][action.span]
+        if tables is None:
+            continue
+        allocated, released = _held_change(tables, schedule.stage_of(rank, action.chunk),
+                                           action, frees_activations)
+        for kind in _HELD:
+            held[kind] += allocated[kind]
+            peaks[kind] = max(peaks[kind], held[kind])
+        if sum(held.values()) > peak_total:
+            peak_total, at_peak = sum(held.values()), dict(held)
+        for kind in _HELD:
+            held[kind] -= released[kind]
     busy = sum(t.end - t.start for t in timeline)
     if tables is None:
         return RankReport(rank, busy, makespan - busy, peak_live, None, None, timeline)

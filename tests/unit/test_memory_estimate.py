@@ -58,13 +58,26 @@ def test_1f1b_rank0_holds_p_whole_sequences():
 
 @pytest.mark.parametrize("pp, k", [(4, 4), (4, 2), (2, 4), (8, 3)])
 def test_seq1f1b_rank0_holds_p_plus_k_minus_1_spans(pp, k):
-    """SEQ1F1B.md: with equal spans rank 0 holds (P + k - 1)/(k P) of 1F1B's activations."""
+    """SEQ1F1B.md: with equal spans rank 0 holds (P + k - 1)/(k P) of 1F1B's activations.
+
+    K/V go by micro-batch (the whole sequence's, from F(i,0) to B(i,0)). In the steady state
+    every F brings rank 0 to P + k - 1 live spans; right after an F(i,0) they are span 0 of i,
+    whole micro-batches, and r >= 1 remaining spans of the oldest: P + k - 2 = k * whole + r, so
+    2 + ceil((P - 2) / k) micro-batches are in flight, and never more.
+    """
     model = replace(MODEL, num_layers=8 * 3)
-    one = estimate_memory(_setup(model=model, pp=pp, seq_length=4096 * 3))
-    seq = estimate_memory(_setup(model=model, pp=pp, seq_length=4096 * 3, schedule="seq1f1b",
+    seq_length = 4096 * 3
+    one = estimate_memory(_setup(model=model, pp=pp, seq_length=seq_length))
+    seq = estimate_memory(_setup(model=model, pp=pp, seq_length=seq_length, schedule="seq1f1b",
                                  splits=k))
-    ratio = seq.stages[0].held_for_backward_bytes / one.stages[0].held_for_backward_bytes
+    ratio = seq.stages[0].activation_bytes / one.stages[0].activation_bytes
     assert ratio == pytest.approx((pp + k - 1) / (k * pp))
+    layers = model.num_layers // pp
+    in_flight = 2 + -(-(pp - 2) // k)
+    assert seq.stages[0].kv_cache_bytes == pytest.approx(
+        in_flight * layers * kv_cache_bytes(model, seq_length))
+    assert one.stages[0].kv_cache_bytes == pytest.approx(
+        pp * layers * kv_cache_bytes(model, seq_length))
 
 
 def test_last_stage_keeps_the_fp32_logits_of_its_live_spans():

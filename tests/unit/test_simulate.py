@@ -80,6 +80,39 @@ def test_split_backward_needs_w_costs_and_frees_kv_at_b():
     assert costs.weight[0][0] == flops.weight_grad / 1e9
 
 
+def test_kv_cache_of_a_micro_batch_is_held_whole_from_its_first_span():
+    """P=1, k=4: F0.0 already holds the whole sequence's K/V; they stay until B0.0.
+
+    m=1: the peak is after F0.3, all four spans' activations and one sequence's K/V. m=2: the
+    program is F0.0 F0.1 F0.2 F0.3 B0.3 F1.0 B0.2 F1.1 B0.1 F1.2 B0.0 F1.3 ...; from F1.0 to
+    B0.0 two whole sequences' K/V are held (span by span it would never exceed 140 of 200 tokens).
+    """
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    spans = [40, 30, 20, 10]
+    whole = 2 * kv_cache_bytes(model, 100)
+    for m, sequences in ((1, 1), (2, 2)):
+        schedule = registry.build("seq1f1b", 1, m, 4)
+        rank = simulate(schedule, model_costs(schedule, model, spans,
+                                              flops_per_second=1e9)).ranks[0]
+        assert rank.peak_kv_cache_bytes == sequences * whole
+    assert rank.held_at_peak["kv_cache"] == 2 * whole       # at F1.1: 2 * 70 tokens of spans
+    assert rank.held_at_peak["activation"] == pytest.approx(2 * 2 * activation_bytes(model, 70))
+
+
+def test_kv_cache_is_freed_after_the_micro_batchs_last_backward():
+    """Split backward, k=2: K/V of micro-batch 0 leave after B0.0 (W needs none), before F1.0."""
+    schedule = Schedule.from_text("rank 0: F0.0 F0.1 B0.1 B0.0 F1.0 W0.1 W0.0 F1.1 B1.1 B1.0 "
+                                  "W1.1 W1.0", "w-toy-k2")
+    model = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    rank = simulate(schedule, model_costs(schedule, model, [24, 8],
+                                          flops_per_second=1e9)).ranks[0]
+    assert rank.peak_kv_cache_bytes == kv_cache_bytes(model, 32)
+    # At F1.0 micro-batch 0's activations are still held (until its W), its K/V are not.
+    assert rank.held_at_peak["activation"] == 2 * activation_bytes(model, 24) + \
+        activation_bytes(model, 8)
+    assert rank.held_at_peak["kv_cache"] == kv_cache_bytes(model, 32)
+
+
 def test_model_costs_follow_the_cost_formula():
     model = preset("7b")
     spans = partition(65536, 4, "compute", model, tp=2, sequence_parallel=True)
@@ -113,8 +146,12 @@ def test_model_costs_follow_the_cost_formula():
 
     assert report.ranks[0].peak_activation_bytes == pytest.approx(
         peak(lambda n: 8 * activation_bytes(model, n, tp=2, sequence_parallel=True)))
+    # K/V: a micro-batch holds the whole sequence's from F(i,0) to B(i,0). Rank 0 runs
+    # F0.0-F0.3 F1.0 F1.1 (warm-up P - 1 + k - 1 = 6), then alternates F and B: F1.2 B0.3 F1.3
+    # B0.2 F2.0 -- micro-batches 0 (spans 0, 1), 1 and 2 in flight -- B0.1 F2.1 B0.0; never four,
+    # since 7 live spans cannot cover three whole micro-batches plus a fourth's first span.
     assert report.ranks[0].peak_kv_cache_bytes == pytest.approx(
-        peak(lambda n: 8 * kv_cache_bytes(model, n, tp=2)))
+        3 * 8 * kv_cache_bytes(model, 65536, tp=2))
     # The byte peak is not where the span count first peaks (all of micro-batch 0 and three
     # spans of micro-batch 1): the first span is the longest, so a later window holding two
     # first spans is heavier.
