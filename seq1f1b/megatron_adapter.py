@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from seq1f1b.runtime.attention import SpanAttention
+from seq1f1b.runtime.attention import SpanAttention, SpanSelfAttention
 from seq1f1b.runtime.positions import make_span_aware
 from seq1f1b.runtime.wgrad import (
     SplitBackwardColumnParallelLinear,
@@ -83,6 +83,7 @@ def span_layer_spec(config: TransformerConfig, attention_backend: str = "auto",
     layer = spec.submodules
     layer.input_layernorm = SequenceParallelNorm
     layer.pre_mlp_layernorm = SequenceParallelNorm
+    layer.self_attention.module = SpanSelfAttention
     attention = layer.self_attention.submodules
     attention.core_attention = functools.partial(SpanAttention, backend=attention_backend)
     if config.qk_layernorm:

@@ -171,8 +171,8 @@ def check_attention(shapes: Shapes, deadline: Deadline) -> dict:
             return module(q_full, k_full, v_full, None)
 
         def span_forward():
-            cache = MicrobatchKVCache(0)
-            cache.store(module, 0, prefix_k, prefix_v)
+            cache = MicrobatchKVCache(0, length)
+            cache.layer(module, prefix_k, prefix_v).write(0, length - span, prefix_k, prefix_v)
             with span_context(SpanContext(0, 1, length - span, length, cache)):
                 return module(q_span, k_span, v_span, None)
 

@@ -7,20 +7,18 @@ the keyword arguments of `DotProductAttention` and calls it after RoPE with quer
 heads * head_dim] like `DotProductAttention`.
 
 Outside a span (`current_span()` is None) it is plain causal attention over the given sequence.
-Inside span j of a micro-batch (tokens [start, end)), the keys/values are the cached K/V of spans
-0..j-1 of this layer (detached leaves from `MicrobatchKVCache.prefix`) followed by this span's own,
-which it stores in the cache for the later spans; the query rows attend with the *bottom-right*
-aligned causal mask (query row t sees keys <= start + t).
+Inside span j of a micro-batch (tokens [start, end)), it writes the span's K/V into rows
+[start, end) of its layer's cache buffers (kv_cache.py) and attends over rows [0, end), i.e. the
+earlier spans' K/V followed by its own, with the *bottom-right* aligned causal mask (query row t
+sees keys <= start + t).
 
-Exact gradients without a second copy of K/V: for j > 0, `_PrefixAttention` concatenates prefix and
-current K/V and runs the kernel under no_grad, saving only q, the current k/v and the prefix leaves
-(which the cache holds anyway). Its backward concatenates again, re-runs the attention forward with
-grad enabled (dropout replayed from the saved RNG states) and returns grads for q, the current k/v
-and every prefix leaf, whose `.grad` so accumulates the later spans' dK/dV (see kv_cache.py).
-Cost: one extra attention forward in the backward of every span j > 0. One more transient: the
-prefix leaves' first gradients are views of the concatenated dK/dV buffer of the last span's
-backward, so that span's own slice of it (one span of dK/dV per layer) stays allocated until the
-micro-batch's cache is released.
+Exact gradients without a second copy of K/V and without re-running the forward:
+`_CachedSpanAttention` runs the kernel on detached leaves (q and the buffer views) and keeps that
+inner graph, so the kernel saves what it needs (the K/V views share the cache's storage) and its
+own backward runs; the dK/dV of rows [0, start) go to the cache's accumulators for the earlier
+spans, rows [start, end) plus what the later spans left there are span j's K/V gradient. Under
+selective recompute of core attention (`SpanSelfAttention`) it keeps q alone and re-runs the
+kernel in the backward, dropout replayed from the saved RNG states.
 
 Kernels (`--attention-backend`): eager (explicit mask, the reference), sdpa (torch SDPA with
 `causal_lower_right`; `is_causal=True` would be top-left aligned, wrong for spans), flash
@@ -50,12 +48,13 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from packaging.version import Version
 from torch import Tensor
 
-from seq1f1b.runtime.kv_cache import SpanContext, current_span, with_later_span_grads
+from seq1f1b.runtime.kv_cache import SpanContext, current_span
 
 BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te")
 _MEGATRON_BACKEND_NAMES = {"local": "eager", "unfused": "eager", "fused": "te"}
@@ -253,32 +252,57 @@ def _replaying(states: Optional[_RngStates]) -> Iterator[None]:
 
 # ----------------------------------------------------------------------------- span attention
 
-class _PrefixAttention(torch.autograd.Function):
-    """Attention of the current span over [prefix spans, current span] without keeping the concat.
+class _CachedSpanAttention(torch.autograd.Function):
+    """Attention of span [start, end) over rows [0, end) of its layer's K/V buffers.
 
-    Inputs: attend (q, K, V -> out), replay RNG states or None, q, k, v, then the prefix key leaves
-    and the prefix value leaves (spans 0..j-1 in order).
+    Inputs: attend (q, K, V -> out), the layer's `LayerKV`, start, end, replay RNG states (None,
+    or the states to replay when `recompute`), recompute, then q, k, v of the span. Forward writes
+    k/v into the buffers. Without `recompute` it runs the kernel with grad on detached leaves (q and
+    the buffer views) and keeps that inner graph: the kernel saves what it needs (q, the K/V views,
+    which share the cache's storage, its output and softmax statistics) and the backward is the
+    kernel's own. With `recompute` (selective recompute of core attention) it keeps only q and
+    re-runs the kernel in backward, RNG replayed for dropout. Backward returns the span's complete
+    dK/dV through `LayerKV.route_grads`.
     """
 
     @staticmethod
-    def forward(ctx, attend, rng_states, query, key, value, *prefix):
-        half = len(prefix) // 2
+    def forward(ctx, attend, layer_kv, start, end, rng_states, recompute, query, key, value):
+        layer_kv.write(start, end, key, value)
+        ctx.layer_kv, ctx.start, ctx.end = layer_kv, start, end
         ctx.attend, ctx.rng_states = attend, rng_states
-        ctx.save_for_backward(query, key, value, *prefix)
-        return attend(query, torch.cat([*prefix[:half], key]), torch.cat([*prefix[half:], value]))
+        if recompute:
+            ctx.save_for_backward(query)
+            ctx.inner = None
+            return attend(query, *layer_kv.views(end))
+        ctx.inner = _leaves_and_output(attend, query, *layer_kv.views(end),
+                                       ctx.needs_input_grad[6])
+        return ctx.inner[-1].detach()
 
     @staticmethod
     def backward(ctx, grad_output):
-        inputs = [t.detach().requires_grad_(needs)
-                  for t, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
-        query, key, value, *prefix = inputs
-        half = len(prefix) // 2
-        with torch.enable_grad(), _replaying(ctx.rng_states):
-            output = ctx.attend(query, torch.cat([*prefix[:half], key]),
-                                torch.cat([*prefix[half:], value]))
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(output, wanted, grad_output) if wanted else ())
-        return (None, None, *(next(grads) if t.requires_grad else None for t in inputs))
+        if ctx.inner is None:
+            (query,) = ctx.saved_tensors
+            with _replaying(ctx.rng_states):
+                inner = _leaves_and_output(ctx.attend, query, *ctx.layer_kv.views(ctx.end),
+                                           ctx.needs_input_grad[6])
+        else:
+            inner, ctx.inner = ctx.inner, None
+        *leaves, output = inner
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = dict(zip(map(id, wanted), torch.autograd.grad(output, wanted, grad_output)))
+        query, key, value = leaves
+        grad_key, grad_value = ctx.layer_kv.route_grads(ctx.start, ctx.end, grads[id(key)],
+                                                        grads[id(value)])
+        return None, None, None, None, None, None, grads.get(id(query)), grad_key, grad_value
+
+
+def _leaves_and_output(attend, query: Tensor, keys: Tensor, values: Tensor,
+                       query_needs_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q, K, V leaves, attend's output with its graph over them)."""
+    leaves = (query.detach().requires_grad_(query_needs_grad),
+              keys.detach().requires_grad_(), values.detach().requires_grad_())
+    with torch.enable_grad():
+        return (*leaves, attend(*leaves))
 
 
 def _check_config(config: TransformerConfig, attn_mask_type: AttnMaskType,
@@ -325,6 +349,9 @@ class SpanAttention(MegatronModule):
                              "set --attention-dropout 0")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        # Set by `SpanSelfAttention` under selective recompute of core attention: inside a span,
+        # keep q only and re-run the kernel in backward (see _CachedSpanAttention).
+        self.recompute_in_backward = False
         self.te_attention = (
             _build_te_attention(config, self.layer_number, self.dropout_p, self.softmax_scale,
                                 pg_collection.tp)
@@ -349,21 +376,15 @@ class SpanAttention(MegatronModule):
         if query.size(0) != ctx.length:
             raise RuntimeError(f"span {ctx.span} holds {ctx.length} tokens, attention got "
                                f"{query.size(0)} queries")
-        prefix = ctx.cache.prefix(self, ctx.span)
-        cached = sum(entry.key.size(0) for entry in prefix)
-        if cached != ctx.start:
-            raise RuntimeError(f"span {ctx.span} starts at token {ctx.start} but the cached K/V "
-                               f"of spans 0..{ctx.span - 1} hold {cached} tokens")
-        key, value = with_later_span_grads(key, value, ctx.cache.store(self, ctx.span, key, value))
+        layer_kv = ctx.cache.layer(self, key, value)
         attend = self._attend_fn(attention_mask, query, ctx.end)
-        if not prefix:
-            return attend(query, key, value)
-        keys = [entry.key_leaf for entry in prefix]
-        values = [entry.value_leaf for entry in prefix]
-        if not torch.is_grad_enabled():
-            return attend(query, torch.cat([*keys, key]), torch.cat([*values, value]))
-        rng_states = _RngStates.capture() if self._dropout_p() > 0 else None
-        return _PrefixAttention.apply(attend, rng_states, query, key, value, *keys, *values)
+        if not (torch.is_grad_enabled() and ctx.cache.requires_grad):
+            layer_kv.write(ctx.start, ctx.end, key, value)
+            return attend(query, *layer_kv.views(ctx.end))
+        recompute = self.recompute_in_backward
+        rng_states = _RngStates.capture() if recompute and self._dropout_p() > 0 else None
+        return _CachedSpanAttention.apply(attend, layer_kv, ctx.start, ctx.end, rng_states,
+                                          recompute, query, key, value)
 
     def _dropout_p(self) -> float:
         return self.dropout_p if self.training else 0.0
@@ -399,6 +420,35 @@ class SpanAttention(MegatronModule):
         if dropout_p > 0 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
+
+
+class SpanSelfAttention(SelfAttention):
+    """megatron's `SelfAttention`, whose selective recompute of core attention inside a span is
+    done by `SpanAttention` itself.
+
+    megatron's checkpoint would save q, k and v (v a view that keeps the whole fused QKV output
+    alive) although the span's K/V are in the cache anyway; `SpanAttention` with
+    `recompute_in_backward` keeps only q and re-runs its kernel in the backward, RNG replayed.
+    Outside spans (a whole-sequence forward) megatron's own checkpoint runs.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if isinstance(self.core_attention, SpanAttention):
+            self.core_attention.recompute_in_backward = self.checkpoint_core_attention
+
+    def _checkpointed_attention_forward(self, query, key, value, attention_mask,
+                                        rotary_pos_emb=None, attn_mask_type=None,
+                                        attention_bias=None, packed_seq_params=None):
+        ctx = current_span()
+        if ctx is None or ctx.cache is None or not isinstance(self.core_attention, SpanAttention):
+            return super()._checkpointed_attention_forward(
+                query, key, value, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+                packed_seq_params=packed_seq_params)
+        return self.core_attention(query, key, value, attention_mask,
+                                   attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+                                   packed_seq_params=packed_seq_params)
 
 
 def _check_mask(mask: Tensor, sq: int, sk: int) -> None:

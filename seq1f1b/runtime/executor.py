@@ -147,7 +147,8 @@ class Executor:
         start, end = self.inp.spans[j]
         last_span = j == self.schedule.splits - 1
         if j == 0:
-            self.caches[(i, c)] = MicrobatchKVCache(i, c, requires_grad=not self.inp.forward_only)
+            self.caches[(i, c)] = MicrobatchKVCache(
+                i, self.inp.spans[-1][1], c, requires_grad=not self.inp.forward_only)
         cache = self.caches[(i, c)]
         input_tensor = self.channels.receive(action)
         if input_tensor is not None and not self.inp.forward_only:
@@ -218,7 +219,6 @@ class Executor:
             with span_context(SpanContext(i, j, start, end, cache)), self.wgrad.begin(
                     action.key()) if self.schedule.split_backward else contextlib.nullcontext():
                 _backward([output], [grad], deallocated)
-        cache.release(j)
         if j == 0:
             del self.caches[(i, c)]
         if input_tensor is not None:
@@ -241,7 +241,8 @@ class Executor:
         last_backward = max((n for n, a in enumerate(self.program) if a.op != "F"), default=-1)
         trace = self.inp.trace
         if trace is not None:
-            trace.begin(self.held_bytes)
+            trace.begin(self.held_tensors,
+                        [p for m in self.inp.model_chunks for p in m.parameters()])
         show_chunk = self.schedule.chunks > 1
         for n, action in enumerate(self.program):
             if n + 1 < len(self.program):
@@ -265,12 +266,12 @@ class Executor:
                                "deferred weight gradients left after the iteration")
         return self.forward_data_store if self._holds_last_stage() else []
 
-    def held_bytes(self) -> int:
-        """Bytes the executor stashes beyond autograd's saved tensors: stage outputs kept for
-        backward and the output grads deferred to W; the saved-tensor meter adds them."""
-        return self.wgrad.held_bytes() + sum(
-            out.untyped_storage().nbytes() for _, out in self.saved.values()
-            if isinstance(out, torch.Tensor))
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the executor holds for backward outside autograd's saved tensors: stage outputs,
+        output grads deferred to W, the KV caches; the saved-tensor meter adds them."""
+        outputs = [out for _, out in self.saved.values() if isinstance(out, torch.Tensor)]
+        caches = [t for cache in self.caches.values() for t in cache.tensors()]
+        return outputs + caches + self.wgrad.held_tensors()
 
     def _holds_last_stage(self) -> bool:
         last = self.schedule.num_stages - 1

@@ -1,19 +1,25 @@
 """The per-micro-batch K/V cache and the "which span is running" context.
 
 The executor owns one `MicrobatchKVCache` per (micro-batch, model chunk): created at F(i,0), freed
-after B(i,0). While it runs the forward of span j it enters `span_context(...)`; the span-aware core
-attention of every layer reads `current_span()` to learn the span's absolute offset and to fetch
-the cached K/V of spans 0..j-1 (as leaves) and store its own.
+after B(i,0). While it runs span j it enters `span_context(...)`; the span-aware core attention of
+every layer reads `current_span()` to learn the span's absolute offset and finds its layer's
+`LayerKV` in the cache.
 
-Exact gradients: span j's K/V enter later spans' graphs as detached leaves that require grad, so
-after B(i,j') of every later span j' their `.grad` holds the later spans' dK/dV contribution. Span j
-itself attends through `with_later_span_grads(key, value, entry)`: an identity whose backward adds
-those leaf grads to the gradient of K_j and V_j at the moment it runs, i.e. during B(i,j), when the
-reverse span order guarantees they are complete. Because the routing lives in the span's own graph,
-it holds for any graph that B(i,j) back-propagates: the original one, or the one megatron's
-activation recompute rebuilds (the executor runs B(i,j) inside the span's context, so a recomputed
-forward finds the same prefix leaves and re-stores its K/V under the same leaves).
-Memory: a leaf is `detach()` of the graph tensor, so both share one storage; nothing is copied.
+Storage: per attention layer one contiguous K buffer and one V buffer for the whole sequence,
+allocated when span 0 writes its K/V. Span j copies its own K/V into rows [start, end) and attends
+over the view rows [0, end): prefix and current keys are one tensor without any concatenated copy,
+so the attention kernel's autograd graph can save that view (it shares the buffer's storage) and
+the backward needs no re-run of the forward. The view handed to a graph comes from `.data`, whose
+version counter is its own: a later span writing rows >= end does not invalidate an earlier span's
+saved view (those rows are outside it); a recomputed forward (activation recompute) rewrites a
+span's rows with the same values after every later span has finished its backward.
+
+Exact gradients: the backward of span j's attention yields dK/dV for rows [0, end). `route_grads`
+keeps rows [0, start) in the layer's accumulators for the earlier spans and returns rows
+[start, end) plus what the later spans left there, i.e. span j's complete dK/dV: backward runs
+spans in reverse, so when B(i,j) reaches a layer every later span has contributed.
+Memory: K/V of a whole micro-batch from its first span on (the estimator counts it so), dK/dV
+accumulators of rows [0, start) from the micro-batch's first backward until the cache is freed.
 """
 from __future__ import annotations
 
@@ -25,90 +31,84 @@ import torch
 
 
 @dataclass
-class SpanKV:
-    """K and V of one span in one attention layer: the graph tensors and their detached leaves."""
+class LayerKV:
+    """One attention layer's K/V buffers for a micro-batch and the dK/dV later spans left."""
 
-    key: torch.Tensor
+    key: torch.Tensor               # [seq_length, b, groups, d]
     value: torch.Tensor
-    key_leaf: torch.Tensor
-    value_leaf: torch.Tensor
+    filled: int = 0                 # rows [0, filled) hold K/V of spans already run
+    key_grad: Optional[torch.Tensor] = None      # rows [0, n): dK from later spans' attention
+    value_grad: Optional[torch.Tensor] = None
+
+    def write(self, start: int, end: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store span [start, end)'s K/V; the rows before `start` must hold the earlier spans'."""
+        if start > self.filled:
+            raise RuntimeError(f"the span [{start}, {end}) starts at token {start} but the cached "
+                               f"K/V hold {self.filled} tokens: out-of-order forward")
+        if end > self.key.size(0):
+            raise RuntimeError(f"span [{start}, {end}) ends beyond the cache's "
+                               f"{self.key.size(0)} tokens")
+        with torch.no_grad():
+            self.key.data[start:end].copy_(key)
+            self.value.data[start:end].copy_(value)
+        self.filled = max(self.filled, end)
+
+    def views(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of rows [0, end), sharing the buffers' storage (own version counters)."""
+        return self.key.data[:end], self.value.data[:end]
+
+    def route_grads(self, start: int, end: int, grad_key: torch.Tensor,
+                    grad_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """dK/dV of rows [0, end) from span [start, end)'s attention -> the span's own complete
+        dK/dV (its rows plus the later spans' contributions); rows [0, start) are kept for the
+        earlier spans."""
+        own_key, own_value = grad_key[start:end], grad_value[start:end]
+        if self.key_grad is not None:
+            own_key = own_key + self.key_grad[start:end]
+            own_value = own_value + self.value_grad[start:end]
+        if start > 0:
+            if self.key_grad is None:       # the micro-batch's last span: the first backward
+                self.key_grad = grad_key[:start].clone()
+                self.value_grad = grad_value[:start].clone()
+            else:
+                self.key_grad[:start] += grad_key[:start]
+                self.value_grad[:start] += grad_value[:start]
+        return own_key, own_value
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.key, self.value, self.key_grad, self.value_grad) if t is not None]
 
 
 @dataclass
 class MicrobatchKVCache:
-    """K/V of the spans of one micro-batch on one model chunk, per attention layer."""
+    """K/V of one micro-batch on one model chunk, per attention layer, for `seq_length` tokens."""
 
     microbatch: int
+    seq_length: int
     chunk: int = 0
     requires_grad: bool = True       # False for forward-only (evaluation) iterations
     _layers: dict = field(default_factory=dict)
 
-    def prefix(self, layer: object, span: int) -> list[SpanKV]:
-        """The cached K/V of spans 0..span-1 of `layer` (each span's entry must exist)."""
-        entries = self._layers.get(layer, {})
-        missing = [s for s in range(span) if s not in entries]
-        if missing:
-            raise RuntimeError(f"KV cache of micro-batch {self.microbatch} chunk {self.chunk} "
-                               f"lacks spans {missing} when span {span} runs: out-of-order forward")
-        return [entries[s] for s in range(span)]
-
-    def store(self, layer: object, span: int, key: torch.Tensor, value: torch.Tensor) -> SpanKV:
-        """Keep span `span`'s K/V for the later spans; returns the entry (with its leaves).
-
-        Storing again for the same span (a recomputed forward) replaces the graph tensors and keeps
-        the existing leaves, whose `.grad` may already hold later spans' contributions.
-        """
-        entries = self._layers.setdefault(layer, {})
-        old = entries.get(span)
-        if old is not None:
-            entry = SpanKV(key, value, old.key_leaf, old.value_leaf)
-        else:
-            # Leaves require grad even when this forward runs without a graph (the first pass of
-            # activation recompute): their recomputed consumers must still produce dK/dV.
-            entry = SpanKV(key, value, key.detach().requires_grad_(self.requires_grad),
-                           value.detach().requires_grad_(self.requires_grad))
-        entries[span] = entry
+    def layer(self, layer: object, key: torch.Tensor, value: torch.Tensor) -> LayerKV:
+        """`layer`'s buffers, allocated on first use with `key`/`value`'s per-token shape."""
+        entry = self._layers.get(layer)
+        if entry is None:
+            entry = LayerKV(key.new_empty((self.seq_length, *key.shape[1:])),
+                            value.new_empty((self.seq_length, *value.shape[1:])))
+            self._layers[layer] = entry
         return entry
 
-    def release(self, span: int) -> None:
-        """Drop span `span` of every layer: after its backward, nothing reads it again."""
-        for entries in self._layers.values():
-            entries.pop(span, None)
-
     def __len__(self) -> int:
-        """Number of cached (layer, span) entries."""
-        return sum(len(entries) for entries in self._layers.values())
+        """Number of attention layers with buffers."""
+        return len(self._layers)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer and gradient accumulator the cache holds."""
+        return [t for entry in self._layers.values() for t in entry.tensors()]
 
     def nbytes(self) -> int:
-        """Bytes held by the cached K/V (graph tensor and leaf share storage: counted once)."""
-        return sum(e.key.numel() * e.key.element_size() + e.value.numel() * e.value.element_size()
-                   for entries in self._layers.values() for e in entries.values())
-
-
-class _LaterSpanGrads(torch.autograd.Function):
-    """Identity on (K, V) of a span; backward adds the dK/dV later spans left in the leaves."""
-
-    @staticmethod
-    def forward(ctx, key, value, entry):
-        ctx.entry = entry
-        return key.view_as(key), value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad_key, grad_value):
-        entry = ctx.entry
-        if entry.key_leaf.grad is not None:
-            grad_key = grad_key + entry.key_leaf.grad
-        if entry.value_leaf.grad is not None:
-            grad_value = grad_value + entry.value_leaf.grad
-        return grad_key, grad_value, None
-
-
-def with_later_span_grads(key: torch.Tensor, value: torch.Tensor, entry: SpanKV
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K, V) for the span's own attention, routing later spans' dK/dV into this span's graph."""
-    if not torch.is_grad_enabled() or not (key.requires_grad or value.requires_grad):
-        return key, value
-    return _LaterSpanGrads.apply(key, value, entry)
+        """Bytes held by the buffers and the dK/dV accumulators."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,18 @@
 
 `SavedTensorMeter` installs saved-tensor hooks: every tensor autograd saves is wrapped in a handle
 that lives exactly as long as the graph keeps it; handles count their storage once however many
-graphs save it (a K/V piece saved by several later spans, an input saved by several ops). The meter
-also counts the executor's stashed stage inputs/outputs and KV caches through `extra_bytes`, so its
-peak is what a device would have to hold for backward at the worst moment of the iteration. Works
-on CPU, where no allocator statistics exist; on GPU `torch.cuda.max_memory_allocated` complements it.
+graphs save it (a K/V buffer viewed by several spans, an input saved by several ops). Storages of
+`excluded` tensors (the model's parameters, which linear layers save for their input gradient) are
+not counted: they are held whatever the schedule. The meter also counts what the executor holds
+outside autograd (stashed stage outputs, deferred output grads, the KV caches, which a full
+recompute's no-grad forward fills without any graph saving them) through `extra_tensors`, each
+storage once and not again when a graph saves it too, so its peak is what a device would have to
+hold for backward at the worst moment of the iteration. Works on CPU, where no allocator statistics
+exist; on GPU `torch.cuda.max_memory_allocated` complements it.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -35,19 +39,23 @@ class _Handle:
 class SavedTensorMeter:
     """Context manager tracking live and peak bytes of tensors saved for backward."""
 
-    def __init__(self, extra_bytes: Optional[Callable[[], int]] = None) -> None:
+    def __init__(self, extra_tensors: Optional[Callable[[], Iterable[torch.Tensor]]] = None,
+                 excluded: Iterable[torch.Tensor] = ()) -> None:
         self._refs: dict[tuple[int, int], int] = {}
+        self._excluded = {_storage_key(t) for t in excluded}
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.extra_bytes = extra_bytes
+        self.extra_tensors = extra_tensors
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def _pack(self, tensor: torch.Tensor) -> _Handle:
+    def _pack(self, tensor: torch.Tensor) -> object:
+        if _storage_key(tensor) in self._excluded:
+            return tensor
         return _Handle(tensor, self)
 
     @staticmethod
-    def _unpack(handle: _Handle) -> torch.Tensor:
-        return handle.tensor
+    def _unpack(packed: object) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Handle) else packed
 
     def _acquire(self, key: tuple[int, int]) -> None:
         count = self._refs.get(key, 0)
@@ -66,7 +74,12 @@ class SavedTensorMeter:
 
     def sample(self) -> int:
         """Update the peak with the current total; returns it."""
-        total = self.live_bytes + (self.extra_bytes() if self.extra_bytes else 0)
+        extra = {}
+        for tensor in self.extra_tensors() if self.extra_tensors else ():
+            key = _storage_key(tensor)
+            if key not in self._refs and key not in self._excluded:
+                extra[key] = key[1]
+        total = self.live_bytes + sum(extra.values())
         self.peak_bytes = max(self.peak_bytes, total)
         return total
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -36,13 +36,15 @@ class ExecutionTrace:
     _meter: Optional[SavedTensorMeter] = None
     _stack: Optional[ExitStack] = None
 
-    def begin(self, held_bytes: Callable[[], int]) -> None:
-        """Start of the iteration; `held_bytes` counts what the executor stashes itself."""
+    def begin(self, held_tensors: Callable[[], Iterable[torch.Tensor]],
+              parameters: Iterable[torch.Tensor] = ()) -> None:
+        """Start of the iteration; `held_tensors` lists what the executor holds outside autograd,
+        `parameters` the model's (held whatever the schedule: not counted)."""
         self.actions.clear()
         self._origin = time.perf_counter()
         self._stack = ExitStack()
         if self.measure_memory:
-            self._meter = self._stack.enter_context(SavedTensorMeter(held_bytes))
+            self._meter = self._stack.enter_context(SavedTensorMeter(held_tensors, parameters))
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
 

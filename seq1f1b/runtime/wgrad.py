@@ -121,17 +121,11 @@ class WeightGradStore:
         """Keys whose weight gradients are still deferred."""
         return list(self._gemms)
 
-    def held_bytes(self) -> int:
-        """Bytes the deferred GEMMs keep alive (each storage once): the layer inputs, which a
-        full backward would have freed at its end, and the output gradients, which it would
-        never have kept."""
-        storages = {}
-        for gemms in self._gemms.values():
-            for gemm in gemms:
-                for tensor in (gemm.input, gemm.grad_output):
-                    storage = tensor.untyped_storage()
-                    storages[storage.data_ptr()] = storage.nbytes()
-        return sum(storages.values())
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the deferred GEMMs keep alive: the layer inputs, which a full backward would have
+        freed at its end, and the output gradients, which it would never have kept."""
+        return [tensor for gemms in self._gemms.values() for gemm in gemms
+                for tensor in (gemm.input, gemm.grad_output)]
 
 
 class _SplitBackwardLinear(LinearWithGradAccumulationAndAsyncCommunication):

@@ -46,7 +46,7 @@ def run_unsplit(attn, qkv, grad_out, mask=None):
 def run_spans(attn, qkv, grad_out, lengths, mask=None):
     """Forward spans 0..k-1, then backward k-1..0 in each span's context, as the executor does."""
     q, k, v = qkv
-    cache = MicrobatchKVCache(microbatch=0)
+    cache = MicrobatchKVCache(microbatch=0, seq_length=SEQ)
     outs = []
     for j, (start, end) in enumerate(span_bounds(lengths)):
         span_mask = None if mask is None else mask[..., start:end, :end]
@@ -55,8 +55,6 @@ def run_spans(attn, qkv, grad_out, lengths, mask=None):
     for j, (start, end) in reversed(list(enumerate(span_bounds(lengths)))):
         with span_context(SpanContext(0, j, start, end, cache)):
             outs[j].backward(grad_out[start:end])
-        cache.release(j)
-    assert len(cache) == 0 and cache.nbytes() == 0
     return torch.cat([o.detach() for o in outs]), [t.grad for t in qkv]
 
 
@@ -138,7 +136,7 @@ def test_span_query_row_sees_exactly_its_past(backend):
 
 def run_forward(attn, q, k, v, lengths):
     """Outputs of the last span after running every span forward (no backward)."""
-    cache = MicrobatchKVCache(microbatch=0)
+    cache = MicrobatchKVCache(microbatch=0, seq_length=SEQ)
     for j, (start, end) in enumerate(span_bounds(lengths)):
         with span_context(SpanContext(0, j, start, end, cache)):
             out = attn(q[start:end], k[start:end], v[start:end], None)
@@ -153,18 +151,22 @@ def test_eager_and_sdpa_agree():
     assert_same(results[1], results[0])
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept-graph", "recomputed"])
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_dropout_replayed_in_backward(backend):
-    """The backward's recomputed attention uses the forward's dropout mask.
+def test_dropout_masks_of_forward_reach_backward(backend, recompute):
+    """The backward uses the forward's dropout mask: from the kept kernel graph, or replayed when
+    the kernel re-runs in the backward (selective recompute).
 
     out = P_dropped @ V and dV = P_dropped^T dOut, so sum(out * dOut) == sum(V * dV) holds exactly
     only when forward and backward dropped the same entries.
     """
     attn = make_attention(backend, groups=2, dropout=0.5).train()
+    attn.recompute_in_backward = recompute
     (q, k, v), grad_out = random_qkv(2)
-    cache = MicrobatchKVCache(microbatch=0)
+    cache = MicrobatchKVCache(microbatch=0, seq_length=SEQ)
+    prefix_v = v[:8].detach().requires_grad_()
     with span_context(SpanContext(0, 0, 0, 8, cache)):
-        attn(q[:8], k[:8], v[:8], None)
+        first = attn(q[:8], k[:8], prefix_v, None)
     current_v = v[8:].detach().requires_grad_()
     with span_context(SpanContext(0, 1, 8, SEQ, cache)):
         out = attn(q[8:], k[8:], current_v, None)
@@ -172,7 +174,8 @@ def test_dropout_replayed_in_backward(backend):
         no_dropout = make_attention(backend, groups=2)(q, k, v, None)[8:]
     assert rel_err(out.detach(), no_dropout) > 0.1, "dropout had no effect"
     out.backward(grad_out[8:])
-    prefix_v = cache.prefix(attn, 1)[0].value_leaf
+    with span_context(SpanContext(0, 0, 0, 8, cache)):   # span 0 receives span 1's dV only
+        first.backward(torch.zeros_like(first))
     through_values = (current_v * current_v.grad).sum() + (prefix_v * prefix_v.grad).sum()
     assert torch.allclose((out * grad_out[8:]).sum(), through_values, rtol=1e-5)
 
@@ -216,7 +219,7 @@ def test_span_needs_its_cache():
     (q, k, v), _ = random_qkv()
     with span_context(SpanContext(0, 1, 5, 10, None)), pytest.raises(RuntimeError, match="cache"):
         attn(q[5:10], k[5:10], v[5:10], None)
-    cache = MicrobatchKVCache(microbatch=0)
+    cache = MicrobatchKVCache(microbatch=0, seq_length=SEQ)
     with span_context(SpanContext(0, 0, 0, 5, cache)):
         attn(q[:5], k[:5], v[:5], None)
     with span_context(SpanContext(0, 1, 6, 10, cache)), pytest.raises(RuntimeError, match="hold 5"):
