@@ -165,10 +165,26 @@ def iteration_flops(model: ModelConfig, seq_length: int, global_batch_size: int)
 
 
 # -- bytes ------------------------------------------------------------------------------------
+def layer_input_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int = 1,
+                      sequence_parallel: bool = False, bytes_per_element: int = 2) -> float:
+    """Bytes of a layer's input hidden states on one span: s*b*h elements, split over TP only
+    with sequence parallelism. Also what a full-recompute checkpoint keeps for its layer group."""
+    divisor = tp if sequence_parallel else 1
+    return span_length * batch * model.hidden_size * bytes_per_element / divisor
+
+
+def softmax_stats_bytes(model: ModelConfig, span_length: int, batch: int = 1,
+                        tp: int = 1) -> float:
+    """Bytes of one layer's softmax statistics on one span: the fp32 logsumexp of each head and
+    query (4*n*s*b/TP), which flash-style attention keeps for its backward."""
+    return 4 * model.num_attention_heads * span_length * batch / tp
+
+
 def activation_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int = 1,
                      sequence_parallel: bool = False, bytes_per_element: int = 2,
                      dropout: bool = False) -> float:
-    """Bytes one transformer layer keeps for the backward of one span, excluding the span's K/V.
+    """Bytes one transformer layer keeps for the backward of one span, excluding the span's K/V,
+    without activation recompute (see `chunk_activation_bytes` for recompute).
 
     Korthikanti et al. ("Reducing Activation Recomputation in Large Transformer Models", 2022)
     count, per token of a layer in 16-bit, 34*h bytes + 5*n*s for the materialised attention
@@ -181,17 +197,122 @@ def activation_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: i
         FC1 output = GeLU input (f), GeLU output = FC2 input (f): split over TP.
     K and V (2*g*d) are the span's entry in the KV cache: see `kv_cache_bytes`; the cache and the
     graph share their storage, so adding the two gives the span's whole footprint.
-    Assumptions: no activation recompute, the runtime keeps no concatenated copy of the prefix's
-    K/V, embeddings and logits (first and last stage only) are not included.
+    Assumptions: the runtime keeps no concatenated copy of the prefix's K/V, embeddings and
+    logits (first and last stage only) are not included.
     """
-    h, n, d, f = model.hidden_size, model.num_attention_heads, model.kv_channels, \
-        model.ffn_hidden_size
-    e = bytes_per_element
-    per_token_replicated = 4 * h * e + (2 * h if dropout else 0)
-    per_token_sharded = 2 * n * d * e + 4 * n + 2 * f * e
-    replicated_divisor = tp if sequence_parallel else 1
-    per_token = per_token_replicated / replicated_divisor + per_token_sharded / tp
-    return span_length * batch * per_token
+    n, d, f = model.num_attention_heads, model.kv_channels, model.ffn_hidden_size
+    tokens = span_length * batch
+    gemm_and_norm_inputs = 4 * layer_input_bytes(model, span_length, batch, tp,
+                                                  sequence_parallel, bytes_per_element)
+    masks = (2 * tokens * model.hidden_size / (tp if sequence_parallel else 1)
+             if dropout else 0.0)
+    sharded = tokens * (2 * n * d + 2 * f) * bytes_per_element / tp
+    return gemm_and_norm_inputs + masks + sharded + softmax_stats_bytes(model, span_length,
+                                                                        batch, tp)
+
+
+# -- activation recompute ---------------------------------------------------------------------
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def _refuse_full_only_flags(method: str | None, num_layers: int | None) -> None:
+    for flag, value in (("--recompute-method", method), ("--recompute-num-layers", num_layers)):
+        if value is not None:
+            raise ScheduleError(f"{flag} needs --recompute-granularity full")
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Megatron's activation recompute (--recompute-granularity, --recompute-method,
+    --recompute-num-layers), with Megatron's meanings.
+
+    "selective": the core attention (Megatron's default recompute module) re-runs its forward
+    in the backward, from Q and the cached K/V. "full": whole layers re-run their forward in the
+    backward from the checkpointed input of their group; method "uniform" cuts each model chunk's
+    layers into groups of `num_layers`, "block" checkpoints the first `num_layers` layers of each
+    chunk, one layer each, and leaves the others as without recompute. As the training harness
+    (megatron/training/arguments.py) does, full recompute defaults to uniform groups of 1 layer.
+    """
+
+    granularity: str
+    method: str | None = None
+    num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise ScheduleError(f"--recompute-granularity {self.granularity!r}: choose from "
+                                f"{', '.join(RECOMPUTE_GRANULARITIES)}")
+        if self.granularity != "full":
+            _refuse_full_only_flags(self.method, self.num_layers)
+            return
+        if self.method is None:
+            object.__setattr__(self, "method", "uniform")
+        if self.num_layers is None:
+            object.__setattr__(self, "num_layers", 1)
+        if self.method not in RECOMPUTE_METHODS:
+            raise ScheduleError(f"--recompute-method {self.method!r}: choose from "
+                                f"{', '.join(RECOMPUTE_METHODS)}")
+        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ScheduleError(f"--recompute-num-layers must be at least 1, "
+                                f"got {self.num_layers!r}")
+
+    @classmethod
+    def from_flags(cls, granularity: str | None, method: str | None = None,
+                   num_layers: int | None = None) -> "Recompute | None":
+        """The recompute the three flags ask for; None (no recompute) without a granularity."""
+        if granularity is None:
+            _refuse_full_only_flags(method, num_layers)
+            return None
+        return cls(granularity, method, num_layers)
+
+    def describe(self) -> str:
+        """One line for tool output, e.g. "full recompute, uniform groups of 2 layers"."""
+        if self.granularity == "selective":
+            return "selective recompute (core attention)"
+        layers = f"{self.num_layers} layer{'s' if self.num_layers > 1 else ''}"
+        if self.method == "uniform":
+            return f"full recompute, uniform groups of {layers}"
+        return f"full recompute of the first {layers} of each chunk (block)"
+
+
+def chunk_activation_bytes(model: ModelConfig, layers: int, span_length: int, batch: int = 1,
+                           tp: int = 1, sequence_parallel: bool = False,
+                           bytes_per_element: int = 2,
+                           recompute: Recompute | None = None) -> float:
+    """Bytes a model chunk of `layers` layers keeps for the backward of one span, excluding its
+    K/V: every recompute mode still fills the K/V cache in the forward and holds it as without
+    recompute (see `kv_cache_bytes`).
+
+    - no recompute: `layers` x `activation_bytes`;
+    - selective: the core attention's forward re-runs in the backward, so a layer no longer keeps
+      its softmax statistics (`softmax_stats_bytes`); Q stays (the recompute's input) and so does
+      the attention output (the output projection's input). With flash-style attention, which
+      this estimate assumes, that saves little; with an eager kernel it saves the s x E score and
+      probability matrices of every head, the term flash attention never materialises;
+    - full, uniform N: each group of N consecutive layers keeps only its input
+      (`layer_input_bytes`). N must divide `layers`: megatron-core 0.16's loop
+      (`while l < num_layers: checkpoint(l, l + N)`) indexes past the chunk's last layer
+      otherwise (IndexError, checked on CPU);
+    - full, block N: the first min(N, layers) layers keep their input, the others as without
+      recompute.
+    """
+    plain = activation_bytes(model, span_length, batch, tp, sequence_parallel, bytes_per_element)
+    if recompute is None:
+        return layers * plain
+    if recompute.granularity == "selective":
+        return layers * (plain - softmax_stats_bytes(model, span_length, batch, tp))
+    checkpoint = layer_input_bytes(model, span_length, batch, tp, sequence_parallel,
+                                   bytes_per_element)
+    if recompute.method == "uniform":
+        if layers % recompute.num_layers:
+            raise ScheduleError(
+                f"--recompute-num-layers {recompute.num_layers} does not divide the {layers} "
+                "layers of a model chunk: megatron-core's uniform recompute would index past "
+                "the chunk's last layer")
+        return layers // recompute.num_layers * checkpoint
+    checkpointed = min(recompute.num_layers, layers)
+    return checkpointed * checkpoint + (layers - checkpointed) * plain
 
 
 def kv_cache_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int = 1,
@@ -219,17 +340,27 @@ def logits_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int =
 
 
 def backward_workspace_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int = 1,
-                             bytes_per_element: int = 2, last_stage: bool = False) -> float:
+                             bytes_per_element: int = 2, last_stage: bool = False, *,
+                             sequence_parallel: bool = False,
+                             recompute: Recompute | None = None) -> float:
     """Transient bytes of one backward on one span, on top of what is kept for backward.
 
     The largest working set of a layer's backward is its MLP: the gradients of the FC1 output and
     of the GeLU output (2*s*b*f/TP elements) while the layer's output gradient and its (on TP with
-    sequence parallelism, all-gathered) input live (2*s*b*h): 2*s*b*(f/TP + h) elements. On the
-    last stage the logits' gradient (s*b*Vv/TP, 16-bit) can be larger. An estimate of the peak
-    allocator demand, not a count of saved tensors.
+    sequence parallelism, all-gathered) input live (2*s*b*h): 2*s*b*(f/TP + h) elements. With
+    full recompute the recomputed group's whole activations (`activation_bytes` of N layers with
+    uniform, of 1 layer with block) live on top of that while the group back-propagates.
+    Selective recompute adds nothing: the core attention re-runs after the layer's MLP and
+    output projection have back-propagated and released more (their saved tensors, among them
+    the attention output the recompute rebuilds) than it rebuilds. On the last stage the logits'
+    gradient (s*b*Vv/TP, 16-bit), taken before any layer's backward, can be larger. An estimate
+    of the peak allocator demand, not a count of saved tensors.
     """
     e = bytes_per_element
     layer = 2 * span_length * batch * (model.ffn_hidden_size / tp + model.hidden_size) * e
+    if recompute is not None and recompute.granularity == "full":
+        group = recompute.num_layers if recompute.method == "uniform" else 1
+        layer += group * activation_bytes(model, span_length, batch, tp, sequence_parallel, e)
     if not last_stage:
         return layer
     return max(layer, span_length * batch * model.vocab_size / tp * e)

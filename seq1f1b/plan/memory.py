@@ -12,12 +12,15 @@ schedule's memory is read off the same plan that runs. What the estimate counts,
   8 in fp32 training where the parameters are the master copy), divided over the data-parallel
   ranks by the distributed optimizer (both figures are reported);
 - activations: Korthikanti et al.'s per-layer bytes with flash attention, split by TP (and by SP
-  where sequence parallelism shards them), no recompute, no dropout masks (dropout 0, as the paper);
+  where sequence parallelism shards them), no dropout masks (dropout 0, as the paper); with
+  activation recompute (Megatron's --recompute-* flags), what each model chunk keeps under it
+  (costs.chunk_activation_bytes: selective drops the softmax statistics, full keeps each
+  group's input);
 - the K/V cache of the micro-batches in flight, each the whole sequence's from its first span's
   forward to its last backward (the runtime's one buffer per micro-batch); the loss's fp32
   softmax on the last stage;
-- a backward workspace (costs.backward_workspace_bytes) and a fixed framework overhead
-  (`FRAMEWORK_OVERHEAD_GIB`).
+- a backward workspace (costs.backward_workspace_bytes; with full recompute it includes the
+  recomputed group's activations) and a fixed framework overhead (`FRAMEWORK_OVERHEAD_GIB`).
 Not counted: the pipeline's stashed stage outputs (megatron deallocates them after the send),
 p2p buffers, fragmentation beyond the fixed overhead.
 """
@@ -28,7 +31,8 @@ from typing import Optional
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import ScheduleError
-from seq1f1b.plan.costs import ModelConfig, backward_workspace_bytes, stage_parameters
+from seq1f1b.plan.costs import (ModelConfig, Recompute, backward_workspace_bytes,
+                                stage_parameters)
 from seq1f1b.plan.partition import partition
 from seq1f1b.plan.simulate import layers_per_stage, model_costs, simulate
 
@@ -81,8 +85,15 @@ class TrainingSetup:
     precision: str = "bf16"
     make_vocab_size_divisible_by: int = 128
     overhead_gib: float = FRAMEWORK_OVERHEAD_GIB
+    recompute_granularity: Optional[str] = None     # None | "full" | "selective"
+    recompute_method: Optional[str] = None          # "uniform" | "block", full only
+    recompute_num_layers: Optional[int] = None      # full only
 
     def __post_init__(self) -> None:
+        recompute = self.recompute      # validates; full's defaults (uniform, 1) written back
+        if recompute is not None:
+            object.__setattr__(self, "recompute_method", recompute.method)
+            object.__setattr__(self, "recompute_num_layers", recompute.num_layers)
         if self.precision not in PRECISIONS:
             raise ScheduleError(f"--precision {self.precision!r}: choose from "
                                 f"{', '.join(PRECISIONS)}")
@@ -100,6 +111,12 @@ class TrainingSetup:
                             ("--ffn-hidden-size", self.model.ffn_hidden_size)):
             if value % self.tp:
                 raise ScheduleError(f"{flag} {value} is not divisible by --tp {self.tp}")
+
+    @property
+    def recompute(self) -> Optional[Recompute]:
+        """The activation recompute the three recompute fields ask for (None: none)."""
+        return Recompute.from_flags(self.recompute_granularity, self.recompute_method,
+                                    self.recompute_num_layers)
 
     @property
     def plan_name(self) -> str:
@@ -187,7 +204,8 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
                       lengths=list(setup.span_lengths) if setup.span_lengths else None)
     costs = model_costs(schedule, model, spans, flops_per_second=1.0, tp=setup.tp,
                         sequence_parallel=setup.sequence_parallel,
-                        batch=setup.micro_batch_size, bytes_per_element=precision.activation)
+                        batch=setup.micro_batch_size, bytes_per_element=precision.activation,
+                        recompute=setup.recompute)
     report = simulate(schedule, costs)
     layers = layers_per_stage(model, schedule)
     last = schedule.num_stages - 1
@@ -198,7 +216,9 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
                      for v in virtual)
         workspace = backward_workspace_bytes(model, max(spans), setup.micro_batch_size,
                                              setup.tp, precision.activation,
-                                             last_stage=last in virtual)
+                                             last_stage=last in virtual,
+                                             sequence_parallel=setup.sequence_parallel,
+                                             recompute=setup.recompute)
         held = rank.held_at_peak
         stages.append(StageMemory(
             rank=rank.rank, parameters=params,

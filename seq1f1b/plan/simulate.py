@@ -27,8 +27,8 @@ from typing import Callable, Sequence
 
 from seq1f1b.plan.actions import (Action, Schedule, ScheduleError, dependencies,
                                   parse_action)
-from seq1f1b.plan.costs import (ModelConfig, SpanFlops, activation_bytes, kv_cache_bytes,
-                                layer_flops, logits_bytes, logits_flops)
+from seq1f1b.plan.costs import (ModelConfig, Recompute, SpanFlops, chunk_activation_bytes,
+                                kv_cache_bytes, layer_flops, logits_bytes, logits_flops)
 from seq1f1b.plan.partition import span_bounds
 from seq1f1b.plan.validate import topological_order, validate
 
@@ -81,7 +81,8 @@ def layers_per_stage(model: ModelConfig, schedule: Schedule) -> int:
 def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int], *,
                 flops_per_second: float, tp: int = 1, sequence_parallel: bool = False,
                 batch: int = 1, bytes_per_element: int = 2,
-                attention_flops_per_second: float | None = None) -> SpanCosts:
+                attention_flops_per_second: float | None = None,
+                recompute: Recompute | None = None) -> SpanCosts:
     """Durations and bytes from costs.py for `model` with the sequence cut into `span_lengths`.
 
     A virtual stage runs N/(P*V) layers on each span; the last one also runs the output layer
@@ -89,7 +90,8 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
     attention's at `attention_flops_per_second` when given (its kernels run at another rate than
     GEMMs). B is the full backward (2x forward), or the input-gradient part when the schedule has
     W actions (see costs.SpanFlops). Bytes are per GPU, activations in `bytes_per_element`
-    (2: bf16/fp16).
+    (2: bf16/fp16); a virtual stage keeps what costs.chunk_activation_bytes says under
+    `recompute` (None: no activation recompute). Durations leave recompute's extra forward out.
     """
     if len(span_lengths) != schedule.splits:
         raise ScheduleError(f"--splits is {schedule.splits} but {len(span_lengths)} span "
@@ -117,7 +119,7 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                            for cell in row) for row in grid)
 
     def per_span_bytes(kind: Callable[[int], float]) -> Table:
-        row = tuple(float(layers * kind(length)) for length in span_lengths)
+        row = tuple(float(kind(length)) for length in span_lengths)
         return (row,) * schedule.num_stages
 
     no_logits = tuple(0.0 for _ in span_lengths)
@@ -129,9 +131,10 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
         backward=seconds(lambda f: f.input_grad if split else f.backward),
         weight=seconds(lambda f: f.weight_grad) if split else None,
         activation_bytes=per_span_bytes(
-            lambda n: activation_bytes(model, n, batch, tp, sequence_parallel, bytes_per_element)),
+            lambda n: chunk_activation_bytes(model, layers, n, batch, tp, sequence_parallel,
+                                             bytes_per_element, recompute)),
         kv_cache_bytes=per_span_bytes(
-            lambda n: kv_cache_bytes(model, n, batch, tp, bytes_per_element)),
+            lambda n: layers * kv_cache_bytes(model, n, batch, tp, bytes_per_element)),
         logits_bytes=tuple(logits if stage == last else no_logits
                            for stage in range(schedule.num_stages)))
 

@@ -4,9 +4,10 @@ import random
 import pytest
 
 from seq1f1b.plan.actions import ScheduleError
-from seq1f1b.plan.costs import (PRESETS, ModelConfig, activation_bytes, iteration_flops,
-                                kv_cache_bytes, layer_flops, logits_flops, model_forward_flops,
-                                preset, stage_parameters)
+from seq1f1b.plan.costs import (PRESETS, ModelConfig, Recompute, activation_bytes,
+                                backward_workspace_bytes, chunk_activation_bytes,
+                                iteration_flops, kv_cache_bytes, layer_flops, logits_flops,
+                                model_forward_flops, preset, stage_parameters)
 
 PAPER_TABLE = {  # PAPER.md: layers, hidden, heads (FFN 4h)
     "1.3b": (24, 2048, 16), "2.7b": (32, 2560, 32), "7b": (32, 4096, 32),
@@ -134,3 +135,85 @@ def test_stage_parameters_add_up_and_shard():
     assert stages[0] > stages[1] == stages[2] < stages[3]
     sharded = stage_parameters(model, 8, first=False, last=False, tp=2)
     assert stages[1] / 2 < sharded < stages[1] / 2 * 1.001
+
+
+# -- activation recompute ---------------------------------------------------------------------
+SMALL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256)
+TOKENS = 10 * 2               # a span of 10 tokens, micro-batch size 2
+# Per token of one layer, bf16, TP=2 with sequence parallelism (h=64, n=4, d=16, f=256):
+INPUT = 64 * 2 / 2                         # the layer's input hidden states
+STATS = 4 * 4 / 2                          # fp32 softmax statistics of 4 heads
+PLAIN = 4 * INPUT + (2 * 4 * 16 + 2 * 256) * 2 / 2 + STATS   # + Q, attn out, FC1 out, GeLU out
+
+
+def _chunk(layers=4, recompute=None, sequence_parallel=True):
+    return chunk_activation_bytes(SMALL, layers, 10, 2, tp=2,
+                                  sequence_parallel=sequence_parallel, recompute=recompute)
+
+
+def test_recompute_bytes_per_model_chunk_by_hand():
+    assert activation_bytes(SMALL, 10, 2, tp=2, sequence_parallel=True) == TOKENS * PLAIN
+    assert _chunk() == 4 * TOKENS * PLAIN
+    assert _chunk(recompute=Recompute("selective")) == 4 * TOKENS * (PLAIN - STATS)
+    # Full, uniform: one checkpointed input per group of N layers.
+    for n, groups in ((1, 4), (2, 2), (4, 1)):
+        assert _chunk(recompute=Recompute("full", "uniform", n)) == groups * TOKENS * INPUT
+    # Full, block: the first N layers keep their input, the rest everything.
+    assert _chunk(recompute=Recompute("full", "block", 1)) == TOKENS * (INPUT + 3 * PLAIN)
+    assert _chunk(recompute=Recompute("full", "block", 3)) == TOKENS * (3 * INPUT + PLAIN)
+    # Without sequence parallelism the checkpointed input is replicated over TP.
+    assert _chunk(recompute=Recompute("full"), sequence_parallel=False) == 4 * TOKENS * 64 * 2
+
+
+def test_block_of_every_layer_is_uniform_groups_of_one():
+    uniform_one = _chunk(recompute=Recompute("full", "uniform", 1))
+    assert _chunk(recompute=Recompute("full", "block", 4)) == uniform_one
+    # megatron's block loop checkpoints every layer when N exceeds the chunk's layers.
+    assert _chunk(recompute=Recompute("full", "block", 9)) == uniform_one
+
+
+def test_full_recompute_keeps_less_than_selective_which_keeps_less_than_none():
+    model, s = preset("7b"), 131072
+    kept = [chunk_activation_bytes(model, 8, s, tp=8, sequence_parallel=True, recompute=r)
+            for r in (Recompute("full"), Recompute("selective"), None)]
+    assert kept == sorted(kept) and len(set(kept)) == 3
+
+
+def test_uniform_groups_must_divide_the_chunk():
+    """megatron-core 0.16's uniform loop would index past the chunk's last layer."""
+    with pytest.raises(ScheduleError, match="--recompute-num-layers 3"):
+        _chunk(recompute=Recompute("full", "uniform", 3))
+
+
+def test_recompute_flags_defaults_and_refusals():
+    assert Recompute.from_flags(None) is None
+    full = Recompute.from_flags("full")
+    assert (full.method, full.num_layers) == ("uniform", 1)       # as the training harness
+    assert Recompute("full", "block").num_layers == 1
+    selective = Recompute.from_flags("selective")
+    assert (selective.method, selective.num_layers) == (None, None)
+    for flags, flag in [(("partial",), "--recompute-granularity"),
+                        (("full", "random"), "--recompute-method"),
+                        (("full", "uniform", 0), "--recompute-num-layers"),
+                        (("selective", "block"), "--recompute-method"),
+                        (("selective", None, 2), "--recompute-num-layers"),
+                        ((None, "uniform"), "--recompute-method"),
+                        ((None, None, 1), "--recompute-num-layers")]:
+        with pytest.raises(ScheduleError, match=flag):
+            Recompute.from_flags(*flags)
+
+
+def test_backward_workspace_holds_what_the_recompute_rebuilds():
+    def workspace(recompute, last_stage=False):
+        return backward_workspace_bytes(SMALL, 10, 2, tp=2, last_stage=last_stage,
+                                        sequence_parallel=True, recompute=recompute)
+
+    mlp = 2 * TOKENS * (256 / 2 + 64) * 2
+    assert workspace(None) == mlp
+    assert workspace(Recompute("full", "uniform", 2)) == mlp + 2 * TOKENS * PLAIN
+    assert workspace(Recompute("full", "block", 3)) == mlp + TOKENS * PLAIN
+    assert workspace(Recompute("selective")) == mlp
+    # The logits' gradient comes before any layer's backward: the larger of the two.
+    logits_grad = TOKENS * SMALL.vocab_size / 2 * 2
+    assert workspace(Recompute("full"), last_stage=True) == max(logits_grad,
+                                                                mlp + TOKENS * PLAIN)

@@ -6,8 +6,8 @@ import pytest
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule, ScheduleError, dependencies
-from seq1f1b.plan.costs import (ModelConfig, activation_bytes, kv_cache_bytes, layer_flops,
-                                logits_flops, preset)
+from seq1f1b.plan.costs import (ModelConfig, Recompute, activation_bytes, kv_cache_bytes,
+                                layer_flops, layer_input_bytes, logits_flops, preset)
 from seq1f1b.plan.partition import partition
 from seq1f1b.plan.simulate import model_costs, simulate, uniform_costs
 
@@ -161,6 +161,27 @@ def test_model_costs_follow_the_cost_formula():
     # Fewer live spans further down the pipe.
     peaks = [r.peak_activation_bytes for r in report.ranks]
     assert peaks == sorted(peaks, reverse=True)
+
+
+def test_recompute_is_counted_per_model_chunk():
+    """Interleaved, P=2, V=2, 8 layers: each virtual stage is a chunk of 2 layers; block N=1
+    checkpoints the first layer of every chunk, not of every rank; K/V are untouched."""
+    model = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    schedule = registry.build("seq1f1b-interleaved", 2, 2, 2, 2)
+    spans = [48, 16]
+    plain = model_costs(schedule, model, spans, flops_per_second=1e9)
+    block = model_costs(schedule, model, spans, flops_per_second=1e9,
+                        recompute=Recompute("full", "block", 1))
+    for stage in range(4):
+        for j, n in enumerate(spans):
+            assert block.activation_bytes[stage][j] == layer_input_bytes(model, n) + \
+                activation_bytes(model, n)
+            assert plain.activation_bytes[stage][j] == 2 * activation_bytes(model, n)
+    assert block.kv_cache_bytes == plain.kv_cache_bytes
+    assert (block.forward, block.backward) == (plain.forward, plain.backward)
+    for less, more in zip(simulate(schedule, block).ranks, simulate(schedule, plain).ranks):
+        assert less.peak_activation_bytes < more.peak_activation_bytes
+        assert less.peak_kv_cache_bytes == more.peak_kv_cache_bytes
 
 
 def test_balanced_spans_beat_even_spans():
