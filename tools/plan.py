@@ -8,7 +8,7 @@
                     --plot timeline.png --trace trace.json
   plan.py memory    --schedule seq1f1b --pp 4 --microbatches 32 --splits 4 --model 7b \\
                     --seq-length 65536 --tp 8 --sequence-parallel --partition compute \\
-                    --distributed-optimizer --gpu-memory 80
+                    --distributed-optimizer --gpu-memory 80 --recompute-granularity full
 
 Every subcommand takes --json for other tools. Bad arguments print one line on stderr and exit 2.
 """
@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from seq1f1b.plan import registry  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
-from seq1f1b.plan.costs import PRESETS, ModelConfig, preset  # noqa: E402
+from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
+                                ModelConfig, preset)
 from seq1f1b.plan.memory import (FRAMEWORK_OVERHEAD_GIB, GIB, MEGATRON_PLANS,  # noqa: E402
                                  PRECISIONS, MemoryEstimate, TrainingSetup, estimate_memory)
 from seq1f1b.plan.partition import imbalance, partition, span_flops  # noqa: E402
@@ -194,7 +195,10 @@ def cmd_memory(args: argparse.Namespace) -> None:
         sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.distributed_optimizer, partition=args.method,
         span_lengths=tuple(args.span_lengths) if args.span_lengths else None,
-        precision=args.precision, overhead_gib=args.overhead_gb)
+        precision=args.precision, overhead_gib=args.overhead_gb,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers)
     estimate = estimate_memory(setup)
     if args.json:
         print(json.dumps(estimate.to_dict(args.gpu_memory)))
@@ -216,7 +220,9 @@ def _print_memory(estimate: MemoryEstimate, gpu_memory_gib: float) -> None:
           f"V={setup.chunks} TP={setup.tp}{' (SP)' if setup.sequence_parallel else ''} "
           f"DP={setup.dp} L={setup.seq_length} spans {' '.join(map(str, estimate.span_lengths))} "
           f"{setup.precision}, distributed optimizer "
-          f"{'on' if setup.distributed_optimizer else 'off'}; GiB per GPU")
+          f"{'on' if setup.distributed_optimizer else 'off'}, "
+          f"{setup.recompute.describe() if setup.recompute else 'no activation recompute'}; "
+          "GiB per GPU")
     print(f"{'rank':>4} {'spans':>5} " + " ".join(f"{name:>9}" for name, _ in _MEMORY_COLUMNS))
     for stage in estimate.stages:
         print(f"{stage.rank:>4} {stage.peak_live_spans:>5} "
@@ -274,6 +280,21 @@ def build_parser() -> Parser:
     mem.add_argument("--distributed-optimizer", action="store_true",
                      help="shard the optimizer states over DP")
     mem.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
+    mem.add_argument("--recompute-granularity", choices=list(RECOMPUTE_GRANULARITIES),
+                     help="checkpoint activations to allow for training with larger models, "
+                          "sequences and batch sizes, at two granularities: full (the whole "
+                          "transformer layer is recomputed) or selective (the core attention "
+                          "part of the transformer layer is recomputed)")
+    mem.add_argument("--recompute-method", choices=list(RECOMPUTE_METHODS),
+                     help="with full: uniform (uniformly divide the transformer layers of each "
+                          "model chunk and recompute the input activation of each divided "
+                          "chunk) or block (recompute the input activations of only a set "
+                          "number of individual transformer layers per model chunk and do the "
+                          "rest without any recomputing); default uniform")
+    mem.add_argument("--recompute-num-layers", type=int, metavar="N",
+                     help="with full: uniform, the number of transformer layers in each "
+                          "uniformly divided recompute unit; block, the number of individual "
+                          "transformer layers to recompute within each model chunk; default 1")
     mem.add_argument("--overhead-gb", type=float, default=FRAMEWORK_OVERHEAD_GIB,
                      help=f"fixed per-GPU framework overhead in GiB "
                           f"(default {FRAMEWORK_OVERHEAD_GIB})")

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from seq1f1b.plan.actions import ScheduleError
-from seq1f1b.plan.costs import (ModelConfig, activation_bytes, kv_cache_bytes, logits_bytes,
-                                preset, stage_parameters)
+from seq1f1b.plan.costs import (ModelConfig, Recompute, activation_bytes,
+                                backward_workspace_bytes, kv_cache_bytes, layer_input_bytes,
+                                logits_bytes, preset, stage_parameters)
 from seq1f1b.plan.memory import GIB, TrainingSetup, estimate_memory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,6 +117,85 @@ def test_bad_setups_name_the_flag(kwargs, flag):
         estimate_memory(_setup(**kwargs))
 
 
+# -- activation recompute ---------------------------------------------------------------------
+FULL = dict(recompute_granularity="full")
+
+
+def test_recompute_stage_activations_by_hand():
+    """1F1B, P=4, 2 layers per stage, TP=2 with SP: rank 0 holds 4 whole sequences."""
+    def rank0(**recompute):
+        return estimate_memory(_setup(tp=2, sequence_parallel=True, **recompute)).stages[0]
+
+    h, n, d, f, s = 256, 8, 32, 1024, 4096
+    inputs = s * h * 2 / 2                                    # one layer's input, bf16, SP
+    plain = 4 * inputs + s * (2 * n * d + 2 * f) * 2 / 2 + s * 4 * n / 2
+    assert rank0().activation_bytes == 4 * 2 * plain
+    assert rank0(recompute_granularity="selective").activation_bytes == \
+        4 * 2 * (plain - s * 4 * n / 2)
+    assert rank0(**FULL).activation_bytes == 4 * 2 * inputs
+    assert rank0(**FULL, recompute_num_layers=2).activation_bytes == 4 * 1 * inputs
+    assert rank0(**FULL, recompute_method="block").activation_bytes == 4 * (inputs + plain)
+    assert all(rank0(**kw).kv_cache_bytes == rank0().kv_cache_bytes
+               for kw in (FULL, dict(recompute_granularity="selective")))
+
+
+@pytest.mark.parametrize("model, tp", [(MODEL, 2), (preset("7b"), 8)])
+def test_recompute_orders_the_peaks_and_leaves_the_states_alone(model, tp):
+    def stages(**recompute):
+        return estimate_memory(_setup(model=model, schedule="seq1f1b", splits=4,
+                                      seq_length=65536, tp=tp, sequence_parallel=True,
+                                      **recompute)).stages
+
+    none, selective, full = stages(), stages(recompute_granularity="selective"), stages(**FULL)
+    for a, b, c in zip(full, selective, none):
+        assert a.held_for_backward_bytes < b.held_for_backward_bytes < c.held_for_backward_bytes
+        assert (a.parameters, a.gradient_bytes, a.optimizer_bytes, a.kv_cache_bytes) == \
+            (c.parameters, c.gradient_bytes, c.optimizer_bytes, c.kv_cache_bytes)
+        if model.num_layers // 4 >= 8:
+            # Enough layers per stage that full recompute's transient group (the workspace)
+            # is small next to what it saves.
+            assert a.total_bytes < b.total_bytes < c.total_bytes
+
+
+def test_block_over_every_layer_holds_what_uniform_groups_of_one_hold():
+    for schedule, chunks in (("seq1f1b", 1), ("seq1f1b-interleaved", 2)):
+        base = dict(schedule=schedule, chunks=chunks, splits=2, **FULL)
+        block = estimate_memory(_setup(**base, recompute_method="block",
+                                       recompute_num_layers=8 // (4 * chunks)))
+        uniform = estimate_memory(_setup(**base, recompute_method="uniform"))
+        assert [s.held_for_backward_bytes for s in block.stages] == \
+            [s.held_for_backward_bytes for s in uniform.stages]
+
+
+def test_full_recompute_workspace_holds_one_recomputed_group():
+    estimate = estimate_memory(_setup(**FULL, recompute_num_layers=2))
+    model = replace(MODEL, vocab_size=estimate.setup.padded_vocab_size)
+    assert estimate.stages[1].workspace_bytes == backward_workspace_bytes(model, 4096) + \
+        2 * activation_bytes(model, 4096)
+    # Rank 1 holds P - 1 = 3 sequences, each one checkpointed input for its 2-layer group.
+    assert estimate.stages[1].activation_bytes == 3 * layer_input_bytes(model, 4096)
+
+
+def test_setup_resolves_full_recompute_as_the_harness_does():
+    setup = _setup(**FULL)
+    assert (setup.recompute_method, setup.recompute_num_layers) == ("uniform", 1)
+    assert setup.recompute == Recompute("full", "uniform", 1)
+    assert _setup().recompute is None
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(recompute_granularity="partial"), "--recompute-granularity"),
+    (dict(recompute_method="block"), "--recompute-method"),
+    (dict(recompute_granularity="selective", recompute_num_layers=1), "--recompute-num-layers"),
+    (dict(recompute_granularity="full", recompute_method="blocks"), "--recompute-method"),
+    (dict(recompute_granularity="full", recompute_num_layers=-1), "--recompute-num-layers"),
+    (dict(recompute_granularity="full", recompute_num_layers=3), "--recompute-num-layers"),
+])
+def test_bad_recompute_setups_name_the_flag(kwargs, flag):
+    with pytest.raises(ScheduleError, match=flag):
+        estimate_memory(_setup(**kwargs))
+
+
 # -- tools/plan.py memory ---------------------------------------------------------------------
 _spec = importlib.util.spec_from_file_location("plan_cli_memory", REPO / "tools" / "plan.py")
 plan_cli = importlib.util.module_from_spec(_spec)
@@ -151,6 +231,38 @@ def test_cli_text_table(capsys):
     (["--precision", "fp8"], "--precision"),
 ])
 def test_cli_errors_are_one_line(capsys, extra, needle):
+    assert plan_cli.main(ARGS + extra) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err
+
+
+def test_cli_recompute_flags_reach_the_estimate(capsys):
+    flags = ["--recompute-granularity", "full", "--recompute-method", "block",
+             "--recompute-num-layers", "2"]
+    assert plan_cli.main(ARGS + flags + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["setup"]["recompute_granularity"], data["setup"]["recompute_method"],
+            data["setup"]["recompute_num_layers"]) == ("full", "block", 2)
+    setup = TrainingSetup(model=preset("7b"), seq_length=65536, pp=4, microbatches=32, splits=4,
+                          tp=8, sequence_parallel=True, distributed_optimizer=True,
+                          partition="compute", recompute_granularity="full",
+                          recompute_method="block", recompute_num_layers=2)
+    assert data["peak_bytes"] == estimate_memory(setup).peak_bytes
+    assert plan_cli.main(ARGS + ["--recompute-granularity", "selective"]) == 0
+    assert "selective recompute (core attention)" in capsys.readouterr().out.splitlines()[0]
+    assert plan_cli.main(ARGS) == 0
+    assert "no activation recompute" in capsys.readouterr().out.splitlines()[0]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--recompute-granularity", "partial"], "--recompute-granularity"),
+    (["--recompute-method", "block"], "--recompute-method"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+     "--recompute-num-layers"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "3"],
+     "--recompute-num-layers"),
+])
+def test_cli_recompute_errors_are_one_line(capsys, extra, needle):
     assert plan_cli.main(ARGS + extra) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err
