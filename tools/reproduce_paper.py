@@ -1,18 +1,31 @@
 #!/usr/bin/env python3
 """The paper's tables from our plans: memory with OOM verdicts, projected throughput, ablation.
 
-    reproduce_paper.py                     three tables and their assumptions
-    reproduce_paper.py --json              {"memory": [...], "throughput": [...], "ablation": [...]}
-    reproduce_paper.py --launch DIR        one Slurm job per cell of the sweep (--submit: sbatch)
-    reproduce_paper.py --collect DIR       the same tables from those jobs' logs, OOM runs included
-                                           (read with examples/slurm/job_results.py)
+    reproduce_paper.py                  three tables and their assumptions
+    reproduce_paper.py --json           {"memory": [...], "throughput": [...], "ablation": [...]}
+    reproduce_paper.py --launch DIR     write DIR/submit.sh, the sweep as jobs of the shipped
+                                        examples/slurm scripts, and DIR/sweeps.json
+    reproduce_paper.py --launch DIR --submit [-- --partition=NAME --account=NAME ...]
+                                        the same, submitted now (sbatch); prints the job ids
+    reproduce_paper.py --collect DIR [--json]
+                                        the three tables from those jobs' logs, OOM runs
+                                        included (read with examples/slurm/job_results.py)
 
 (a) memory: per panel of the paper's memory figure, the estimator's peak GiB per GPU (the
     largest stage) with an OOM verdict at --gpu-memory (80), beside the paper's number or OOM
     mark where PAPER.md has them; (b) TFLOPS/GPU and tokens/s projected by the simulator with an
     A100 cost model (seq1f1b.plan.projection.DeviceModel, printed); (c) the partition ablation:
     Seq1F1B and Seq1F1B-I with even spans vs computation-balanced spans.
-The paper does not state TP/PP per panel; `PANELS` holds what we assume and why.
+The paper does not state TP/PP per panel; `PANELS` holds what we assume and why, and the
+shipped sbatch scripts' defaults are these layouts (tests/unit/test_reproduce_paper.py checks).
+
+--launch runs nothing of its own: DIR/submit.sh calls examples/slurm/sweep.sh once per panel, V
+and partition, so every job is a panel's shipped script (pretrain_gpt_<model>_<gpus>gpu.sbatch)
+with the cell in its environment, as README's "Launch on Slurm" documents: SCHEDULE, SPLITS,
+SEQ_LENGTH, MICRO_BATCHES from sweep.sh; TP, PP, VPP_LAYERS, PARTITION_METHOD, TRAIN_ITERS from
+the sweep file. Each sweep's jobs.tsv, job outputs and run folders land in DIR/<model>-<gpus>gpu-
+v<V>-<partition>/; --collect reads them through job_results.py (status OK, OOM, TIMEOUT,
+FAILED, PENDING) and names each job by DIR/sweeps.json.
 """
 from __future__ import annotations
 
@@ -23,6 +36,7 @@ import os
 import shlex
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -56,6 +70,11 @@ class Panel:
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp)
+
+    @property
+    def script(self) -> str:
+        """The shipped sbatch script of this panel (its defaults are this layout)."""
+        return f"examples/slurm/pretrain_gpt_{self.model}_{self.gpus}gpu.sbatch"
 
 
 PANELS = (
@@ -94,20 +113,41 @@ class UsageError(Exception):
     """Bad command line: one line on stderr, exit code 2."""
 
 
+class SubmitError(Exception):
+    """sbatch refused or failed: one line on stderr, exit code 1."""
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
         raise UsageError(message)
 
 
+def _is_seq1f1b(schedule: str) -> bool:
+    return schedule.startswith("seq1f1b")
+
+
+def _chunks(schedule: str) -> int:
+    return CHUNKS if "interleaved" in schedule else 1
+
+
 def _setup(panel: Panel, seq_length: int, schedule: str, partition: str = "compute"
            ) -> TrainingSetup:
-    seq1f1b = schedule.startswith("seq1f1b")
+    seq1f1b = _is_seq1f1b(schedule)
     return TrainingSetup(
         model=preset(panel.model), seq_length=seq_length, schedule=schedule, pp=panel.pp,
         microbatches=panel.microbatches, splits=SPLITS if seq1f1b else 1,
-        chunks=CHUNKS if "interleaved" in schedule else 1, tp=panel.tp, dp=panel.dp,
+        chunks=_chunks(schedule), tp=panel.tp, dp=panel.dp,
         sequence_parallel=panel.tp > 1, distributed_optimizer=True,
         partition=partition if seq1f1b else "even")
+
+
+def _paper_memory(model: str, seq_length: int, schedule: str) -> dict:
+    """The paper's figure for one cell: paper_gb (None: not given or OOM) and paper_oom (None:
+    the cell is not in PAPER_MEMORY_GB)."""
+    paper = PAPER_MEMORY_GB.get((model, seq_length))
+    value = paper[[name for _, name in SCHEDULES].index(schedule)] if paper else None
+    return {"paper_gb": None if value in (None, OOM) else value,
+            "paper_oom": None if value is None else value == OOM}
 
 
 def _cell(panel: Panel, seq_length: int, schedule: str) -> dict:
@@ -121,17 +161,14 @@ def memory_rows(gpu_memory_gib: float) -> list[dict]:
     rows = []
     for panel in PANELS:
         for seq_length in panel.seq_lengths:
-            paper = PAPER_MEMORY_GB.get((panel.model, seq_length))
-            for n, (_, schedule) in enumerate(SCHEDULES):
+            for _, schedule in SCHEDULES:
                 setup = _setup(panel, seq_length, schedule)
                 estimate = estimate_memory(setup)
-                paper_value = paper[n] if paper else None
                 rows.append({**_cell(panel, seq_length, schedule),
                              "splits": setup.splits, "chunks": setup.chunks,
                              "estimate_gb": estimate.peak_bytes / GIB,
                              "oom": not estimate.fits(gpu_memory_gib),
-                             "paper_gb": None if paper_value in (None, OOM) else paper_value,
-                             "paper_oom": None if paper_value is None else paper_value == OOM})
+                             **_paper_memory(panel.model, seq_length, schedule)})
     return rows
 
 
@@ -175,7 +212,7 @@ def _paper_names() -> dict[str, str]:
 
 
 def _grid(rows: list[dict], value) -> list[str]:
-    """One line per (model, seq_length), one column per schedule."""
+    """One line per (model, seq_length), one column per schedule ("-": no row)."""
     names = _paper_names()
     lines = ["| model, GPUs | TP/PP/DP | m | L | " + " | ".join(names.values()) + " |",
              "|" + "---|" * (4 + len(names))]
@@ -187,18 +224,45 @@ def _grid(rows: list[dict], value) -> list[str]:
         dp = gpus // (first["tp"] * first["pp"])
         lines.append(f"| {model}, {gpus} | {first['tp']}/{first['pp']}/{dp} | "
                      f"{first['microbatches']} | {seq_length // 1024}K | "
-                     + " | ".join(value(cells[s]) for s in names) + " |")
+                     + " | ".join(value(cells[s]) if s in cells else "-" for s in names)
+                     + " |")
     return lines
 
 
-def _memory_cell(row: dict) -> str:
-    ours = OOM if row["oom"] else "fits"
-    text = f"{row['estimate_gb']:.1f} {ours}"
+def _with_paper(text: str, row: dict, verdict: bool = True) -> str:
+    """`text`, then the paper's figure where it has one, marked when our OOM `verdict` (False:
+    none yet) differs from the paper's."""
     if row["paper_oom"] is None:
         return text
     paper = OOM if row["paper_oom"] else f"{row['paper_gb']:.2f}"
-    mark = "" if row["paper_oom"] == row["oom"] else " (verdict differs)"
+    mark = " (verdict differs)" if verdict and row["paper_oom"] != row["oom"] else ""
     return f"{text} / paper {paper}{mark}"
+
+
+def _memory_cell(row: dict) -> str:
+    return _with_paper(f"{row['estimate_gb']:.1f} {OOM if row['oom'] else 'fits'}", row)
+
+
+def _measured(text: Optional[str], status: str) -> str:
+    """A measured figure, then the job's status unless OK; the status alone without a figure."""
+    if text is None:
+        return status
+    return text if status == "OK" else f"{text} {status}"
+
+
+def _number(value: Optional[float], form: str = "{:.1f}") -> Optional[str]:
+    return None if value is None else form.format(value)
+
+
+def _measured_memory_cell(row: dict) -> str:
+    return _with_paper(_measured(_number(row["measured_gb"]), row["status"]), row,
+                       verdict=row["status"] in ("OK", OOM))
+
+
+def _measured_throughput_cell(row: dict) -> str:
+    figures = (None if row["tflops_per_gpu"] is None or row["tokens_per_s"] is None else
+               f"{row['tflops_per_gpu']:.0f} TF {row['tokens_per_s']:.0f} tok/s")
+    return _measured(figures, row["status"])
 
 
 def print_tables(result: dict, gpu_memory_gib: float) -> None:
@@ -237,192 +301,312 @@ def print_tables(result: dict, gpu_memory_gib: float) -> None:
               f"{r['tflops_compute']:.1f} | {r['gain']:+.1%} |")
 
 
-# -- the real sweep ------------------------------------------------------------------------------
-def training_flags(panel: Panel, seq_length: int, schedule: str, train_iters: int) -> list[str]:
-    """pretrain_gpt.py flags (megatron/training/arguments.py) of one cell, data flags aside."""
-    setup = _setup(panel, seq_length, schedule)
-    model = setup.model
-    flags = ["--num-layers", model.num_layers, "--hidden-size", model.hidden_size,
-             "--num-attention-heads", model.num_attention_heads, "--seq-length", seq_length,
-             "--max-position-embeddings", seq_length, "--micro-batch-size", 1,
-             "--global-batch-size", panel.microbatches * panel.dp,
-             "--tensor-model-parallel-size", panel.tp,
-             "--pipeline-model-parallel-size", panel.pp, "--pipeline-schedule", schedule]
-    if setup.chunks > 1:
-        flags += ["--num-layers-per-virtual-pipeline-stage",
-                  model.num_layers // (panel.pp * setup.chunks)]
-    if setup.splits > 1:
-        flags += ["--seq1f1b-splits", setup.splits, "--seq1f1b-partition", setup.partition]
-    if panel.tp > 1:
-        flags.append("--sequence-parallel")
-    flags += ["--use-distributed-optimizer", "--bf16", "--position-embedding-type", "rope",
-              "--untie-embeddings-and-output-weights", "--hidden-dropout", 0,
-              "--attention-dropout", 0, "--init-method-std", 0.006, "--lr", 6e-5,
-              "--min-lr", 6e-6, "--lr-decay-style", "cosine", "--weight-decay", 0.1,
-              "--adam-beta1", 0.9, "--adam-beta2", 0.95, "--clip-grad", 1.0,
-              "--train-iters", train_iters, "--log-interval", 1, "--eval-iters", 0]
-    return [str(flag) for flag in flags]
+def print_measured(result: dict) -> None:
+    """The tables of --collect: what the jobs measured, each cell's job status where not OK
+    (OOM, TIMEOUT, FAILED, PENDING: examples/slurm/job_results.py)."""
+    print("(a) Measured peak memory per GPU, GiB (largest stage, the trainer's max reserved): "
+          "ours / the paper's")
+    print("\n".join(_grid(result["memory"], _measured_memory_cell)))
+    print()
+    print("(b) Measured TFLOPS per GPU and tokens/s (the trainer's, median over the iterations "
+          "after the first)")
+    print("\n".join(_grid(result["throughput"], _measured_throughput_cell)))
+    print()
+    print("(c) Partition ablation: measured TFLOPS per GPU, even vs computation-balanced spans")
+    print("| model, GPUs | L | schedule | TFLOPS even | TFLOPS compute | gain |")
+    print("|" + "---|" * 6)
+    names = _paper_names()
+    for r in result["ablation"]:
+        gain = "-" if r["gain"] is None else f"{r['gain']:+.1%}"
+        print(f"| {r['model']}, {r['gpus']} | {r['seq_length'] // 1024}K | "
+              f"{names[r['schedule']]} | {_measured(_number(r['tflops_even']), r['status_even'])}"
+              f" | {_measured(_number(r['tflops_compute']), r['status_compute'])} | {gain} |")
 
 
-def _job_name(panel: Panel, seq_length: int, schedule: str) -> str:
-    return f"{panel.model}-{panel.gpus}gpu-{seq_length // 1024}k-{schedule}"
+# -- the real sweep: the shipped examples/slurm scripts, submitted by sweep.sh -------------------
+SWEEP_FILE = "submit.sh"
+MANIFEST = "sweeps.json"
+PARTITIONS = ("compute", "even")
+"""The partition of the tables' runs, then the ablation's other half (Seq1F1B schedules only)."""
 
 
-def _job_script(panel: Panel, seq_length: int, schedule: str, folder: Path,
-                train_iters: int, time_limit: str) -> str:
-    nodes = max(1, panel.gpus // A100.gpus_per_node)
-    flags = " ".join(shlex.quote(f) for f in training_flags(panel, seq_length, schedule,
-                                                            train_iters))
-    cell = " ".join(f"{key}={value}"
-                    for key, value in _full_cell(panel, seq_length, schedule).items())
-    log = shlex.quote(str(folder / "train.log"))
-    return f"""#!/bin/bash
-#SBATCH --job-name={_job_name(panel, seq_length, schedule)}
-#SBATCH --nodes={nodes}
-#SBATCH --ntasks-per-node={min(panel.gpus, A100.gpus_per_node)}
-#SBATCH --gpus-per-node={min(panel.gpus, A100.gpus_per_node)}
-#SBATCH --time={time_limit}
-#SBATCH --output={folder}/slurm-%j.out
-# Written by tools/reproduce_paper.py --launch. Partition and account: give them to sbatch
-# (sbatch -p NAME ...). Needs VOCAB_FILE and MERGE_FILE (GPT-2 BPE, the paper's vocabulary);
-# DATA_PATH (a preprocessed prefix) or, when unset, mock data.
-set -u
-: "${{VOCAB_FILE:?set VOCAB_FILE to the GPT-2 vocab.json}}"
-: "${{MERGE_FILE:?set MERGE_FILE to the GPT-2 merges.txt}}"
-PYTHON="${{PYTHON:-{REPO}/.venv/bin/python}}"
-export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
-export MASTER_PORT="${{MASTER_PORT:-29500}}"
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-if [ -n "${{DATA_PATH:-}}" ]; then DATA=(--data-path "$DATA_PATH"); else DATA=(--mock-data); fi
-srun --kill-on-bad-exit=1 "$PYTHON" {shlex.quote(str(REPO / "pretrain_gpt.py"))} {flags} "${{DATA[@]}}" \\
-    --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE" \\
-    2>&1 | tee {log}
-rc=${{PIPESTATUS[0]}}
-"$PYTHON" {shlex.quote(str(JOB_RESULTS))} summarize --log {log} --exit-code "$rc" {cell}
-exit "$rc"
-"""
+@dataclass(frozen=True)
+class Sweep:
+    """One examples/slurm/sweep.sh call: the cells of a panel that share V and the partition.
+
+    sweep.sh crosses schedules x k x lengths x micro-batches and hands every other variable to
+    its jobs unchanged, so a panel's cells fall into one call per (V, partition): the whole-
+    sequence and Seq1F1B schedules, their interleaved forms (VPP_LAYERS), and the Seq1F1B ones
+    again with even spans for the ablation.
+    """
+
+    panel: Panel
+    schedules: tuple[str, ...]
+    chunks: int
+    partition: str
+
+    @property
+    def folder(self) -> str:
+        """Its sweep.sh --out, under the launch folder."""
+        return f"{self.panel.model}-{self.panel.gpus}gpu-v{self.chunks}-{self.partition}"
+
+    @property
+    def jobs(self) -> int:
+        return len(self.schedules) * len(self.panel.seq_lengths)
+
+    def environment(self, train_iters: int) -> dict[str, str]:
+        """sweep.sh's grid (SCHEDULES, SPLITS, SEQ_LENGTHS, MICRO_BATCHES) and the variables of
+        examples/slurm/launch_pretrain.sh the jobs read. Every layout setting is explicit, so a
+        variable left in the submitting shell cannot change a cell (an empty VPP_LAYERS is
+        unset for the script)."""
+        layers = preset(self.panel.model).num_layers
+        vpp_layers = str(layers // (self.panel.pp * self.chunks)) if self.chunks > 1 else ""
+        return {"SCHEDULES": " ".join(self.schedules), "SPLITS": str(SPLITS),
+                "SEQ_LENGTHS": " ".join(map(str, self.panel.seq_lengths)),
+                "MICRO_BATCHES": str(self.panel.microbatches), "TP": str(self.panel.tp),
+                "PP": str(self.panel.pp), "VPP_LAYERS": vpp_layers,
+                "PARTITION_METHOD": self.partition, "TRAIN_ITERS": str(train_iters)}
+
+    def record(self) -> dict:
+        """Its entry in the launch folder's sweeps.json: what --collect names its jobs by."""
+        return {"folder": self.folder, "script": self.panel.script, "model": self.panel.model,
+                "gpus": self.panel.gpus, "tp": self.panel.tp, "pp": self.panel.pp,
+                "chunks": self.chunks, "partition": self.partition}
 
 
-def _full_cell(panel: Panel, seq_length: int, schedule: str) -> dict:
-    setup = _setup(panel, seq_length, schedule)
-    return {**_cell(panel, seq_length, schedule), "splits": setup.splits, "chunks": setup.chunks}
-
-
-def launch(folder: Path, submit: bool, train_iters: int, time_limit: str) -> list[Path]:
-    """Write one job per (panel, L, schedule) under `folder`; with `submit`, sbatch each and
-    list them in folder/jobs.tsv (the format examples/slurm/job_results.py collect reads)."""
-    jobs = []
+def sweeps() -> list[Sweep]:
+    """The whole sweep: every cell of the tables (computation-balanced spans) and, for the
+    ablation, the Seq1F1B cells with even spans."""
+    found = []
     for panel in PANELS:
-        for seq_length in panel.seq_lengths:
-            for _, schedule in SCHEDULES:
-                job = (folder / _job_name(panel, seq_length, schedule)).resolve()
-                job.mkdir(parents=True, exist_ok=True)
-                cell = _full_cell(panel, seq_length, schedule)
-                (job / "cell.json").write_text(json.dumps(cell))
-                script = job / "job.sbatch"
-                script.write_text(_job_script(panel, seq_length, schedule, job, train_iters,
-                                              time_limit))
-                jobs.append((script, cell))
-    if submit:
-        lines = ["\t".join(["job_id", "output", *jobs[0][1]])]
-        for script, cell in jobs:
-            job_id = subprocess.run(["sbatch", "--parsable", str(script)], check=True,
-                                    capture_output=True, text=True).stdout.strip()
-            job_id = job_id.split(";")[0]
-            lines.append("\t".join([job_id, str(script.parent / "slurm-%j.out"),
-                                    *map(str, cell.values())]))
-        (folder / "jobs.tsv").write_text("\n".join(lines) + "\n")
-    return [script for script, _ in jobs]
+        for partition in PARTITIONS:
+            for chunks in (1, CHUNKS):
+                schedules = tuple(name for _, name in SCHEDULES if _chunks(name) == chunks
+                                  and (partition == "compute" or _is_seq1f1b(name)))
+                found.append(Sweep(panel, schedules, chunks, partition))
+    return found
+
+
+def sweep_file(folder: Path, plan: list[Sweep], train_iters: int, time_limit: str) -> str:
+    """The bash script that submits `plan`: one sweep.sh call per Sweep, from the repository
+    root (the scripts find launch_pretrain.sh through the submit directory)."""
+    about = (f"The paper's sweep, written by tools/{PROG} --launch: "
+             f"{sum(s.jobs for s in plan)} jobs of the shipped examples/slurm scripts with the "
+             "layouts of its PANELS, one examples/slurm/sweep.sh call per panel, V and "
+             "partition. Arguments are sbatch options for every job, in their --name=value form "
+             "(e.g. --partition=gpu --account=me); the jobs also get this shell's exports "
+             "(DATA_PATH, VOCAB_FILE, MERGE_FILE, LAUNCHER, PYTHON, ... of launch_pretrain.sh).")
+    lines = ["#!/bin/bash", *textwrap.wrap(about, 98, initial_indent="# ",
+                                           subsequent_indent="# "),
+             "set -euo pipefail",
+             f"cd {shlex.quote(str(REPO))}"]
+    for sweep in plan:
+        env = " ".join(f"{key}={shlex.quote(value)}"
+                       for key, value in sweep.environment(train_iters).items())
+        lines.append(f"{env} \\\n    examples/slurm/sweep.sh --out "
+                     f"{shlex.quote(str(folder / sweep.folder))} "
+                     f"--time={shlex.quote(time_limit)} \"$@\" {sweep.panel.script}")
+    lines.append(f"echo {shlex.quote(f'collect when done: {_collect_command(folder)}')}")
+    return "\n".join(lines) + "\n"
+
+
+def _collect_command(folder: Path) -> str:
+    return f"tools/{PROG} --collect {shlex.quote(str(folder))}"
+
+
+def launch(folder: Path, train_iters: int, time_limit: str) -> Path:
+    """Write the sweep file and sweeps.json into `folder` (made absolute); return the file.
+
+    Refuses a folder whose sweeps were already submitted (sweep.sh would refuse each of them).
+    """
+    folder = folder.resolve()
+    plan = sweeps()
+    if any((folder / sweep.folder / "jobs.tsv").exists() for sweep in plan):
+        raise UsageError(f"--launch: {folder} already holds submitted jobs: use another folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MANIFEST).write_text(json.dumps([sweep.record() for sweep in plan], indent=1))
+    script = folder / SWEEP_FILE
+    script.write_text(sweep_file(folder, plan, train_iters, time_limit))
+    script.chmod(0o755)
+    return script
+
+
+def submit(script: Path, sbatch_options: list[str]) -> list[dict]:
+    """Run the sweep file (sbatch for every job); the jobs as --collect lists them, PENDING."""
+    done = subprocess.run(["bash", str(script), *sbatch_options], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()[-1]
+        raise SubmitError(f"submitting failed ({last}); the jobs submitted before are listed "
+                          f"in {script.parent}/*/jobs.tsv")
+    return collect_runs(script.parent)
 
 
 def _job_results():
-    """examples/slurm/job_results.py: the one parser of training logs and job summary lines."""
+    """examples/slurm/job_results.py: the one reader of jobs.tsv, training logs and summaries."""
     spec = importlib.util.spec_from_file_location("job_results", JOB_RESULTS)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def collect(folder: Path) -> dict:
-    """The memory and throughput tables from the jobs under `folder` (launch's layout).
-
-    Each job's status and figures come from its summary line (job_results.py summarize, the
-    job script's last step) or, for a job that never printed one (killed, still running), from
-    its output as far as it got. Memory is the trainer's peak per stage (max_memory_reserved on a
-    GPU, the largest stage, median over the iterations after the first), in GiB.
-    """
+def collect_runs(folder: Path) -> list[dict]:
+    """One dict per submitted job of the launch `folder`: its cell, partition, job id, status
+    and figures (read by job_results.collect from the job's summary line, or from its output
+    as far as it got when it printed none; PENDING without output)."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        raise UsageError(f"--collect: {folder} holds no {MANIFEST}: not a --launch folder")
     results = _job_results()
-    memory, throughput = [], []
-    for cell_file in sorted(folder.glob("*/cell.json")):
-        cell = json.loads(cell_file.read_text())
-        outputs = sorted(cell_file.parent.glob("slurm-*.out"))
-        text = "\n".join(p.read_text(errors="replace") for p in outputs)
-        summary = results.parse_summary(text)
-        if summary is None:
-            summary = ({"status": results.classify(text, None), **results.metrics(text)}
-                       if text else {"status": "PENDING"})
+    runs = []
+    for sweep in json.loads(manifest.read_text()):
+        if not (folder / sweep["folder"] / "jobs.tsv").exists():
+            continue                                     # not submitted
+        for job in results.collect(folder / sweep["folder"]):
+            runs.append(_run(sweep, job))
+    if not runs:
+        raise UsageError(f"--collect: no submitted job under {folder} "
+                         f"(submit with {folder / SWEEP_FILE})")
+    return runs
 
-        def number(key: str) -> Optional[float]:
-            return float(summary[key]) if key in summary else None
 
-        status = summary["status"]
-        peak_mb, ms = number("peak_mem_mb"), number("ms_per_iteration")
-        memory.append({**cell, "status": status, "oom": status == "OOM",
-                       "measured_gb": peak_mb / 1024 if peak_mb is not None else None})
-        throughput.append({**cell, "status": status, "oom": status == "OOM",
-                           "iteration_s": ms / 1000 if ms is not None else None,
-                           "tokens_per_s": number("tokens_per_s"),
-                           "tflops_per_gpu": number("tflops_per_gpu")})
-    return {"memory": memory, "throughput": throughput}
+def _run(sweep: dict, job: dict[str, str]) -> dict:
+    def number(key: str, scale: float = 1.0) -> Optional[float]:
+        return float(job[key]) / scale if job.get(key) else None
+
+    return {"model": sweep["model"], "gpus": sweep["gpus"], "seq_length": int(job["seq_length"]),
+            "schedule": job["schedule"], "tp": sweep["tp"], "pp": sweep["pp"],
+            "microbatches": int(job["micro_batches"]), "splits": int(job["splits"]),
+            "chunks": sweep["chunks"], "partition": sweep["partition"],
+            "job_id": job["job_id"], "log": job["log"], "status": job["status"],
+            "oom": job["status"] == OOM, "measured_gb": number("peak_mem_mb", 1024),
+            "iteration_s": number("ms_per_iteration", 1000),
+            "tokens_per_s": number("tokens_per_s"), "tflops_per_gpu": number("tflops_per_gpu")}
+
+
+CELL_KEYS = ("model", "gpus", "seq_length", "schedule", "tp", "pp", "microbatches", "splits",
+             "chunks")
+MEMORY_KEYS = ("job_id", "log", "status", "oom", "measured_gb")
+THROUGHPUT_KEYS = ("job_id", "log", "status", "oom", "iteration_s", "tokens_per_s",
+                   "tflops_per_gpu")
+
+
+def collect(folder: Path) -> dict:
+    """The three tables from the jobs of the launch `folder`, OOM and unfinished runs included.
+
+    Memory is the trainer's peak per stage (max_memory_reserved on a GPU; the largest stage,
+    median over the iterations after the first) in GiB, beside the paper's figure; throughput is
+    the trainer's; the ablation pairs each Seq1F1B cell's even-span and balanced-span runs.
+    """
+    runs = collect_runs(folder)
+    tables = [r for r in runs if r["partition"] == "compute"]
+    memory = [{**{k: r[k] for k in CELL_KEYS + MEMORY_KEYS},
+               **_paper_memory(r["model"], r["seq_length"], r["schedule"])} for r in tables]
+    throughput = [{k: r[k] for k in CELL_KEYS + THROUGHPUT_KEYS} for r in tables]
+    even = {_cell_key(r): r for r in runs if r["partition"] == "even"}
+    ablation = []
+    for balanced in tables:
+        other = even.get(_cell_key(balanced))
+        if other is None:
+            continue
+        gain = (balanced["tflops_per_gpu"] / other["tflops_per_gpu"] - 1
+                if balanced["tflops_per_gpu"] and other["tflops_per_gpu"] else None)
+        ablation.append({**{k: balanced[k] for k in CELL_KEYS},
+                         "status_even": other["status"], "status_compute": balanced["status"],
+                         "tflops_even": other["tflops_per_gpu"],
+                         "tflops_compute": balanced["tflops_per_gpu"], "gain": gain})
+    return {"memory": memory, "throughput": throughput, "ablation": ablation}
+
+
+def _cell_key(run: dict) -> tuple:
+    return run["model"], run["gpus"], run["seq_length"], run["schedule"]
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                    epilog=__doc__.split("\n\n")[1],
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON instead of tables (also with --collect)")
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB",
                         help="device memory in GiB for the OOM verdicts (default 80)")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--launch", metavar="DIR", help="write the sweep's Slurm jobs here")
-    mode.add_argument("--collect", metavar="DIR", help="tables from the jobs' logs under DIR")
-    parser.add_argument("--submit", action="store_true", help="with --launch: sbatch each job")
+    mode.add_argument("--launch", metavar="DIR",
+                      help=f"write DIR/{SWEEP_FILE}: the sweep's jobs, the shipped "
+                           "examples/slurm scripts submitted by examples/slurm/sweep.sh")
+    mode.add_argument("--collect", metavar="DIR",
+                      help="the tables from the logs of the jobs --launch DIR submitted")
+    parser.add_argument("--submit", action="store_true",
+                        help=f"with --launch: run DIR/{SWEEP_FILE} now (sbatch) and print the "
+                             "job ids")
     parser.add_argument("--train-iters", type=int, default=10,
-                        help="iterations per job (default 10; the first is not timed)")
-    parser.add_argument("--time", default="00:30:00", help="#SBATCH --time of each job")
+                        help="with --launch: iterations per job (default 10; the first is not "
+                             "timed)")
+    parser.add_argument("--time", default="00:30:00",
+                        help="with --launch: the jobs' time limit (sbatch --time; default "
+                             "00:30:00)")
+    parser.add_argument("sbatch_options", nargs="*", metavar="--SBATCH-OPTION=VALUE",
+                        help="with --launch --submit, after --: sbatch options for every job "
+                             "(e.g. -- --partition=gpu --account=me)")
     return parser
+
+
+def _check(args: argparse.Namespace) -> None:
+    if (args.submit or args.sbatch_options) and not args.launch:
+        raise UsageError("--submit and sbatch options need --launch DIR")
+    if args.sbatch_options and not args.submit:
+        raise UsageError(f"sbatch options without --submit: give them to {SWEEP_FILE} instead")
+    for option in args.sbatch_options:
+        if not (option.startswith("--") and "=" in option):
+            raise UsageError(f"sbatch option {option!r}: give it as --name=value after --")
+    if args.gpu_memory <= 0:
+        raise UsageError("--gpu-memory must be positive")
+    if args.train_iters < 2:
+        raise UsageError("--train-iters must be >= 2 (the first iteration is not timed)")
+    if args.collect and not Path(args.collect).is_dir():
+        raise UsageError(f"--collect: {args.collect} is not a directory")
+
+
+def _launch(args: argparse.Namespace) -> None:
+    script = launch(Path(args.launch), args.train_iters, args.time)
+    if not args.submit:
+        plan = sweeps()
+        print(f"wrote {script}: {sum(sweep.jobs for sweep in plan)} jobs of the shipped "
+              f"examples/slurm scripts ({len(plan)} sweep.sh calls)")
+        print(f"submit with: bash {shlex.quote(str(script))} [--partition=NAME "
+              "--account=NAME ...]")
+        print(f"collect when done: {_collect_command(script.parent)}")
+        return
+    runs = submit(script, args.sbatch_options)
+    for run in runs:
+        print(f"submitted {run['job_id']} {run['model']} {run['gpus']}gpu "
+              f"{run['seq_length'] // 1024}K {run['schedule']} k={run['splits']} "
+              f"V={run['chunks']} {run['partition']}")
+    print(f"{len(runs)} jobs submitted; collect when done: {_collect_command(script.parent)}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        if args.submit and not args.launch:
-            raise UsageError("--submit needs --launch DIR")
-        if args.gpu_memory <= 0:
-            raise UsageError("--gpu-memory must be positive")
-        if args.train_iters < 2:
-            raise UsageError("--train-iters must be >= 2 (the first iteration is not timed)")
+        _check(args)
         if args.launch:
-            scripts = launch(Path(args.launch), args.submit, args.train_iters, args.time)
-            print(f"wrote {len(scripts)} jobs under {args.launch}"
-                  + (" and submitted them" if args.submit else
-                     f"; submit with: for j in {args.launch}/*/job.sbatch; do sbatch $j; done"))
+            _launch(args)
             return 0
         if args.collect:
-            folder = Path(args.collect)
-            if not folder.is_dir():
-                raise UsageError(f"--collect: {folder} is not a directory")
-            print(json.dumps(collect(folder), indent=None if args.json else 1))
-            return 0
-        result = {"memory": memory_rows(args.gpu_memory),
-                  "throughput": throughput_rows(args.gpu_memory),
-                  "ablation": ablation_rows()}
+            result = collect(Path(args.collect))
+        else:
+            result = {"memory": memory_rows(args.gpu_memory),
+                      "throughput": throughput_rows(args.gpu_memory),
+                      "ablation": ablation_rows()}
     except (UsageError, ScheduleError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, subprocess.CalledProcessError) as err:
+    except (SubmitError, OSError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(result))
+    elif args.collect:
+        print_measured(result)
     else:
         print_tables(result, args.gpu_memory)
     return 0

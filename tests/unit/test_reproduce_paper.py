@@ -1,13 +1,24 @@
 """tools/reproduce_paper.py: the memory table against PAPER.md's marks, the JSON schema, the
-projections' direction, the Slurm sweep's job scripts and log collection."""
+projections' direction; the shipped sbatch scripts' layouts against PANELS, the Slurm sweep
+(--launch runs the shipped scripts through sweep.sh, checked with a recording sbatch and a
+recording python) and --collect over the jobs' logs (the trainer's own log lines)."""
+import contextlib
+import csv
 import importlib.util
+import io
 import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from megatron.training.logging_utils import IntervalReport, Throughput
 from seq1f1b.plan import registry
+from seq1f1b.plan.costs import preset
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("reproduce_paper", REPO / "tools" /
@@ -101,74 +112,308 @@ def test_text_prints_three_tables_and_the_assumptions(capsys, small_panels):
         assert heading in out
 
 
-def test_launch_writes_jobs_whose_flags_the_trainer_accepts(tmp_path):
+# -- the shipped sbatch scripts: their defaults are PANELS, their jobs are the sweep's cells ---
+RECORDER = """#!{python}
+import json, os, sys
+with open(os.environ["RECORD_TO"], "a") as record:
+    record.write(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(),
+                              "env": dict(os.environ)}}) + "\\n")
+{then}
+"""
+
+
+def _recorder(folder: Path, name: str, then: str = "") -> Path:
+    """An executable `name` that appends its arguments, directory and environment to
+    $RECORD_TO (one JSON line per call), then runs `then` (Python)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    program = folder / name
+    program.write_text(RECORDER.format(python=sys.executable, then=then))
+    program.chmod(0o755)
+    return program
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _trainer_args(tmp_path: Path, script: str, env: dict, gpus: int):
+    """The pretrain_gpt.py arguments a shipped sbatch script runs with `env` on `gpus` ranks, as
+    the trainer parses and validates them. The script and launch_pretrain.sh run for real
+    (LAUNCHER=local); only python is a recorder."""
     from megatron.training import arguments
 
-    scripts = rp.launch(tmp_path, submit=False, train_iters=5, time_limit="00:10:00")
-    assert len(scripts) == sum(len(p.seq_lengths) for p in rp.PANELS) * len(rp.SCHEDULES)
+    work = Path(tempfile.mkdtemp(dir=tmp_path))
+    python, record = _recorder(work, "python"), work / "python.jsonl"
+    subprocess.run(["bash", script], cwd=REPO, check=True, capture_output=True, timeout=60,
+                   env={**env, "LAUNCHER": "local", "GPUS_PER_NODE": str(gpus),
+                        "PYTHON": str(python), "RECORD_TO": str(record),
+                        "RUN_DIR": str(work / "run")})
+    train = next(call["argv"] for call in _records(record) if "pretrain_gpt.py" in call["argv"])
+    flags = train[train.index("pretrain_gpt.py") + 1:]
+    return arguments.validate_args(arguments.parse_args(flags), world_size=gpus)
+
+
+CLEAN_ENV = {"PATH": os.environ["PATH"]}
+"""No TP, PP, ... from the shell running the tests: the scripts' own defaults."""
+
+
+@pytest.mark.parametrize("panel", rp.PANELS, ids=lambda panel: panel.model)
+def test_shipped_script_defaults_are_the_panels_layout(tmp_path, panel):
+    args = _trainer_args(tmp_path, panel.script, CLEAN_ENV, panel.gpus)
+    model = preset(panel.model)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.num_micro_batches, args.data_parallel_size) == \
+        (panel.tp, panel.pp, panel.microbatches, panel.dp)
+    assert args.sequence_parallel == (panel.tp > 1)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == \
+        (model.num_layers, model.hidden_size, model.num_attention_heads)
+    header = (REPO / panel.script).read_text()
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", header, re.M).group(1))
+    per_node = int(re.search(r"^#SBATCH --gpus-per-node=(\d+)$", header, re.M).group(1))
+    assert nodes * per_node == panel.gpus
+
+
+def test_shipped_script_defaults_give_way_to_the_environment(tmp_path):
+    panel = rp.PANELS[0]
+    args = _trainer_args(tmp_path, panel.script, {**CLEAN_ENV, "TP": "2", "PP": "2",
+                                                  "MICRO_BATCHES": "4"}, panel.gpus)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.num_micro_batches) == (2, 2, 4)
+
+
+def test_every_script_is_a_panel_and_readme_shows_the_panels():
+    scripts = {p.name for p in (REPO / "examples" / "slurm").glob("pretrain_gpt_*.sbatch")}
+    assert scripts == {Path(panel.script).name for panel in rp.PANELS}
+    readme = (REPO / "README.md").read_text()
     for panel in rp.PANELS:
-        for schedule in ("seq1f1b-interleaved", "1f1b"):
-            flags = rp.training_flags(panel, panel.seq_lengths[0], schedule, 5)
-            args = arguments.validate_args(arguments.parse_args(flags + ["--mock-data"]),
-                                           world_size=panel.gpus)
-            assert args.pipeline_schedule == schedule
-            assert args.num_micro_batches == panel.microbatches
-            assert (args.virtual_pipeline_model_parallel_size or 1) == \
-                (rp.CHUNKS if "interleaved" in schedule else 1)
-    text = scripts[0].read_text()
-    assert text.startswith("#!/bin/bash") and "srun" in text and "pretrain_gpt.py" in text
-    assert "job_results.py summarize" in text and "PIPESTATUS" in text
-    assert "#SBATCH --nodes=1" in text
-    assert "#SBATCH -p" not in text and "#SBATCH --partition" not in text
-    cell = json.loads((scripts[0].parent / "cell.json").read_text())
-    assert cell["schedule"] in registry.names()
+        row = re.search(rf"^\| `{re.escape(Path(panel.script).name)}` \| [^|]+ \| (\d+) \| "
+                        rf"(\d+) x (\d+) \| \d+ \| (\d+) \|$", readme, re.M)
+        assert row, f"README's table lacks {panel.script}"
+        assert tuple(map(int, row.groups())) == (panel.gpus, panel.tp, panel.pp,
+                                                 panel.microbatches)
 
 
-def _log_line(iteration: int, ms: float, peak_mb: tuple) -> str:
-    """A line in the trainer's format (megatron/training/logging_utils.py)."""
-    return (f" iteration {iteration:8d}/{5:8d} | consumed samples: {iteration * 32:12d} |"
-            f" elapsed time per iteration (ms): {ms:.1f} | learning rate: 6.000000E-05 |"
-            f" global batch size:    32 | lm loss: 1.000000E+01 | loss scale: 1.0 |"
-            f" number of skipped iterations:   0 | tokens/s: {32 * 32768 / ms * 1000:.0f} |"
-            f" TFLOPS/GPU: 123.4 | peak mem per stage (MB, max reserved): "
-            + ", ".join(f"{mb:.1f}" for mb in peak_mb) + " | ETA 0:00:10 |\n")
+def test_readme_counts_the_sweep():
+    plan = rp.sweeps()
+    counts = f"({len(plan)} calls, {sum(sweep.jobs for sweep in plan)} jobs)"
+    assert counts in (REPO / "README.md").read_text()
 
 
-def test_collect_turns_logs_into_rows_oom_included(tmp_path):
-    """Three jobs: one finished (summary line), one killed after two iterations (no summary),
-    one out of memory; the figures come through examples/slurm/job_results.py."""
+def _expected_cells() -> set[tuple]:
+    """Every (script, L, schedule, partition) the sweep must submit: the tables' cells with
+    balanced spans, and the Seq1F1B ones again with even spans (the ablation)."""
+    return {(panel.script, length, name, partition)
+            for panel in rp.PANELS for length in panel.seq_lengths for _, name in rp.SCHEDULES
+            for partition in ("compute", "even")
+            if partition == "compute" or name.startswith("seq1f1b")}
+
+
+@pytest.fixture(scope="module")
+def submitted(tmp_path_factory):
+    """`--launch DIR --submit -- --partition=gpu` with a recorder as sbatch (job ids from 1001):
+    the sweep file runs for real, examples/slurm/sweep.sh included."""
+    work = tmp_path_factory.mktemp("sweep")
+    bin_dir, record = work / "bin", work / "sbatch.jsonl"
+    _recorder(bin_dir, "sbatch", then='print(1000 + len(open(os.environ["RECORD_TO"])'
+                                      '.readlines()))')
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+        patch.setenv("RECORD_TO", str(record))
+        code = rp.main(["--launch", str(work / "launch"), "--submit", "--train-iters", "5",
+                        "--time", "00:10:00", "--", "--partition=gpu"])
+    assert code == 0, out.getvalue()
+    return work / "launch", _records(record), out.getvalue()
+
+
+def _panel(script: str) -> "rp.Panel":
+    return next(panel for panel in rp.PANELS if panel.script == script)
+
+
+def test_launch_submits_the_shipped_scripts_with_each_cell_in_the_environment(submitted):
+    folder, calls, _ = submitted
+    cells = set()
+    for call in calls:
+        env, argv = call["env"], call["argv"]
+        script = argv[-1]
+        panel = _panel(script)
+        schedule, partition = env["SCHEDULE"], env["PARTITION_METHOD"]
+        cells.add((script, int(env["SEQ_LENGTH"]), schedule, partition))
+        assert call["cwd"] == str(REPO) and (REPO / script).is_file()
+        assert (env["TP"], env["PP"], env["MICRO_BATCHES"], env["TRAIN_ITERS"]) == \
+            (str(panel.tp), str(panel.pp), str(panel.microbatches), "5")
+        assert env["SPLITS"] == ("4" if schedule.startswith("seq1f1b") else "1")
+        layers = preset(panel.model).num_layers
+        assert env["VPP_LAYERS"] == (str(layers // (panel.pp * 2))
+                                     if "interleaved" in schedule else "")
+        assert Path(env["RUN_DIR"]).parent.parent == folder
+        assert {"--export=ALL", "--time=00:10:00", "--partition=gpu"} <= set(argv)
+    assert len(calls) == len(cells)
+    assert cells == _expected_cells()
+
+
+def test_submit_prints_every_job_id(submitted):
+    _, calls, out = submitted
+    ids = {line.split()[1] for line in out.splitlines() if line.startswith("submitted ")}
+    assert ids == {str(1001 + n) for n in range(len(calls))}
+    assert "--collect" in out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("pick", range(len(rp.PANELS)))
+def test_a_submitted_job_trains_its_cell(submitted, tmp_path, pick):
+    """One job per panel, each a different schedule and partition: the shipped script run with
+    the environment sbatch received gives the trainer exactly the cell."""
+    schedule, partition = [("1f1b", "compute"), ("seq1f1b-interleaved", "even"),
+                           ("interleaved-1f1b", "compute"), ("seq1f1b", "even")][pick]
+    panel = rp.PANELS[pick]
+    length = panel.seq_lengths[-1]
+    call = next(c for c in submitted[1] if c["argv"][-1] == panel.script
+                and (c["env"]["SCHEDULE"], c["env"]["PARTITION_METHOD"], c["env"]["SEQ_LENGTH"])
+                == (schedule, partition, str(length)))
+    args = _trainer_args(tmp_path, panel.script, call["env"], panel.gpus)
+    assert (args.pipeline_schedule, args.seq_length, args.seq1f1b_partition) == \
+        (schedule, length, partition)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.num_micro_batches, args.train_iters) == (panel.tp, panel.pp,
+                                                           panel.microbatches, 5)
+    assert args.seq1f1b_splits == (rp.SPLITS if schedule.startswith("seq1f1b") else 1)
+    assert (args.virtual_pipeline_model_parallel_size or 1) == \
+        (rp.CHUNKS if "interleaved" in schedule else 1)
+
+
+def test_launch_without_submit_writes_the_sweep_file(tmp_path, capsys):
+    assert rp.main(["--launch", str(tmp_path / "l")]) == 0
+    out = capsys.readouterr().out
+    script = tmp_path / "l" / rp.SWEEP_FILE
+    text = script.read_text()
+    assert f"bash {script}" in out
+    assert text.count(f"examples/slurm/sweep.sh --out {tmp_path / 'l'}/") == len(rp.sweeps())
+    for panel in rp.PANELS:
+        assert f'"$@" {panel.script}\n' in text
+    assert not list((tmp_path / "l").glob("*/jobs.tsv"))          # nothing submitted
+
+
+# -- --collect: the jobs' logs, read by examples/slurm/job_results.py ----------------------------
+def _log_line(iteration: int, ms: float, tflops: float, peak_mb: tuple) -> str:
+    """A log line made by the trainer's own formatter."""
+    return IntervalReport(
+        iteration=iteration, train_iters=5, consumed_samples=32 * iteration,
+        seconds_per_iteration=ms / 1000, learning_rate=6e-5, global_batch_size=32, lm_loss=10.0,
+        loss_scale=1.0, grad_norm=1.0, skipped_iterations=0,
+        throughput=Throughput(tokens_per_second=32 * 32768 / ms * 1000, tflops_per_gpu=tflops),
+        peak_memory_mb=peak_mb, memory_source="MB, max reserved").line() + "\n"
+
+
+def _training(ms: list[float], tflops: float, peaks: list[float]) -> str:
+    return "".join(_log_line(n, t, tflops, (20480.0, peak))
+                   for n, (t, peak) in enumerate(zip(ms, peaks), 1))
+
+
+def _write_output(folder: Path, model: str, length: int, schedule: str, partition: str,
+                  log: str, exit_code=None) -> None:
+    """The job's output file as the job leaves it: its log, then (unless killed) the summary
+    line launch_pretrain.sh prints with job_results.py."""
     results = rp._job_results()
-    panel = rp.PANELS[1]
-    logs = {"seq1f1b": "".join(_log_line(n, ms, (20480.0, 30720.0))
-                               for n, ms in enumerate([9000.0, 2000.0, 2200.0, 2100.0], 1)),
-            "interleaved-1f1b": _log_line(1, 9000.0, (1024.0,)) + _log_line(2, 3000.0, (1024.0,)),
-            "1f1b": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"}
-    for schedule, log in logs.items():
-        job = tmp_path / schedule
-        job.mkdir()
-        cell = rp._full_cell(panel, 32768, schedule)
-        (job / "cell.json").write_text(json.dumps(cell))
-        if schedule != "interleaved-1f1b":          # the others printed their summary line
-            log += results.summary_line(log, 0 if schedule == "seq1f1b" else 1,
-                                        {k: str(v) for k, v in cell.items()}) + "\n"
-        (job / "slurm-7.out").write_text(log)
-    data = rp.collect(tmp_path)
-    memory = {r["schedule"]: r for r in data["memory"]}
-    assert memory["seq1f1b"]["status"] == "OK" and not memory["seq1f1b"]["oom"]
-    assert memory["seq1f1b"]["measured_gb"] == 30.0       # the largest stage
-    assert memory["1f1b"]["oom"] and memory["1f1b"]["measured_gb"] is None
-    assert memory["interleaved-1f1b"]["status"] == "FAILED"
-    rows = {r["schedule"]: r for r in data["throughput"]}
-    assert rows["seq1f1b"]["iteration_s"] == 2.1                  # median after the first
-    assert rows["seq1f1b"]["tflops_per_gpu"] == 123.4
-    assert rows["interleaved-1f1b"]["iteration_s"] == 3.0
-    assert rows["1f1b"]["tokens_per_s"] is None and rows["1f1b"]["oom"]
+    sweep = next(s for s in json.loads((folder / rp.MANIFEST).read_text())
+                 if s["model"] == model and s["partition"] == partition
+                 and s["chunks"] == (2 if "interleaved" in schedule else 1))
+    with open(folder / sweep["folder"] / "jobs.tsv") as handle:
+        job = next(j for j in csv.DictReader(handle, delimiter="\t")
+                   if (j["schedule"], j["seq_length"]) == (schedule, str(length)))
+    if exit_code is not None:
+        log += results.summary_line(log, exit_code, {"model": model, "schedule": schedule}) + "\n"
+    Path(job["output"].replace("%j", job["job_id"])).write_text(log)
+
+
+@pytest.fixture(scope="module")
+def collected(submitted):
+    """Five jobs of the 7B panel done or dead, the rest PENDING (no output yet)."""
+    folder = submitted[0]
+    _write_output(folder, "7b", 32768, "seq1f1b", "compute",
+                  _training([9000, 2000, 2200, 2100], 150.0, [40960, 30720, 31744, 30720]), 0)
+    _write_output(folder, "7b", 32768, "seq1f1b", "even",
+                  _training([9000, 2500, 2500], 120.0, [30720, 30720, 30720]), 0)
+    _write_output(folder, "7b", 131072, "1f1b", "compute",
+                  "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB\n", 1)
+    _write_output(folder, "7b", 32768, "interleaved-1f1b", "compute",       # killed, no summary
+                  _training([9000, 3000], 100.0, [51200, 51200]))
+    return folder, rp.collect(folder)
+
+
+def _row(rows: list[dict], model: str, length: int, schedule: str) -> dict:
+    return next(r for r in rows if (r["model"], r["seq_length"], r["schedule"]) ==
+                (model, length, schedule))
+
+
+def test_collect_gives_a_row_per_job_oom_included(collected):
+    _, data = collected
+    cells = {(panel.model, length, name) for panel in rp.PANELS
+             for length in panel.seq_lengths for _, name in rp.SCHEDULES}
+    for table in ("memory", "throughput"):
+        assert {(r["model"], r["seq_length"], r["schedule"]) for r in data[table]} == cells
+    ok = _row(data["memory"], "7b", 32768, "seq1f1b")
+    assert (ok["status"], ok["oom"], ok["measured_gb"]) == ("OK", False, 30.0)
+    assert (ok["tp"], ok["pp"], ok["microbatches"], ok["splits"], ok["chunks"]) == \
+        (8, 4, 32, 4, 1)
+    assert (ok["paper_gb"], ok["paper_oom"]) == (18.90, False)
+    oom = _row(data["memory"], "7b", 131072, "1f1b")
+    assert (oom["status"], oom["oom"], oom["measured_gb"], oom["paper_oom"]) == \
+        ("OOM", True, None, True)
+    assert _row(data["memory"], "7b", 32768, "interleaved-1f1b")["status"] == "FAILED"
+    assert _row(data["memory"], "2.7b", 16384, "1f1b")["status"] == "PENDING"
+    speed = _row(data["throughput"], "7b", 32768, "seq1f1b")
+    assert (speed["iteration_s"], speed["tflops_per_gpu"]) == (2.1, 150.0)
+    assert speed["tokens_per_s"] == pytest.approx(32 * 32768 / 2.1, rel=1e-4)
+    killed = _row(data["throughput"], "7b", 32768, "interleaved-1f1b")
+    assert (killed["iteration_s"], killed["chunks"]) == (3.0, 2)
+    assert _row(data["throughput"], "7b", 131072, "1f1b")["tokens_per_s"] is None
+
+
+def test_collect_pairs_even_and_balanced_spans_for_the_ablation(collected):
+    _, data = collected
+    assert len(data["ablation"]) == 2 * sum(len(p.seq_lengths) for p in rp.PANELS)
+    row = _row(data["ablation"], "7b", 32768, "seq1f1b")
+    assert (row["tflops_even"], row["tflops_compute"]) == (120.0, 150.0)
+    assert row["gain"] == pytest.approx(0.25)
+    pending = _row(data["ablation"], "7b", 65536, "seq1f1b")
+    assert pending["gain"] is None and pending["status_even"] == "PENDING"
+
+
+def test_collect_prints_tables_or_json(collected, capsys):
+    folder, data = collected
+    assert rp.main(["--collect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    for text in ("(a) Measured peak memory", "30.0 / paper 18.90", "OOM / paper OOM",
+                 "PENDING", "(c) Partition ablation", "| +25.0% |"):
+        assert text in out
+    assert rp.main(["--collect", str(folder), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == data
+
+
+def test_launch_refuses_a_folder_already_submitted(submitted, capsys):
+    assert rp.main(["--launch", str(submitted[0])]) == 2
+    assert "already holds submitted jobs" in capsys.readouterr().err
+
+
+def test_a_refused_submission_is_one_line_exit_1(tmp_path, monkeypatch, capsys):
+    bin_dir = tmp_path / "bin"
+    _recorder(bin_dir, "sbatch", then='sys.exit("sbatch: error: invalid partition specified: '
+                                      'gpu")')
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("RECORD_TO", str(tmp_path / "sbatch.jsonl"))
+    assert rp.main(["--launch", str(tmp_path / "l"), "--submit", "--", "--partition=gpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid partition specified" in err
 
 
 @pytest.mark.parametrize("argv, needle", [
     (["--submit"], "--submit"), (["--gpu-memory", "-1"], "--gpu-memory"),
     (["--train-iters", "1", "--launch", "x"], "--train-iters"),
     (["--collect", "/nonexistent/folder"], "--collect"),
+    (["--collect", "."], "--collect"),
+    (["--launch", "x", "--", "--partition=gpu"], "without --submit"),
+    (["--launch", "x", "--submit", "--", "-p"], "'-p'"),
+    (["--", "--partition=gpu"], "need --launch"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
     assert rp.main(argv) == 2
