@@ -145,14 +145,36 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float
     return _merge_heads(torch.matmul(probs, v))
 
 
+@functools.lru_cache(maxsize=32)
+def _additive_causal_mask(sq: int, sk: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """[sq, sk] additive bottom-right causal mask (0 = seen, -inf = masked), one per span shape.
+
+    On the CPU, SDPA turns any boolean or `causal_lower_right` mask into such a float tensor on
+    every call and its kernel saves it for backward: a quadratic sq x sk tensor per layer and
+    span. Shared, the layers of a span save one storage (kept here across iterations)."""
+    mask = torch.zeros(sq, sk, dtype=dtype, device=device)
+    return mask.masked_fill_(bottom_right_causal_mask(sq, sk, device), float("-inf"))
+
+
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
           dropout_p: float) -> Tensor:
     from torch.nn.attention.bias import causal_lower_right
 
+    sq, sk = q.size(0), k.size(0)
+    gqa = q.size(2) != k.size(2)
     q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
-    allowed = causal_lower_right(q.size(2), k.size(2)) if mask is None else ~mask
+    if mask is not None:
+        allowed = ~mask
+    elif sq == sk:      # square: bottom-right and top-left alignment agree
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                             scale=scale, enable_gqa=gqa)
+        return _merge_heads(out)
+    elif q.device.type == "cpu":
+        allowed = _additive_causal_mask(sq, sk, q.dtype, q.device)
+    else:               # CUDA: the efficient kernel applies it without a materialised mask
+        allowed = causal_lower_right(sq, sk)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
-                                         scale=scale, enable_gqa=q.size(1) != k.size(1))
+                                         scale=scale, enable_gqa=gqa)
     return _merge_heads(out)
 
 
