@@ -154,7 +154,9 @@ def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_
 
     Dropout defaults to 0 (exact comparisons), fp32 or bf16, CPU initialisation when there is no
     GPU; megatron-core's dataclass defaults already keep the fused kernels off (on the CPU each
-    costs seconds of inductor compilation). `overrides` go to TransformerConfig unchanged.
+    costs seconds of inductor compilation). Pipeline stage outputs are freed after their send
+    (`deallocate_pipeline_outputs`, which Megatron-LM's training always turns on; the dataclass
+    default keeps every in-flight output). `overrides` go to TransformerConfig unchanged.
     """
     dtype = torch.float32 if fp32 else torch.bfloat16
     fields = dict(
@@ -165,6 +167,7 @@ def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         sequence_parallel=sequence_parallel, hidden_dropout=hidden_dropout,
         attention_dropout=attention_dropout, params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=not fp32, use_cpu_initialization=not torch.cuda.is_available())
+        bf16=not fp32, use_cpu_initialization=not torch.cuda.is_available(),
+        deallocate_pipeline_outputs=True)
     fields.update(overrides)
     return TransformerConfig(**fields)
