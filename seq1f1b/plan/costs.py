@@ -195,6 +195,9 @@ def activation_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: i
         with sequence parallelism, else replicated;
       - Q (n*d), attention output = input of the output projection (n*d), softmax statistics,
         FC1 output = GeLU input (f), GeLU output = FC2 input (f): split over TP.
+      - RoPE's cos and sin of the span, once for Q and once for K (4*d): megatron's unfused
+        rotary embedding (its default) computes them in each layer and the products save them;
+        broadcast over heads, so not split by TP. Assumes RoPE, as the paper's models.
     K and V (2*g*d) are the span's entry in the KV cache: see `kv_cache_bytes`; the cache and the
     graph share their storage, so adding the two gives the span's whole footprint.
     Assumptions: the runtime keeps no concatenated copy of the prefix's K/V, embeddings and
@@ -207,8 +210,9 @@ def activation_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: i
     masks = (2 * tokens * model.hidden_size / (tp if sequence_parallel else 1)
              if dropout else 0.0)
     sharded = tokens * (2 * n * d + 2 * f) * bytes_per_element / tp
-    return gemm_and_norm_inputs + masks + sharded + softmax_stats_bytes(model, span_length,
-                                                                        batch, tp)
+    rope = tokens * 4 * d * bytes_per_element
+    return gemm_and_norm_inputs + masks + sharded + rope + softmax_stats_bytes(
+        model, span_length, batch, tp)
 
 
 # -- activation recompute ---------------------------------------------------------------------
@@ -339,6 +343,22 @@ def logits_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int =
     return span_length * batch * model.vocab_size / tp * 4
 
 
+def recomputed_activation_bytes(model: ModelConfig, span_length: int, batch: int = 1,
+                                tp: int = 1, sequence_parallel: bool = False,
+                                bytes_per_element: int = 2,
+                                recompute: Recompute | None = None) -> float:
+    """Activations full recompute rebuilds for one span while one checkpointed group
+    back-propagates (N layers with uniform, 1 with block; 0 without full recompute).
+
+    They are saved tensors for that moment, so the runtime's saved-tensor meter sees them on top
+    of what is held for backward; part of `backward_workspace_bytes`."""
+    if recompute is None or recompute.granularity != "full":
+        return 0.0
+    group = recompute.num_layers if recompute.method == "uniform" else 1
+    return group * activation_bytes(model, span_length, batch, tp, sequence_parallel,
+                                    bytes_per_element)
+
+
 def backward_workspace_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int = 1,
                              bytes_per_element: int = 2, last_stage: bool = False, *,
                              sequence_parallel: bool = False,
@@ -358,9 +378,8 @@ def backward_workspace_bytes(model: ModelConfig, span_length: int, batch: int = 
     """
     e = bytes_per_element
     layer = 2 * span_length * batch * (model.ffn_hidden_size / tp + model.hidden_size) * e
-    if recompute is not None and recompute.granularity == "full":
-        group = recompute.num_layers if recompute.method == "uniform" else 1
-        layer += group * activation_bytes(model, span_length, batch, tp, sequence_parallel, e)
+    layer += recomputed_activation_bytes(model, span_length, batch, tp, sequence_parallel, e,
+                                         recompute)
     if not last_stage:
         return layer
     return max(layer, span_length * batch * model.vocab_size / tp * e)

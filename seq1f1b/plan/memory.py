@@ -32,7 +32,7 @@ from typing import Optional
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.costs import (ModelConfig, Recompute, backward_workspace_bytes,
-                                stage_parameters)
+                                recomputed_activation_bytes, stage_parameters)
 from seq1f1b.plan.partition import partition
 from seq1f1b.plan.simulate import layers_per_stage, model_costs, simulate
 
@@ -142,7 +142,8 @@ class StageMemory:
     activation_bytes: float
     kv_cache_bytes: float
     logits_bytes: float
-    workspace_bytes: float
+    workspace_bytes: float               # includes recomputed_bytes
+    recomputed_bytes: float              # full recompute: one group's rebuilt activations
     overhead_bytes: float
     peak_live_spans: int
     distributed_optimizer: bool
@@ -154,8 +155,15 @@ class StageMemory:
 
     @property
     def held_for_backward_bytes(self) -> float:
-        """Activations + K/V + logits: what the runtime's saved-tensor meter measures."""
+        """Activations + K/V + logits held between a span's forward and its backward."""
         return self.activation_bytes + self.kv_cache_bytes + self.logits_bytes
+
+    @property
+    def metered_bytes(self) -> float:
+        """What the runtime's saved-tensor meter measures at its peak: what is held for backward
+        plus, under full recompute, the group the backward rebuilds (an upper bound: the
+        rebuild happens in a backward, when less may be held)."""
+        return self.held_for_backward_bytes + self.recomputed_bytes
 
     @property
     def total_bytes(self) -> float:
@@ -184,6 +192,7 @@ class MemoryEstimate:
                "stages": [{**{f.name: getattr(s, f.name) for f in fields(s)},
                            "optimizer_bytes": s.optimizer_bytes,
                            "held_for_backward_bytes": s.held_for_backward_bytes,
+                           "metered_bytes": s.metered_bytes,
                            "total_bytes": s.total_bytes} for s in self.stages],
                "peak_bytes": self.peak_bytes}
         if gpu_memory_gib is not None:
@@ -228,6 +237,9 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
             optimizer_bytes_sharded=params * precision.optimizer / setup.dp,
             activation_bytes=held["activation"], kv_cache_bytes=held["kv_cache"],
             logits_bytes=held["logits"], workspace_bytes=workspace,
+            recomputed_bytes=recomputed_activation_bytes(
+                model, max(spans), setup.micro_batch_size, setup.tp, setup.sequence_parallel,
+                precision.activation, setup.recompute),
             overhead_bytes=setup.overhead_gib * GIB, peak_live_spans=rank.peak_live_spans,
             distributed_optimizer=setup.distributed_optimizer))
     return MemoryEstimate(setup, spans, stages)

@@ -94,14 +94,17 @@ def test_logits_and_embedding_gemm():
 
 def test_activation_bytes_match_korthikanti_with_flash_attention():
     """34*s*b*h bytes per layer (16-bit, dropout masks kept), the 5*a*s^2*b attention matrix
-    replaced by fp32 softmax statistics (4*n*s*b); K/V counted in the KV cache."""
+    replaced by fp32 softmax statistics (4*n*s*b); K/V counted in the KV cache; plus the cos and
+    sin megatron's unfused RoPE saves (not in their count)."""
     model = preset("13b")
     h, n = 5120, 40
     s, b, t = 2048, 2, 4
 
+    rope = s * b * 4 * (h // n) * 2     # cos and sin for Q and K, 16-bit, not split by TP
+
     def total(**kw):
         return activation_bytes(model, s, b, dropout=True, **kw) + \
-            kv_cache_bytes(model, s, b, tp=kw.get("tp", 1))
+            kv_cache_bytes(model, s, b, tp=kw.get("tp", 1)) - rope
 
     assert total() == s * b * (34 * h + 4 * n)
     # Tensor parallel only: 10*s*b*h stay replicated, 24*s*b*h are split (their table 2).
@@ -143,7 +146,8 @@ TOKENS = 10 * 2               # a span of 10 tokens, micro-batch size 2
 # Per token of one layer, bf16, TP=2 with sequence parallelism (h=64, n=4, d=16, f=256):
 INPUT = 64 * 2 / 2                         # the layer's input hidden states
 STATS = 4 * 4 / 2                          # fp32 softmax statistics of 4 heads
-PLAIN = 4 * INPUT + (2 * 4 * 16 + 2 * 256) * 2 / 2 + STATS   # + Q, attn out, FC1 out, GeLU out
+ROPE = 4 * 16 * 2                          # cos and sin for Q and K, not split by TP
+PLAIN = 4 * INPUT + (2 * 4 * 16 + 2 * 256) * 2 / 2 + STATS + ROPE   # + Q, attn out, FC1, GeLU
 
 
 def _chunk(layers=4, recompute=None, sequence_parallel=True):

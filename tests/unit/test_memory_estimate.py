@@ -128,7 +128,8 @@ def test_recompute_stage_activations_by_hand():
 
     h, n, d, f, s = 256, 8, 32, 1024, 4096
     inputs = s * h * 2 / 2                                    # one layer's input, bf16, SP
-    plain = 4 * inputs + s * (2 * n * d + 2 * f) * 2 / 2 + s * 4 * n / 2
+    rope = s * 4 * d * 2                                       # cos/sin for Q and K
+    plain = 4 * inputs + s * (2 * n * d + 2 * f) * 2 / 2 + s * 4 * n / 2 + rope
     assert rank0().activation_bytes == 4 * 2 * plain
     assert rank0(recompute_granularity="selective").activation_bytes == \
         4 * 2 * (plain - s * 4 * n / 2)
