@@ -95,6 +95,13 @@ def add_model_flags(parser, **defaults) -> None:
     add("--sequence-parallel", action="store_true")
     add("--attention-backend", choices=["auto", "eager", "sdpa", "flex", "flash", "te"],
         default="auto")
+    add("--recompute-granularity", choices=["full", "selective"], default=None,
+        help="activation recompute, megatron's meaning (selective = core attention)")
+    add("--recompute-method", choices=["uniform", "block"], default=None,
+        help="full recompute: groups of --recompute-num-layers layers (uniform) or the first "
+             "--recompute-num-layers layers of each chunk (block); default uniform")
+    add("--recompute-num-layers", type=int, default=None,
+        help="full recompute: layers per group (uniform) or recomputed layers (block); default 1")
 
 
 @dataclass

@@ -135,7 +135,8 @@ def _case(args: argparse.Namespace, run: Run):
         splits=run.splits, partition=args.partition, span_lengths=args.span_lengths,
         position_embedding_type=args.position_embedding_type,
         sequence_parallel=args.sequence_parallel, attention_backend=args.attention_backend,
-        seed=args.seed)
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers, seed=args.seed)
 
 
 @dataclass
@@ -235,7 +236,9 @@ def _memory_estimate(args: argparse.Namespace, run: Run, dp: int):
         dp=dp, micro_batch_size=args.micro_batch_size,
         sequence_parallel=args.sequence_parallel, partition=args.partition,
         span_lengths=tuple(args.span_lengths) if args.span_lengths else None,
-        precision="fp32", make_vocab_size_divisible_by=1)   # the benchmark's model: unpadded
+        precision="fp32", make_vocab_size_divisible_by=1,   # the benchmark's model: unpadded
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers)
     return estimate_memory(setup)
 
 
@@ -281,7 +284,7 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
             bubble = statistics.median(r.bubble_ratio for r in reports)
             estimate = _memory_estimate(args, run, dp)
             peaks = [r.peak_saved_bytes for r in ranks]
-            held = [s.held_for_backward_bytes for s in estimate.stages]
+            held = [s.metered_bytes for s in estimate.stages]
             row.update(
                 measured_makespan_s=statistics.median(r.makespan for r in reports),
                 measured_bubble=bubble, simulated_makespan_s=predicted.makespan,
@@ -307,6 +310,14 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
     return {"config": {**config, "dp": dp, "tokens_per_iteration": tokens}, "runs": rows}, pairs
 
 
+def _recompute_text(config: dict) -> str:
+    granularity = config.get("recompute_granularity")
+    if granularity != "full":
+        return granularity or "none"
+    return (f"full/{config.get('recompute_method') or 'uniform'}/"
+            f"{config.get('recompute_num_layers') or 1}")
+
+
 def markdown(result: dict) -> str:
     def pct(value):
         return "-" if value is None else f"{value:.1%}"
@@ -321,7 +332,8 @@ def markdown(result: dict) -> str:
     lines = [f"P={c['pp']} TP={c['tp']} DP={c['dp']} m={c['num_microbatches']} "
              f"b={c['micro_batch_size']} L={c['seq_length']} layers={c['num_layers']} "
              f"h={c['hidden_size']} heads={c['num_attention_heads']} vocab={c['vocab_size']} "
-             f"partition={c['partition']} threads={c['threads']} warmup={c['warmup']} "
+             f"partition={c['partition']} recompute={_recompute_text(c)} threads={c['threads']} "
+             f"warmup={c['warmup']} "
              f"iterations={c['iterations']}. iter ms, tokens/s, ratio: medians; best-of ratio: "
              "of the fastest iterations (interference only adds time); bubble diff = "
              "(measured - simulated) / simulated", "",

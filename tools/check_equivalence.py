@@ -29,10 +29,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--untie-embeddings-and-output-weights", action="store_true")
     add("--init-method-std", type=float, default=0.2,
         help="weight init std (0.2: sharp attention, so a wrong position or K/V shows)")
-    add("--recompute-granularity", choices=["full", "selective"], default=None,
-        help="activation recompute (selective = core attention)")
-    add("--recompute-method", choices=["uniform", "block"], default=None)
-    add("--recompute-num-layers", type=int, default=None)
     add("--hidden-dropout", type=float, default=0.0)
     add("--attention-dropout", type=float, default=0.0)
     add("--against-no-recompute", action="store_true",
