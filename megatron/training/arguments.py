@@ -320,6 +320,11 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
             _fail(f"--num-layers-per-virtual-pipeline-stage {per_chunk} must divide the "
                   f"{per_stage} layers of each pipeline stage into >= 2 chunks")
         args.virtual_pipeline_model_parallel_size = per_stage // per_chunk
+    chunk_layers = per_chunk or args.num_layers // pp
+    if args.recompute_method == "uniform" and chunk_layers % args.recompute_num_layers:
+        # megatron-core's uniform loop would index past the chunk's last layer (IndexError).
+        _fail(f"--recompute-num-layers {args.recompute_num_layers} must divide the "
+              f"{chunk_layers} layers of each model chunk with --recompute-method uniform")
     if args.sequence_parallel:
         if tp < 2:
             _fail("--sequence-parallel needs --tensor-model-parallel-size > 1")

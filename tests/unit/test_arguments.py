@@ -69,6 +69,8 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
     ({"recompute_method": "block"}, WORLD, "--recompute-method"),
     ({"recompute_granularity": "full", "recompute_num_layers": -1}, WORLD,
      "--recompute-num-layers"),
+    ({"recompute_granularity": "full", "recompute_num_layers": 3}, WORLD,
+     "--recompute-num-layers"),       # uniform groups of 3 do not divide a stage's layers
     ({"sequence_parallel": True, "tensor_model_parallel_size": 1}, WORLD, "--sequence-parallel"),
     ({"sequence_parallel": True, "seq_length": 63}, WORLD, "--seq-length"),
     ({"seq1f1b_span_lengths": [16, 16, 16, 8]}, WORLD, "--seq1f1b-span-lengths"),
