@@ -1,8 +1,9 @@
 #!/bin/bash
 # One machine, no Slurm: torchrun with one rank per GPU, the paper's settings for MODEL.
 #
-#   examples/pretrain_gpt_single_node.sh                     GPT 2.7B on 8 GPUs (TP=2 x PP=4)
-#   MODEL=7b SEQ_LENGTH=16384 examples/pretrain_gpt_single_node.sh
+#   examples/pretrain_gpt_single_node.sh                     GPT 2.7B on 8 GPUs (TP=1 x PP=8)
+#   MODEL=7b TP=2 PP=4 SEQ_LENGTH=16384 examples/pretrain_gpt_single_node.sh   (the authors' one-node
+#       7B run; the 7B script's own layout, TP=8 x PP=4, needs 32 GPUs)
 #   SCHEDULE=1f1b examples/pretrain_gpt_single_node.sh --log-interval 10   (flags go through)
 #   GPUS_PER_NODE=4 TP=2 PP=2 NUM_LAYERS=4 HIDDEN_SIZE=64 NUM_ATTENTION_HEADS=4 SEQ_LENGTH=128 \
 #       MICRO_BATCHES=4 PRECISION= examples/pretrain_gpt_single_node.sh       (a CPU-sized run)
