@@ -46,8 +46,8 @@ def _paper_cells(rows):
 
 
 KNOWN_MISS = {("7b", 131072, "1f1b")}
-MISS_REASON = ("the paper OOMs there; our estimate (72 GiB) fits: across the paper's 7B panel "
-               "(TP=8 assumed) our estimates read 21-30% below its max_memory_reserved")
+MISS_REASON = ("the paper OOMs there; our estimate (76 GiB) fits: across the paper's 7B panel "
+               "(TP=8 assumed) our estimates read 14-37% below its max_memory_reserved")
 
 
 def test_every_paper_cell_has_a_row(memory):
