@@ -327,7 +327,9 @@ def kv_cache_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int
     sized for the whole sequence: allocated at the micro-batch's first forward F(i,0), written
     span by span, read through prefix views (no concatenated copy), freed after its last backward
     B(i,0). So a micro-batch in flight holds the sum of this over all its spans, from F(i,0) on;
-    the simulator's replay counts it that way.
+    the simulator's replay counts it that way. From the micro-batch's first backward (its last
+    span's B) to B(i,0) the cache also accumulates the later spans' dK/dV for the rows of spans
+    0..k-2: the same bytes again for those spans.
     """
     return 2 * span_length * batch * model.num_query_groups * model.kv_channels \
         * bytes_per_element / tp

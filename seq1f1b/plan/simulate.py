@@ -210,7 +210,9 @@ def simulate(schedule: Schedule, costs: SpanCosts, p2p_latency: float = 0.0
 
 _HELD = ("activation", "kv_cache", "logits")
 """What a rank holds for backward, by kind: activations and logits per span (freed with the span's
-activations), K/V per micro-batch (the whole sequence's, from F(i,0) until after B(i,0))."""
+activations), K/V per micro-batch (the whole sequence's, from F(i,0) until after B(i,0)) and, from
+the micro-batch's first backward (its last span's B) on, the cache's dK/dV accumulators of the
+earlier spans' rows (the K/V bytes of spans 0..k-2; none with k = 1)."""
 
 
 def _held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
@@ -235,8 +237,11 @@ def _held_change(tables: dict[str, Table], stage: int, action: Action, frees_act
     if action.op == frees_activations:
         released["activation"] = tables["activation"][stage][span]
         released["logits"] = tables["logits"][stage][span]
+    earlier_spans_kv = sum(tables["kv_cache"][stage][:-1])
+    if action.op == "B" and span == len(tables["kv_cache"][stage]) - 1:
+        allocated["kv_cache"] = earlier_spans_kv
     if action.op == "B" and span == 0:
-        released["kv_cache"] = whole_sequence_kv
+        released["kv_cache"] = whole_sequence_kv + earlier_spans_kv
     return allocated, released
 
 
