@@ -2,7 +2,7 @@
 """Side by side: one model, one batch, several pipeline schedules, in the same processes.
 
     torchrun --nproc-per-node 2 tools/benchmark.py --pp 2 --num-microbatches 2 --splits 4 \\
-        --num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 \\
+        --num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \\
         --schedules 1f1b seq1f1b --partition compute --plot timelines.png
 
 Schedules with the same chunk count share one set of model chunks and are timed round-robin
