@@ -91,7 +91,9 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
     GEMMs). B is the full backward (2x forward), or the input-gradient part when the schedule has
     W actions (see costs.SpanFlops). Bytes are per GPU, activations in `bytes_per_element`
     (2: bf16/fp16); a virtual stage keeps what costs.chunk_activation_bytes says under
-    `recompute` (None: no activation recompute). Durations leave recompute's extra forward out.
+    `recompute` (None: no activation recompute), and its B also re-runs the recomputed forward:
+    every layer (full, uniform), the first N layers (full, block) or the core attention of every
+    layer (selective).
     """
     if len(span_lengths) != schedule.splits:
         raise ScheduleError(f"--splits is {schedule.splits} but {len(span_lengths)} span "
@@ -108,15 +110,29 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
         body = layer_flops(model, end - start, end, batch).scaled(layers)
         return body + logits_flops(model, end - start, batch) if stage == last else body
 
+    def recomputed_flops(start: int, end: int) -> SpanFlops:
+        layer = layer_flops(model, end - start, end, batch)
+        if recompute is None:
+            return SpanFlops(0.0, 0.0)
+        if recompute.granularity == "selective":
+            return SpanFlops(0.0, layer.attention).scaled(layers)
+        rerun = layers if recompute.method == "uniform" else min(recompute.num_layers, layers)
+        return layer.scaled(rerun)
+
     grid = [[stage_flops(stage, start, end) for start, end in bounds]
             for stage in range(schedule.num_stages)]
+    rerun = [recomputed_flops(start, end) for start, end in bounds]
     # The TP group shares each span's FLOPs.
     linear_rate, attention_rate = tp * flops_per_second, tp * attention_flops_per_second
 
-    def seconds(kind: Callable[[SpanFlops], float]) -> Table:
-        return tuple(tuple(kind(SpanFlops(cell.linear, 0.0)) / linear_rate
-                           + kind(SpanFlops(0.0, cell.attention)) / attention_rate
-                           for cell in row) for row in grid)
+    def duration(flops: SpanFlops, kind: Callable[[SpanFlops], float]) -> float:
+        return (kind(SpanFlops(flops.linear, 0.0)) / linear_rate
+                + kind(SpanFlops(0.0, flops.attention)) / attention_rate)
+
+    def seconds(kind: Callable[[SpanFlops], float], recomputed: bool = False) -> Table:
+        return tuple(tuple(duration(cell, kind)
+                           + (duration(rerun[j], lambda f: f.forward) if recomputed else 0.0)
+                           for j, cell in enumerate(row)) for row in grid)
 
     def per_span_bytes(kind: Callable[[int], float]) -> Table:
         row = tuple(float(kind(length)) for length in span_lengths)
@@ -128,7 +144,7 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
     split = schedule.split_backward
     return SpanCosts(
         forward=seconds(lambda f: f.forward),
-        backward=seconds(lambda f: f.input_grad if split else f.backward),
+        backward=seconds(lambda f: f.input_grad if split else f.backward, recomputed=True),
         weight=seconds(lambda f: f.weight_grad) if split else None,
         activation_bytes=per_span_bytes(
             lambda n: chunk_activation_bytes(model, layers, n, batch, tp, sequence_parallel,

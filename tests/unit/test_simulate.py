@@ -181,7 +181,11 @@ def test_recompute_is_counted_per_model_chunk():
                 activation_bytes(model, n)
             assert plain.activation_bytes[stage][j] == 2 * activation_bytes(model, n)
     assert block.kv_cache_bytes == plain.kv_cache_bytes
-    assert (block.forward, block.backward) == (plain.forward, plain.backward)
+    assert block.forward == plain.forward
+    for stage in range(4):      # B re-runs the first layer of the chunk: one layer's forward
+        for j, (n, end) in enumerate(zip(spans, (48, 64))):
+            assert block.backward[stage][j] == pytest.approx(
+                plain.backward[stage][j] + layer_flops(model, n, end).forward / 1e9)
     for less, more in zip(simulate(schedule, block).ranks, simulate(schedule, plain).ranks):
         assert less.peak_activation_bytes < more.peak_activation_bytes
         assert less.peak_kv_cache_bytes == more.peak_kv_cache_bytes
@@ -226,3 +230,27 @@ def test_report_to_dict_is_json():
     assert data["ranks"][1]["peak_live_spans"] == 2
     assert data["ranks"][0]["peak_activation_bytes"] is None
     assert "actions" not in report.to_dict(timeline=False)["ranks"][0]
+
+
+def test_recompute_lengthens_the_backward_by_the_forward_it_re_runs():
+    """B re-runs every layer's forward (full, uniform), the first N layers' (block) or the core
+    attention's (selective); F and the bytes' bookkeeping are untouched by the durations."""
+    model = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    schedule = registry.build("seq1f1b", 2, 2, 2)
+    spans = [40, 24]
+
+    def costs(recompute=None):
+        return model_costs(schedule, model, spans, flops_per_second=1e9, recompute=recompute)
+
+    plain = costs()
+    layer = [layer_flops(model, 40, 40), layer_flops(model, 24, 64)]
+    cases = {Recompute("full", "uniform", 2): [f.forward * 4 for f in layer],
+             Recompute("full", "block", 1): [f.forward for f in layer],
+             Recompute("selective"): [f.attention * 4 for f in layer]}
+    for recompute, extra_flops in cases.items():
+        got = costs(recompute)
+        assert got.forward == plain.forward
+        for stage in range(2):
+            for j in range(2):
+                assert got.backward[stage][j] == pytest.approx(
+                    plain.backward[stage][j] + extra_flops[j] / 1e9)
