@@ -345,6 +345,16 @@ def logits_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int =
     return span_length * batch * model.vocab_size / tp * 4
 
 
+def output_layer_input_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int = 1,
+                             sequence_parallel: bool = False,
+                             bytes_per_element: int = 2) -> float:
+    """Bytes the last stage keeps for the backward of its head on one span: the final norm's
+    input and the output layer's input (the norm's output), 2*s*b*h elements, split over TP only
+    with sequence parallelism (the output GEMM saves its sharded input and gathers it again)."""
+    return 2 * span_length * batch * model.hidden_size * bytes_per_element \
+        / (tp if sequence_parallel else 1)
+
+
 def recomputed_activation_bytes(model: ModelConfig, span_length: int, batch: int = 1,
                                 tp: int = 1, sequence_parallel: bool = False,
                                 bytes_per_element: int = 2,

@@ -17,8 +17,9 @@ schedule's memory is read off the same plan that runs. What the estimate counts,
   (costs.chunk_activation_bytes: selective drops the softmax statistics, full keeps each
   group's input);
 - the K/V cache of the micro-batches in flight, each the whole sequence's from its first span's
-  forward to its last backward (the runtime's one buffer per micro-batch); the loss's fp32
-  softmax on the last stage;
+  forward to its last backward (the runtime's one buffer per micro-batch), and its dK/dV
+  accumulators from its first backward on; on the last stage ("logits") the loss's fp32 softmax
+  and the inputs of the final norm and the output layer;
 - a backward workspace (costs.backward_workspace_bytes; with full recompute it includes the
   recomputed group's activations) and a fixed framework overhead (`FRAMEWORK_OVERHEAD_GIB`).
 Not counted: the pipeline's stashed stage outputs (megatron deallocates them after the send),

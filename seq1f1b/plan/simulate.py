@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 from seq1f1b.plan.actions import (Action, Schedule, ScheduleError, dependencies,
                                   parse_action)
 from seq1f1b.plan.costs import (ModelConfig, Recompute, SpanFlops, chunk_activation_bytes,
-                                kv_cache_bytes, layer_flops, logits_bytes, logits_flops)
+                                kv_cache_bytes, layer_flops, logits_bytes, logits_flops,
+                                output_layer_input_bytes)
 from seq1f1b.plan.partition import span_bounds
 from seq1f1b.plan.validate import topological_order, validate
 
@@ -45,7 +46,8 @@ class SpanCosts:
     weight: Table | None       # the W action; None for schedules without W
     activation_bytes: Table | None = None
     kv_cache_bytes: Table | None = None
-    logits_bytes: Table | None = None      # the loss's fp32 softmax: non-zero on the last stage
+    logits_bytes: Table | None = None      # the loss's fp32 softmax and the head's inputs:
+                                           # non-zero on the last stage only
 
     def duration(self, stage: int, action: Action) -> float:
         table = {"F": self.forward, "B": self.backward, "W": self.weight}[action.op]
@@ -139,7 +141,10 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
         return (row,) * schedule.num_stages
 
     no_logits = tuple(0.0 for _ in span_lengths)
-    logits = tuple(float(logits_bytes(model, n, batch, tp)) for n in span_lengths)
+    logits = tuple(float(logits_bytes(model, n, batch, tp)
+                         + output_layer_input_bytes(model, n, batch, tp, sequence_parallel,
+                                                    bytes_per_element))
+                   for n in span_lengths)
 
     split = schedule.split_backward
     return SpanCosts(

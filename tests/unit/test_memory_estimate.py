@@ -83,11 +83,15 @@ def test_seq1f1b_rank0_holds_p_plus_k_minus_1_spans(pp, k):
 
 
 def test_last_stage_keeps_the_fp32_logits_of_its_live_spans():
+    """... and the head's inputs: the final norm's and the output layer's (2h per token, bf16,
+    replicated over TP without sequence parallelism)."""
     estimate = estimate_memory(_setup(schedule="seq1f1b", splits=4, tp=2))
     last = estimate.stages[-1]
     vocab_model = replace(MODEL, vocab_size=estimate.setup.padded_vocab_size)
     assert last.peak_live_spans == 4       # P - r + k - 1 with r = P - 1
-    assert last.logits_bytes == pytest.approx(4 * logits_bytes(vocab_model, 1024, tp=2))
+    head_inputs = 2 * 1024 * MODEL.hidden_size * 2
+    assert last.logits_bytes == pytest.approx(
+        4 * (logits_bytes(vocab_model, 1024, tp=2) + head_inputs))
     assert all(s.logits_bytes == 0 for s in estimate.stages[:-1])
 
 
