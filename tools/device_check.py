@@ -16,7 +16,8 @@ Writes OUTDIR/device_check.json with three parts (the stage first; parts that wo
   times beside the cost model's FLOPs for them (achieved TFLOPS per span), the iteration time.
 - memory: for the same runs, torch.cuda.max_memory_allocated and the saved-tensor meter's peak
   beside the estimator's parameters + gradients + held-for-backward + workspace (no optimizer:
-  no step is taken).
+  no step is taken), and max_memory_reserved over max_memory_allocated: the caching allocator's
+  reserve, which the estimator (allocated bytes) leaves out and the paper's figures include.
 """
 from __future__ import annotations
 
@@ -308,6 +309,9 @@ def check_stage(shapes: Shapes, deadline: Deadline) -> list[dict]:
                 "saved_over_estimated": memory_trace.peak_saved_bytes
                 / stage.held_for_backward_bytes,
                 "max_memory_allocated_bytes": measured_device,
+                "max_memory_reserved_bytes": memory_trace.peak_device_reserved_bytes,
+                "reserved_over_allocated": (memory_trace.peak_device_reserved_bytes
+                                            / measured_device if measured_device else None),
                 "estimated_without_optimizer_bytes": without_optimizer,
                 "allocated_over_estimated": (measured_device / without_optimizer
                                              if measured_device else None),

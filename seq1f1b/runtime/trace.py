@@ -31,7 +31,8 @@ class ExecutionTrace:
     measure_memory: bool = False
     actions: list[TimedAction] = field(default_factory=list)
     peak_saved_bytes: int = 0
-    peak_device_bytes: Optional[int] = None
+    peak_device_bytes: Optional[int] = None          # torch.cuda.max_memory_allocated
+    peak_device_reserved_bytes: Optional[int] = None  # max_memory_reserved: allocator's share
     _origin: float = 0.0
     _meter: Optional[SavedTensorMeter] = None
     _stack: Optional[ExitStack] = None
@@ -58,6 +59,7 @@ class ExecutionTrace:
             self.peak_saved_bytes = self._meter.peak_bytes
             if torch.cuda.is_available():
                 self.peak_device_bytes = torch.cuda.max_memory_allocated()
+                self.peak_device_reserved_bytes = torch.cuda.max_memory_reserved()
         if self._stack is not None:
             self._stack.close()
         self._meter = self._stack = None
