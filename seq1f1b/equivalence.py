@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Optional
 
 import torch
@@ -102,6 +102,13 @@ def add_model_flags(parser, **defaults) -> None:
              "--recompute-num-layers layers of each chunk (block); default uniform")
     add("--recompute-num-layers", type=int, default=None,
         help="full recompute: layers per group (uniform) or recomputed layers (block); default 1")
+
+
+def case_fields(args) -> dict:
+    """The EquivalenceCase fields a parsed command line carries under their own names (the flags
+    of add_model_flags and any others the tool declares alike)."""
+    names = {f.name for f in fields(EquivalenceCase)}
+    return {name: value for name, value in vars(args).items() if name in names}
 
 
 @dataclass

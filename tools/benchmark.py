@@ -124,19 +124,10 @@ def is_chunked(name: str) -> bool:
 
 # -- running ------------------------------------------------------------------------------------
 def _case(args: argparse.Namespace, run: Run):
-    from seq1f1b.equivalence import EquivalenceCase
+    from seq1f1b.equivalence import EquivalenceCase, case_fields
 
-    return EquivalenceCase(
-        schedule=run.schedule, num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        num_microbatches=args.num_microbatches, tp=args.tp, pp=args.pp, chunks=run.chunks,
-        splits=run.splits, partition=args.partition, span_lengths=args.span_lengths,
-        position_embedding_type=args.position_embedding_type,
-        sequence_parallel=args.sequence_parallel, attention_backend=args.attention_backend,
-        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers, seed=args.seed)
+    return EquivalenceCase(**{**case_fields(args), "schedule": run.schedule,
+                              "chunks": run.chunks, "splits": run.splits})
 
 
 @dataclass

@@ -47,24 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def case_from_args(args: argparse.Namespace):
-    from seq1f1b.equivalence import EquivalenceCase
+    from seq1f1b.equivalence import EquivalenceCase, case_fields
 
-    return EquivalenceCase(
-        schedule=args.schedule, num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        num_microbatches=args.num_microbatches, tp=args.tp, pp=args.pp, chunks=args.chunks,
-        splits=args.splits, partition=args.partition, span_lengths=args.span_lengths,
-        position_embedding_type=args.position_embedding_type,
-        sequence_parallel=args.sequence_parallel,
-        untie_embeddings=args.untie_embeddings_and_output_weights,
-        attention_backend=args.attention_backend, seed=args.seed, against=args.against,
-        against_no_recompute=args.against_no_recompute, init_method_std=args.init_method_std,
-        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        loss_tolerance=args.loss_tolerance, grad_tolerance=args.grad_tolerance)
+    return EquivalenceCase(**case_fields(args),
+                           untie_embeddings=args.untie_embeddings_and_output_weights)
 
 
 def main(argv=None) -> int:
