@@ -39,7 +39,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -157,36 +157,38 @@ def _cell(panel: Panel, seq_length: int, schedule: str) -> dict:
             "microbatches": panel.microbatches}
 
 
-def memory_rows(gpu_memory_gib: float) -> list[dict]:
-    rows = []
+def _cells() -> Iterator[tuple[dict, TrainingSetup]]:
+    """Every (panel, sequence length, schedule) cell of the paper's tables: the keys its rows
+    start with (k and V included) and the setup it assumes."""
     for panel in PANELS:
         for seq_length in panel.seq_lengths:
             for _, schedule in SCHEDULES:
                 setup = _setup(panel, seq_length, schedule)
-                estimate = estimate_memory(setup)
-                rows.append({**_cell(panel, seq_length, schedule),
-                             "splits": setup.splits, "chunks": setup.chunks,
-                             "estimate_gb": estimate.peak_bytes / GIB,
-                             "oom": not estimate.fits(gpu_memory_gib),
-                             **_paper_memory(panel.model, seq_length, schedule)})
+                yield ({**_cell(panel, seq_length, schedule), "splits": setup.splits,
+                        "chunks": setup.chunks}, setup)
+
+
+def memory_rows(gpu_memory_gib: float) -> list[dict]:
+    rows = []
+    for cell, setup in _cells():
+        estimate = estimate_memory(setup)
+        rows.append({**cell, "estimate_gb": estimate.peak_bytes / GIB,
+                     "oom": not estimate.fits(gpu_memory_gib),
+                     **_paper_memory(cell["model"], cell["seq_length"],
+                                     cell["schedule"])})
     return rows
 
 
 def throughput_rows(gpu_memory_gib: float) -> list[dict]:
     rows = []
-    for panel in PANELS:
-        for seq_length in panel.seq_lengths:
-            for _, schedule in SCHEDULES:
-                setup = _setup(panel, seq_length, schedule)
-                projection = project(setup, A100)
-                rows.append({**_cell(panel, seq_length, schedule),
-                             "splits": setup.splits, "chunks": setup.chunks,
-                             "tflops_per_gpu": projection.tflops_per_gpu,
-                             "tokens_per_s": projection.tokens_per_s,
-                             "iteration_s": projection.iteration_s,
-                             "bubble_ratio": projection.report.bubble_ratio,
-                             "oom": not estimate_memory(setup).fits(gpu_memory_gib),
-                             "paper_tflops": None})
+    for cell, setup in _cells():
+        projection = project(setup, A100)
+        rows.append({**cell, "tflops_per_gpu": projection.tflops_per_gpu,
+                     "tokens_per_s": projection.tokens_per_s,
+                     "iteration_s": projection.iteration_s,
+                     "bubble_ratio": projection.report.bubble_ratio,
+                     "oom": not estimate_memory(setup).fits(gpu_memory_gib),
+                     "paper_tflops": None})
     return rows
 
 
