@@ -46,8 +46,10 @@ def _paper_cells(rows):
 
 
 KNOWN_MISS = {("7b", 131072, "1f1b")}
-MISS_REASON = ("the paper OOMs there; our estimate (76 GiB) fits: across the paper's 7B panel "
-               "(TP=8 assumed) our estimates read 14-37% below its max_memory_reserved")
+"""The paper OOMs there; our estimate (76 GiB) fits. Across the paper's 7B panel (TP=8 assumed)
+our estimates read 14-37% below its max_memory_reserved, which includes the allocator's reserve
+that an allocated-bytes estimate leaves out. Issue 5 stays open on it until a device run measures
+that reserve."""
 
 
 def test_every_paper_cell_has_a_row(memory):
@@ -56,14 +58,12 @@ def test_every_paper_cell_has_a_row(memory):
     assert {s for _, _, s in cells} == {name for _, name in rp.SCHEDULES}
 
 
-@pytest.mark.parametrize("cell", sorted(
-    (m, L, s) for (m, L) in rp.PAPER_MEMORY_GB for _, s in rp.SCHEDULES),
-    ids=lambda cell: f"{cell[0]}-{cell[1] // 1024}k-{cell[2]}")
-def test_oom_verdict_matches_the_paper(memory, cell, request):
-    if cell in KNOWN_MISS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=MISS_REASON))
-    row = _paper_cells(memory)[cell]
-    assert row["oom"] == row["paper_oom"], row
+def test_oom_verdicts_match_the_paper_except_the_one_known_cell(memory):
+    """Every one of the paper's 24 OOM marks but KNOWN_MISS agrees with our verdict; the
+    disagreeing set is pinned, so a verdict that flips anywhere (that one included) fails."""
+    cells = _paper_cells(memory)
+    differing = {cell for cell, row in cells.items() if row["oom"] != row["paper_oom"]}
+    assert differing == KNOWN_MISS, {cell: cells[cell] for cell in differing ^ KNOWN_MISS}
 
 
 def test_the_papers_orderings_hold_in_every_panel(memory):
