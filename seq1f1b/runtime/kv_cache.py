@@ -106,10 +106,6 @@ class MicrobatchKVCache:
         """Every buffer and gradient accumulator the cache holds."""
         return [t for entry in self._layers.values() for t in entry.tensors()]
 
-    def nbytes(self) -> int:
-        """Bytes held by the buffers and the dK/dV accumulators."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
 
 @dataclass(frozen=True)
 class SpanContext:
