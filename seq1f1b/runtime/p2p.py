@@ -8,6 +8,7 @@ and a receive that does not arrive in time fails with the rank, action and peer 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional
@@ -60,14 +61,16 @@ def incoming(schedule: Schedule, rank: int, action: Action) -> Optional[tuple[in
     return schedule.owner_of(source)[0], Message(kind, action.microbatch, action.span, stage)
 
 
-def channel_order(schedule: Schedule, src: int, dst: int) -> list[Message]:
-    """Messages from rank `src` to rank `dst` in the order `src` sends them."""
+@functools.lru_cache(maxsize=256)
+def channel_order(schedule: Schedule, src: int, dst: int) -> tuple[Message, ...]:
+    """Messages from rank `src` to rank `dst` in the order `src` sends them (once per plan: the
+    executor of every iteration asks again)."""
     order = []
     for action in schedule.programs[src]:
         sent = outgoing(schedule, src, action)
         if sent is not None and sent[0] == dst:
             order.append(sent[1])
-    return order
+    return tuple(order)
 
 
 class PipelineChannels:
@@ -90,7 +93,7 @@ class PipelineChannels:
         peers = {incoming(schedule, rank, a)[0] for a in schedule.programs[rank]
                  if incoming(schedule, rank, a) is not None}
         # Per peer: messages still to post in channel order, and the tags by message.
-        self._to_post = {p: channel_order(schedule, p, rank) for p in peers if p != rank}
+        self._to_post = {p: list(channel_order(schedule, p, rank)) for p in peers if p != rank}
         self._tags = {p: {m: n for n, m in enumerate(order)} for p, order in self._to_post.items()}
         self._send_tags = {p: {m: n for n, m in enumerate(channel_order(schedule, rank, p))}
                            for p in range(schedule.pp) if p != rank}
