@@ -42,6 +42,9 @@ done
 [ $# -ge 1 ] || usage "no sbatch script given"
 SCRIPT="$1"; shift
 [ -f "$SCRIPT" ] || usage "script $SCRIPT not found"
+# Job names start with the script's model and GPUs (pretrain_gpt_7b_32gpu.sbatch: 7b_32gpu), the
+# part squeue's 8-character NAME column shows, so two models' sweeps tell apart.
+MODEL="$(basename "$SCRIPT" .sbatch)"; MODEL="${MODEL#pretrain_gpt_}"
 : "${SCHEDULES:=1f1b seq1f1b}" "${SPLITS:=4}"
 [ -n "${SEQ_LENGTHS:-}" ] || usage "set SEQ_LENGTHS (e.g. SEQ_LENGTHS=\"16384 32768\")"
 [ -n "${MICRO_BATCHES:-}" ] || usage "set MICRO_BATCHES (e.g. MICRO_BATCHES=32)"
@@ -62,7 +65,7 @@ for schedule in $SCHEDULES; do
                 name="sweep-$schedule-k$k-L$length-m$m"
                 output="$OUT/$name-%j.out"
                 id=$(SCHEDULE="$schedule" SPLITS="$k" SEQ_LENGTH="$length" MICRO_BATCHES="$m" \
-                    RUN_DIR="$OUT/$name" sbatch --parsable --export=ALL --job-name="$name" --output="$output" \
+                    RUN_DIR="$OUT/$name" sbatch --parsable --export=ALL --job-name="$MODEL-$schedule-k$k-L$length-m$m" --output="$output" \
                     ${SBATCH_OPTIONS[@]+"${SBATCH_OPTIONS[@]}"} "$SCRIPT" "$@")
                 id="${id%%;*}"
                 printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$id" "$output" "$schedule" "$k" "$length" \

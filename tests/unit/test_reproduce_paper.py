@@ -248,6 +248,8 @@ def test_launch_submits_the_shipped_scripts_with_each_cell_in_the_environment(su
                                      if "interleaved" in schedule else "")
         assert Path(env["RUN_DIR"]).parent.parent == folder
         assert {"--export=ALL", "--time=00:10:00", "--partition=gpu"} <= set(argv)
+        assert (f"--job-name={panel.model}_{panel.gpus}gpu-{schedule}-k{env['SPLITS']}"
+                f"-L{env['SEQ_LENGTH']}-m{env['MICRO_BATCHES']}") in argv
     assert len(calls) == len(cells)
     assert cells == _expected_cells()
 
