@@ -18,6 +18,10 @@ Writes OUTDIR/device_check.json with three parts (the stage first; parts that wo
   beside the estimator's parameters + gradients + held-for-backward + workspace (no optimizer:
   no step is taken), and max_memory_reserved over max_memory_allocated: the caching allocator's
   reserve, which the estimator (allocated bytes) leaves out and the paper's figures include.
+
+`reproduce_paper.py --device-check OUTDIR/device_check.json` (and `plan.py ... --device-check`)
+turn the stage part into the cost model's GEMM and attention efficiencies and the memory
+verdicts' reserve (seq1f1b/plan/calibration.py).
 """
 from __future__ import annotations
 
@@ -294,6 +298,8 @@ def check_stage(shapes: Shapes, deadline: Deadline) -> list[dict]:
             backward = statistics.median(_action_seconds(t, f"B0.{j}") for t in traces)
             spans.append({"span": j, "start": start, "end": end, "forward_s": forward,
                           "backward_s": backward, "forward_flops": flops.forward,
+                          "forward_linear_flops": flops.linear,
+                          "forward_attention_flops": flops.attention,
                           "forward_tflops": flops.forward / forward / 1e12,
                           "backward_tflops": flops.backward / backward / 1e12})
         without_optimizer = (stage.parameter_bytes + stage.gradient_bytes
@@ -330,9 +336,12 @@ def _action_seconds(trace, label: str) -> float:
 def _environment() -> dict:
     import torch
 
+    from seq1f1b.plan.calibration import peak_tflops
+
     info = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
     if torch.cuda.is_available():
-        info.update(device=torch.cuda.get_device_name(), total_memory_bytes=
+        name = torch.cuda.get_device_name()
+        info.update(device=name, peak_bf16_tflops=peak_tflops(name), total_memory_bytes=
                     torch.cuda.get_device_properties(0).total_memory)
     return info
 

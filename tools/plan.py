@@ -8,7 +8,7 @@
                     --plot timeline.png --trace trace.json
   plan.py memory    --schedule seq1f1b --pp 4 --microbatches 32 --splits 4 --model 7b \\
                     --seq-length 65536 --tp 8 --sequence-parallel --partition compute \\
-                    --distributed-optimizer --gpu-memory 80 --recompute-granularity full
+                    --distributed-optimizer --gpu-memory 79.25 --recompute-granularity full
 
 Every subcommand takes --json for other tools. Bad arguments print one line on stderr and exit 2.
 """
@@ -23,11 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from seq1f1b.plan import registry  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
+from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
 from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
                                 ModelConfig, preset)
 from seq1f1b.plan.memory import (FRAMEWORK_OVERHEAD_GIB, GIB, MEGATRON_PLANS,  # noqa: E402
                                  PRECISIONS, MemoryEstimate, TrainingSetup, estimate_memory)
 from seq1f1b.plan.partition import imbalance, partition, span_flops  # noqa: E402
+from seq1f1b.plan.projection import A100  # noqa: E402
 from seq1f1b.plan.simulate import (SimulationReport, model_costs, simulate,  # noqa: E402
                                    uniform_costs)
 
@@ -199,11 +201,13 @@ def cmd_memory(args: argparse.Namespace) -> None:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers)
+    calibration = read_device_check(args.device_check) if args.device_check else None
+    reserve = calibration.reserve_ratio if calibration and calibration.reserve_ratio else 1.0
     estimate = estimate_memory(setup)
     if args.json:
-        print(json.dumps(estimate.to_dict(args.gpu_memory)))
+        print(json.dumps(estimate.to_dict(args.gpu_memory, reserve)))
     else:
-        _print_memory(estimate, args.gpu_memory)
+        _print_memory(estimate, args.gpu_memory, reserve)
 
 
 _MEMORY_COLUMNS = (("params", lambda s: s.parameter_bytes), ("grads", lambda s: s.gradient_bytes),
@@ -214,7 +218,7 @@ _MEMORY_COLUMNS = (("params", lambda s: s.parameter_bytes), ("grads", lambda s: 
                    ("overhead", lambda s: s.overhead_bytes), ("TOTAL", lambda s: s.total_bytes))
 
 
-def _print_memory(estimate: MemoryEstimate, gpu_memory_gib: float) -> None:
+def _print_memory(estimate: MemoryEstimate, gpu_memory_gib: float, reserve: float) -> None:
     setup = estimate.setup
     print(f"{setup.schedule}: P={setup.pp} m={setup.microbatches} k={setup.splits} "
           f"V={setup.chunks} TP={setup.tp}{' (SP)' if setup.sequence_parallel else ''} "
@@ -227,9 +231,11 @@ def _print_memory(estimate: MemoryEstimate, gpu_memory_gib: float) -> None:
     for stage in estimate.stages:
         print(f"{stage.rank:>4} {stage.peak_live_spans:>5} "
               + " ".join(f"{get(stage) / GIB:>9.2f}" for _, get in _MEMORY_COLUMNS))
-    verdict = "fits" if estimate.fits(gpu_memory_gib) else "OOM"
-    print(f"peak {estimate.peak_bytes / GIB:.2f} GiB of {gpu_memory_gib:g} GiB: {verdict} "
-          f"(TOTAL counts optim/DP only with --distributed-optimizer)")
+    verdict = "fits" if estimate.fits(gpu_memory_gib, reserve) else "OOM"
+    reserved = ("" if reserve == 1.0 else f", {estimate.reserved_peak_bytes(reserve) / GIB:.2f} "
+                f"GiB reserved at the measured reserved/allocated {reserve:.3f}")
+    print(f"peak {estimate.peak_bytes / GIB:.2f} GiB{reserved} of {gpu_memory_gib:g} GiB: "
+          f"{verdict} (TOTAL counts optim/DP only with --distributed-optimizer)")
 
 
 def build_parser() -> Parser:
@@ -298,8 +304,12 @@ def build_parser() -> Parser:
     mem.add_argument("--overhead-gb", type=float, default=FRAMEWORK_OVERHEAD_GIB,
                      help=f"fixed per-GPU framework overhead in GiB "
                           f"(default {FRAMEWORK_OVERHEAD_GIB})")
-    mem.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB",
-                     help="device memory in GiB for the OOM verdict (default 80)")
+    mem.add_argument("--gpu-memory", type=float, default=A100.memory_gib, metavar="GiB",
+                     help=f"device memory for the OOM verdict (default {A100.memory_gib:g}: the "
+                          "total capacity torch reports of an A100 80 GB)")
+    mem.add_argument("--device-check", metavar="FILE",
+                     help="device_check.json of tools/device_check.py: judge the verdict on "
+                          "allocated bytes times its measured reserved/allocated ratio")
     mem.add_argument("--json", action="store_true")
     mem.set_defaults(run=cmd_memory)
     return parser
@@ -309,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.run(args)
-    except (UsageError, ScheduleError) as err:
+    except (UsageError, ScheduleError, CalibrationError) as err:
         print(f"plan.py: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -3,6 +3,10 @@
 
     reproduce_paper.py                  three tables and their assumptions
     reproduce_paper.py --json           {"memory": [...], "throughput": [...], "ablation": [...]}
+    reproduce_paper.py --device-check OUT/device_check.json
+                                        the same with what tools/device_check.py measured on
+                                        a GPU: its efficiencies in the cost model, and OOM
+                                        verdicts on allocated x its reserved/allocated ratio
     reproduce_paper.py --launch DIR     write DIR/submit.sh, the sweep as jobs of the shipped
                                         examples/slurm scripts, and DIR/sweeps.json
     reproduce_paper.py --launch DIR --submit [-- --partition=NAME --account=NAME ...]
@@ -12,10 +16,14 @@
                                         included (read with examples/slurm/job_results.py)
 
 (a) memory: per panel of the paper's memory figure, the estimator's peak GiB per GPU (the
-    largest stage) with an OOM verdict at --gpu-memory (80), beside the paper's number or OOM
-    mark where PAPER.md has them; (b) TFLOPS/GPU and tokens/s projected by the simulator with an
-    A100 cost model (seq1f1b.plan.projection.DeviceModel, printed); (c) the partition ablation:
-    Seq1F1B and Seq1F1B-I with even spans vs computation-balanced spans.
+    largest stage) with an OOM verdict at --gpu-memory (79.25: the total capacity torch reports
+    of an A100 80 GB, CUDA context included, as the estimate's overhead includes it), beside
+    the paper's number or OOM mark where PAPER.md has them (the paper logged
+    max_memory_reserved; the estimate counts allocated bytes until --device-check gives a
+    measured reserve); (b) TFLOPS/GPU and
+    tokens/s projected by the simulator with an A100 cost model
+    (seq1f1b.plan.projection.DeviceModel, printed); (c) the partition ablation: Seq1F1B and
+    Seq1F1B-I with even spans vs computation-balanced spans.
 The paper does not state TP/PP per panel; `PANELS` holds what we assume and why, and the
 shipped sbatch scripts' defaults are these layouts (tests/unit/test_reproduce_paper.py checks).
 
@@ -37,7 +45,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -45,8 +53,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
 from seq1f1b.plan.costs import preset  # noqa: E402
-from seq1f1b.plan.memory import GIB, TrainingSetup, estimate_memory  # noqa: E402
-from seq1f1b.plan.projection import A100, project  # noqa: E402
+from seq1f1b.plan.memory import (GIB, MemoryEstimate, TrainingSetup,  # noqa: E402
+                                 estimate_memory)
+from seq1f1b.plan.calibration import (Calibration, CalibrationError,  # noqa: E402
+                                      read_device_check)
+from seq1f1b.plan.projection import A100, DeviceModel, project  # noqa: E402
 
 PROG = "reproduce_paper.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -168,37 +179,62 @@ def _cells() -> Iterator[tuple[dict, TrainingSetup]]:
                         "chunks": setup.chunks}, setup)
 
 
-def memory_rows(gpu_memory_gib: float) -> list[dict]:
+@dataclass(frozen=True)
+class Models:
+    """What the estimated tables assume of the device: its memory, its rates and, once
+    device_check has measured them (--device-check), the measured efficiencies and the caching
+    allocator's reserve, by which the OOM verdicts then judge reserved rather than allocated
+    bytes."""
+
+    gpu_memory_gib: float = A100.memory_gib
+    calibration: Optional[Calibration] = None
+    device: DeviceModel = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", self.calibration.device_model(A100)
+                           if self.calibration else A100)
+
+    @property
+    def reserve_ratio(self) -> Optional[float]:
+        return self.calibration.reserve_ratio if self.calibration else None
+
+    def fits(self, estimate: MemoryEstimate) -> bool:
+        return estimate.fits(self.gpu_memory_gib, self.reserve_ratio or 1.0)
+
+
+def memory_rows(models: Models) -> list[dict]:
     rows = []
     for cell, setup in _cells():
         estimate = estimate_memory(setup)
-        rows.append({**cell, "estimate_gb": estimate.peak_bytes / GIB,
-                     "oom": not estimate.fits(gpu_memory_gib),
+        reserved = (estimate.reserved_peak_bytes(models.reserve_ratio) / GIB
+                    if models.reserve_ratio else None)
+        rows.append({**cell, "estimate_gb": estimate.peak_bytes / GIB, "reserved_gb": reserved,
+                     "oom": not models.fits(estimate),
                      **_paper_memory(cell["model"], cell["seq_length"],
                                      cell["schedule"])})
     return rows
 
 
-def throughput_rows(gpu_memory_gib: float) -> list[dict]:
+def throughput_rows(models: Models) -> list[dict]:
     rows = []
     for cell, setup in _cells():
-        projection = project(setup, A100)
+        projection = project(setup, models.device)
         rows.append({**cell, "tflops_per_gpu": projection.tflops_per_gpu,
                      "tokens_per_s": projection.tokens_per_s,
                      "iteration_s": projection.iteration_s,
                      "bubble_ratio": projection.report.bubble_ratio,
-                     "oom": not estimate_memory(setup).fits(gpu_memory_gib),
-                     "paper_tflops": None})
+                     "oom": not models.fits(estimate_memory(setup)), "paper_tflops": None})
     return rows
 
 
-def ablation_rows() -> list[dict]:
+def ablation_rows(models: Models) -> list[dict]:
     rows = []
     for panel in PANELS:
         for seq_length in panel.seq_lengths:
             for _, schedule in SCHEDULES[2:]:
-                even = project(_setup(panel, seq_length, schedule, "even"), A100)
-                balanced = project(_setup(panel, seq_length, schedule, "compute"), A100)
+                even = project(_setup(panel, seq_length, schedule, "even"), models.device)
+                balanced = project(_setup(panel, seq_length, schedule, "compute"),
+                                   models.device)
                 rows.append({**_cell(panel, seq_length, schedule), "splits": SPLITS,
                              "even_spans": even.span_lengths,
                              "compute_spans": balanced.span_lengths,
@@ -242,7 +278,9 @@ def _with_paper(text: str, row: dict, verdict: bool = True) -> str:
 
 
 def _memory_cell(row: dict) -> str:
-    return _with_paper(f"{row['estimate_gb']:.1f} {OOM if row['oom'] else 'fits'}", row)
+    reserved = "" if row["reserved_gb"] is None else f" ({row['reserved_gb']:.1f} reserved)"
+    return _with_paper(f"{row['estimate_gb']:.1f}{reserved} {OOM if row['oom'] else 'fits'}",
+                       row)
 
 
 def _measured(text: Optional[str], status: str) -> str:
@@ -267,9 +305,11 @@ def _measured_throughput_cell(row: dict) -> str:
     return _measured(figures, row["status"])
 
 
-def print_tables(result: dict, gpu_memory_gib: float) -> None:
-    print(f"(a) Peak memory per GPU, GiB (largest stage), OOM at {gpu_memory_gib:g} GiB: "
-          "ours / the paper's")
+def print_tables(result: dict, models: Models) -> None:
+    judged = ("allocated bytes" if models.reserve_ratio is None else
+              f"reserved bytes, allocated x {models.reserve_ratio:.3f} measured by device_check")
+    print(f"(a) Peak memory per GPU, GiB (largest stage), OOM at {models.gpu_memory_gib:g} GiB "
+          f"of {judged}: ours / the paper's")
     print("\n".join(_grid(result["memory"], _memory_cell)))
     print("Assumed layouts (the paper does not state them):")
     for panel in PANELS:
@@ -285,7 +325,10 @@ def print_tables(result: dict, gpu_memory_gib: float) -> None:
           "* = the memory estimate says OOM)")
     print("\n".join(_grid(result["throughput"], lambda r: f"{r['tflops_per_gpu']:.0f} TF "
                           f"{r['tokens_per_s']:.0f} tok/s{' *' if r['oom'] else ''}")))
-    print("Cost model: " + "; ".join(A100.describe()))
+    print("Cost model: " + "; ".join(models.device.describe()))
+    if models.calibration:
+        print(f"  efficiencies {models.calibration.describe()}; assumed to carry over to "
+              f"{models.device.name} as fractions of its peak")
     print("  B = 2 x F FLOPs; TP collectives per layer 4 forward + 4 backward, not overlapped; "
           "p2p hop = latency + span activations / link; DP: fp32 grad reduce-scatter + bf16 "
           "param all-gather once per iteration; no optimizer-step time; TFLOPS counted as the "
@@ -529,8 +572,15 @@ def build_parser() -> Parser:
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true",
                         help="print JSON instead of tables (also with --collect)")
-    parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB",
-                        help="device memory in GiB for the OOM verdicts (default 80)")
+    parser.add_argument("--gpu-memory", type=float, default=A100.memory_gib, metavar="GiB",
+                        help="device memory for the OOM verdicts (default "
+                             f"{A100.memory_gib:g}: the total capacity torch reports of an "
+                             "A100 80 GB)")
+    parser.add_argument("--device-check", metavar="FILE",
+                        help="device_check.json of tools/device_check.py: its measured GEMM and "
+                             "attention efficiencies replace the A100 model's, and the OOM "
+                             "verdicts judge allocated bytes times its measured "
+                             "reserved/allocated ratio")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--launch", metavar="DIR",
                       help=f"write DIR/{SWEEP_FILE}: the sweep's jobs, the shipped "
@@ -564,6 +614,9 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--gpu-memory must be positive")
     if args.train_iters < 2:
         raise UsageError("--train-iters must be >= 2 (the first iteration is not timed)")
+    if args.device_check and (args.launch or args.collect):
+        raise UsageError("--device-check applies to the estimated tables, not to --launch or "
+                         "--collect")
     if args.collect and not Path(args.collect).is_dir():
         raise UsageError(f"--collect: {args.collect} is not a directory")
 
@@ -596,10 +649,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.collect:
             result = collect(Path(args.collect))
         else:
-            result = {"memory": memory_rows(args.gpu_memory),
-                      "throughput": throughput_rows(args.gpu_memory),
-                      "ablation": ablation_rows()}
-    except (UsageError, ScheduleError) as err:
+            models = Models(args.gpu_memory, read_device_check(args.device_check)
+                            if args.device_check else None)
+            result = {"memory": memory_rows(models), "throughput": throughput_rows(models),
+                      "ablation": ablation_rows(models)}
+    except (UsageError, ScheduleError, CalibrationError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     except (SubmitError, OSError) as err:
@@ -610,7 +664,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif args.collect:
         print_measured(result)
     else:
-        print_tables(result, args.gpu_memory)
+        print_tables(result, models)
     return 0
 
 

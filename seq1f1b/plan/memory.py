@@ -182,10 +182,17 @@ class MemoryEstimate:
     def peak_bytes(self) -> float:
         return max(stage.total_bytes for stage in self.stages)
 
-    def fits(self, gpu_memory_gib: float) -> bool:
-        return self.peak_bytes <= gpu_memory_gib * GIB
+    def reserved_peak_bytes(self, reserve_ratio: float = 1.0) -> float:
+        """The peak as the caching allocator would reserve it: the largest stage's bytes but
+        the fixed overhead, times a measured reserved/allocated ratio (calibration.py), plus
+        the overhead (the CUDA context is outside the allocator)."""
+        stage = max(self.stages, key=lambda s: s.total_bytes)
+        return (stage.total_bytes - stage.overhead_bytes) * reserve_ratio + stage.overhead_bytes
 
-    def to_dict(self, gpu_memory_gib: Optional[float] = None) -> dict:
+    def fits(self, gpu_memory_gib: float, reserve_ratio: float = 1.0) -> bool:
+        return self.reserved_peak_bytes(reserve_ratio) <= gpu_memory_gib * GIB
+
+    def to_dict(self, gpu_memory_gib: Optional[float] = None, reserve_ratio: float = 1.0) -> dict:
         setup = asdict(self.setup)
         setup["model"] = asdict(self.setup.model)
         out = {"setup": setup, "span_lengths": self.span_lengths,
@@ -197,7 +204,9 @@ class MemoryEstimate:
                            "total_bytes": s.total_bytes} for s in self.stages],
                "peak_bytes": self.peak_bytes}
         if gpu_memory_gib is not None:
-            out.update(gpu_memory_gib=gpu_memory_gib, oom=not self.fits(gpu_memory_gib))
+            out.update(gpu_memory_gib=gpu_memory_gib, reserve_ratio=reserve_ratio,
+                       reserved_peak_bytes=self.reserved_peak_bytes(reserve_ratio),
+                       oom=not self.fits(gpu_memory_gib, reserve_ratio))
         return out
 
 

@@ -32,6 +32,7 @@ class DeviceModel:
     inter_node_gbps: float = 25.0         # per GPU across nodes: one 200 Gb/s HDR NIC per GPU
     p2p_latency_s: float = 20e-6
     gpus_per_node: int = 8
+    memory_gib: float = 79.25             # total capacity as torch reports it (its OOM messages)
 
     def describe(self) -> list[str]:
         return [f"{key} = {value}" for key, value in asdict(self).items()]

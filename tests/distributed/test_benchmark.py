@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from seq1f1b.plan.calibration import CalibrationError, read_device_check
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 SCHEDULES = ["1f1b", "seq1f1b", "megatron-1f1b", "seq1f1b-interleaved"]
@@ -92,3 +94,8 @@ def test_device_check_tiny_runs_on_cpu(tmp_path):
     for run in data["stage"]:
         assert len(run["spans"]) == data["shapes"]["splits"]
         assert run["memory"]["peak_saved_bytes"] > 0
+        for span in run["spans"]:
+            assert span["forward_linear_flops"] + span["forward_attention_flops"] == \
+                pytest.approx(span["forward_flops"])
+    with pytest.raises(CalibrationError, match="without a GPU"):
+        read_device_check(tmp_path / "device_check.json")
