@@ -4,7 +4,7 @@
     device_check.py OUTDIR            on a GPU (about 3-6 minutes on one H200)
     device_check.py OUTDIR --tiny     small shapes, runs on a CPU in seconds (CI smoke test)
 
-Writes OUTDIR/device_check.json with three parts (the stage first; parts that would start after
+Writes OUTDIR/device_check.json with these parts (the stage first; parts that would start after
 --budget-s are skipped and say so):
 - attention: per kernel backend of `SpanAttention` (eager, sdpa, flex, flash, te; the ones that
   cannot run here are listed with the reason), the forward and forward+backward time of a query
@@ -18,14 +18,18 @@ Writes OUTDIR/device_check.json with three parts (the stage first; parts that wo
   beside the estimator's parameters + gradients + held-for-backward + workspace (no optimizer:
   no step is taken), and max_memory_reserved over max_memory_allocated: the caching allocator's
   reserve, which the estimator (allocated bytes) leaves out and the paper's figures include.
+- held_microbatches: the same memory figures for the stage under GPipe with 4 unsplit
+  micro-batches of 16K: at its peak it holds all 4, as 1F1B's first stage does at P = 4.
 
 `reproduce_paper.py --device-check OUTDIR/device_check.json` (and `plan.py ... --device-check`)
-turn the stage part into the cost model's GEMM and attention efficiencies and the memory
-verdicts' reserve (seq1f1b/plan/calibration.py).
+turn the stage part into the cost model's GEMM and attention efficiencies, and the largest
+reserved/allocated of all the runs into the memory verdicts' reserve
+(seq1f1b/plan/calibration.py).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -67,14 +71,17 @@ class Shapes:
     stage_lengths: tuple[int, ...]
     splits: int
     repeats: int
+    held_length: int               # the micro-batches of the held-micro-batches memory run
+    held_microbatches: int
 
 
 GPU = Shapes(attention_length=16384, heads=32, head_dim=128, eager_max_score_bytes=24e9,
              hidden_size=4096, num_layers=8, vocab_size=50304,
-             stage_lengths=(32768, 65536), splits=4, repeats=2)
+             stage_lengths=(32768, 65536), splits=4, repeats=2, held_length=16384,
+             held_microbatches=4)
 TINY = Shapes(attention_length=256, heads=4, head_dim=16, eager_max_score_bytes=1e9,
               hidden_size=64, num_layers=2, vocab_size=128, stage_lengths=(128, 256), splits=4,
-              repeats=2)
+              repeats=2, held_length=128, held_microbatches=4)
 
 
 def _sync() -> None:
@@ -238,26 +245,77 @@ def _batch(shapes: Shapes, seq_length: int) -> dict:
             "position_ids": torch.arange(seq_length, device=device).unsqueeze(0)}
 
 
-def _stage_estimate(shapes: Shapes, seq_length: int, precision: str):
+def _stage_estimate(shapes: Shapes, seq_length: int, precision: str, schedule: str = "seq1f1b",
+                    microbatches: int = 1, splits: Optional[int] = None):
     from seq1f1b.plan.costs import ModelConfig
     from seq1f1b.plan.memory import TrainingSetup, estimate_memory
 
     model = ModelConfig(num_layers=shapes.num_layers, hidden_size=shapes.hidden_size,
                         num_attention_heads=shapes.heads, vocab_size=shapes.vocab_size)
     return estimate_memory(TrainingSetup(
-        model=model, seq_length=seq_length, schedule="seq1f1b", pp=1, microbatches=1,
-        splits=shapes.splits, partition="compute", precision=precision,
-        make_vocab_size_divisible_by=1))
+        model=model, seq_length=seq_length, schedule=schedule, pp=1, microbatches=microbatches,
+        splits=shapes.splits if splits is None else splits, partition="compute",
+        precision=precision, make_vocab_size_divisible_by=1))
+
+
+def _iteration(model, schedule: str, splits: int, batch: dict, microbatches: int,
+               seq_length: int, trace) -> float:
+    """One forward-backward of `microbatches` copies of `batch` under `schedule`, in seconds."""
+    from seq1f1b.equivalence import forward_step
+    from seq1f1b.runtime.forward_backward import SpanSettings, get_forward_backward_func
+
+    model.zero_grad_buffer()
+    function = get_forward_backward_func(schedule, SpanSettings(splits, "compute", trace=trace))
+    _sync()
+    start = time.perf_counter()
+    function(forward_step_func=forward_step, data_iterator=iter([batch] * microbatches),
+             model=model, num_microbatches=microbatches, seq_length=seq_length,
+             micro_batch_size=1)
+    _sync()
+    return time.perf_counter() - start
+
+
+def _measure_memory(model, schedule: str, splits: int, batch: dict, microbatches: int,
+                    seq_length: int, estimate) -> dict:
+    """One iteration's peaks (saved-tensor meter; on a GPU the allocator's allocated and
+    reserved bytes) beside the estimate of its only stage (no optimizer: no step is taken)."""
+    import torch
+
+    from seq1f1b.plan.memory import GIB
+    from seq1f1b.runtime.trace import ExecutionTrace
+
+    trace = ExecutionTrace(measure_memory=True)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    _iteration(model, schedule, splits, batch, microbatches, seq_length, trace)
+    stage = estimate.stages[0]
+    without_optimizer = (stage.parameter_bytes + stage.gradient_bytes
+                         + stage.held_for_backward_bytes + stage.workspace_bytes)
+    allocated, reserved = trace.peak_device_bytes, trace.peak_device_reserved_bytes
+    return {"peak_saved_bytes": trace.peak_saved_bytes,
+            "estimated_held_for_backward_bytes": stage.held_for_backward_bytes,
+            "saved_over_estimated": trace.peak_saved_bytes / stage.held_for_backward_bytes,
+            "max_memory_allocated_bytes": allocated, "max_memory_reserved_bytes": reserved,
+            "reserved_over_allocated": reserved / allocated if allocated else None,
+            "estimated_without_optimizer_bytes": without_optimizer,
+            "allocated_over_estimated": allocated / without_optimizer if allocated else None,
+            "estimate_gib": {k: v / GIB for k, v in asdict(stage).items()
+                             if k.endswith("_bytes")}}
+
+
+def _release_cache() -> None:
+    """Give the allocator's cached blocks back, so that the next run's reserve is its own."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def check_stage(shapes: Shapes, deadline: Deadline) -> list[dict]:
     import torch
 
-    from seq1f1b.equivalence import forward_step
     from seq1f1b.plan.costs import layer_flops, logits_flops
-    from seq1f1b.plan.memory import GIB
     from seq1f1b.plan.partition import span_bounds
-    from seq1f1b.runtime.forward_backward import SpanSettings, get_forward_backward_func
     from seq1f1b.runtime.trace import ExecutionTrace
 
     runs = []
@@ -268,27 +326,14 @@ def check_stage(shapes: Shapes, deadline: Deadline) -> list[dict]:
         config, model = _stage_model(shapes, seq_length)
         precision = "fp32" if config.params_dtype == torch.float32 else "bf16"
         batch = _batch(shapes, seq_length)
-
-        def iteration(trace: ExecutionTrace) -> float:
-            model.zero_grad_buffer()
-            function = get_forward_backward_func("seq1f1b", SpanSettings(
-                shapes.splits, "compute", trace=trace))
-            _sync()
-            start = time.perf_counter()
-            function(forward_step_func=forward_step, data_iterator=iter([batch]), model=model,
-                     num_microbatches=1, seq_length=seq_length, micro_batch_size=1)
-            _sync()
-            return time.perf_counter() - start
-
-        iteration(ExecutionTrace())                          # warm-up
+        run = functools.partial(_iteration, model, "seq1f1b", shapes.splits, batch, 1,
+                                seq_length)
+        run(ExecutionTrace())                               # warm-up
         traces = [ExecutionTrace() for _ in range(shapes.repeats)]
-        seconds = [iteration(trace) for trace in traces]
-        memory_trace = ExecutionTrace(measure_memory=True)
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        iteration(memory_trace)
+        seconds = [run(trace) for trace in traces]
         estimate = _stage_estimate(shapes, seq_length, precision)
-        stage = estimate.stages[0]
+        memory = _measure_memory(model, "seq1f1b", shapes.splits, batch, 1, seq_length,
+                                 estimate)
         cost_model = estimate.setup.model
         spans = []
         for j, (start, end) in enumerate(span_bounds(estimate.span_lengths)):
@@ -302,31 +347,39 @@ def check_stage(shapes: Shapes, deadline: Deadline) -> list[dict]:
                           "forward_attention_flops": flops.attention,
                           "forward_tflops": flops.forward / forward / 1e12,
                           "backward_tflops": flops.backward / backward / 1e12})
-        without_optimizer = (stage.parameter_bytes + stage.gradient_bytes
-                             + stage.held_for_backward_bytes + stage.workspace_bytes)
-        measured_device = memory_trace.peak_device_bytes
         runs.append({
             "seq_length": seq_length, "splits": shapes.splits, "layers": shapes.num_layers,
             "hidden_size": shapes.hidden_size, "precision": precision,
-            "iteration_s": statistics.median(seconds), "spans": spans,
-            "memory": {
-                "peak_saved_bytes": memory_trace.peak_saved_bytes,
-                "estimated_held_for_backward_bytes": stage.held_for_backward_bytes,
-                "saved_over_estimated": memory_trace.peak_saved_bytes
-                / stage.held_for_backward_bytes,
-                "max_memory_allocated_bytes": measured_device,
-                "max_memory_reserved_bytes": memory_trace.peak_device_reserved_bytes,
-                "reserved_over_allocated": (memory_trace.peak_device_reserved_bytes
-                                            / measured_device if measured_device else None),
-                "estimated_without_optimizer_bytes": without_optimizer,
-                "allocated_over_estimated": (measured_device / without_optimizer
-                                             if measured_device else None),
-                "estimate_gib": {k: v / GIB for k, v in asdict(stage).items()
-                                 if k.endswith("_bytes")}}})
-        del model, config
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            "iteration_s": statistics.median(seconds), "spans": spans, "memory": memory})
+        del run, model, config
+        _release_cache()
     return runs
+
+
+def check_held_microbatches(shapes: Shapes, deadline: Deadline) -> dict:
+    """The same stage under GPipe with m micro-batches of L = held_length, unsplit: at its
+    peak it holds all m micro-batches' activations, as 1F1B's first stage does at P = m (the
+    paper's 7B and 13B panels: P = 4). Its reserved/allocated ratio is the allocator's reserve
+    under that pattern of allocations, which the seq1f1b runs (one micro-batch in spans) need
+    not show."""
+    import torch
+
+    from seq1f1b.runtime.trace import ExecutionTrace
+
+    length, microbatches = shapes.held_length, shapes.held_microbatches
+    if deadline.passed():
+        return {"skipped": "the time budget ran out"}
+    config, model = _stage_model(shapes, length)
+    precision = "fp32" if config.params_dtype == torch.float32 else "bf16"
+    batch = _batch(shapes, length)
+    _iteration(model, "gpipe", 1, batch, microbatches, length, ExecutionTrace())   # warm-up
+    estimate = _stage_estimate(shapes, length, precision, "gpipe", microbatches, splits=1)
+    result = {"schedule": "gpipe", "seq_length": length, "microbatches": microbatches,
+              "memory": _measure_memory(model, "gpipe", 1, batch, microbatches, length,
+                                        estimate)}
+    del model, config
+    _release_cache()
+    return result
 
 
 def _action_seconds(trace, label: str) -> float:
@@ -371,6 +424,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {"environment": _environment(), "shapes": asdict(shapes)}
     if not args.skip_stage:                 # first: it calibrates the cost model
         result["stage"] = check_stage(shapes, deadline)
+        result["held_microbatches"] = check_held_microbatches(shapes, deadline)
     result["attention"] = check_attention(shapes, deadline)
     result["wall_s"] = time.perf_counter() - started
     path = outdir / "device_check.json"

@@ -11,8 +11,9 @@ every span's forward and backward, and reads the caching allocator's peaks. From
   GEMMs, the last mostly attention), which is what separates them. What else a span runs
   (norms, RoPE, the embedding, the loss) folds into the rates, as `DeviceModel` says.
 - the allocator's reserve: max_memory_reserved / max_memory_allocated, the largest over the
-  runs. The estimator counts bytes tensors use; a run fails, and the paper's figures are
-  logged, on bytes the caching allocator reserves.
+  runs (the seq1f1b stage runs and the GPipe run that holds 4 micro-batches, as 1F1B's first
+  stage does at P = 4). The estimator counts bytes tensors use; a run fails, and the paper's
+  figures are logged, on bytes the caching allocator reserves.
 
 Efficiencies are fractions of the measured device's bf16 dense peak. Applying them to another
 device (the A100 of the paper's tables, measured on an H200) assumes those fractions carry over;
@@ -117,8 +118,9 @@ def read_device_check(path: str | Path) -> Calibration:
                                "device_check.py; run it again)") from None
     except ValueError as err:
         raise CalibrationError(f"{path}: {err}") from None
-    ratios = [run["memory"].get("reserved_over_allocated") for run in runs]
-    ratios = [ratio for ratio in ratios if ratio]
+    memories = [run["memory"] for run in runs] + [result.get("held_microbatches", {}).get(
+        "memory", {})]
+    ratios = [ratio for ratio in (m.get("reserved_over_allocated") for m in memories) if ratio]
     return Calibration(source=str(path), device=device, peak_tflops=peak,
                        gemm_efficiency=gemm, attention_efficiency=attention,
                        worst_fit_error=worst, reserve_ratio=max(ratios) if ratios else None)

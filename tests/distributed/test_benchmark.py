@@ -97,5 +97,8 @@ def test_device_check_tiny_runs_on_cpu(tmp_path):
         for span in run["spans"]:
             assert span["forward_linear_flops"] + span["forward_attention_flops"] == \
                 pytest.approx(span["forward_flops"])
+    held = data["held_microbatches"]
+    assert (held["schedule"], held["microbatches"]) == ("gpipe", 4)
+    assert held["memory"]["saved_over_estimated"] == pytest.approx(1, abs=0.1)   # 4 held
     with pytest.raises(CalibrationError, match="without a GPU"):
         read_device_check(tmp_path / "device_check.json")

@@ -35,15 +35,18 @@ def _spans(gemm: float, attention: float, lengths=(32768, 65536), layers=8) -> l
     return spans
 
 
-def _device_check(folder: Path, spans: list[dict], ratios=(1.05, 1.2), cuda=True,
+def _device_check(folder: Path, spans: list[dict], ratios=(1.05, 1.2, 1.1), cuda=True,
                   device="NVIDIA H200") -> Path:
+    """A device_check.json with these spans and reserved/allocated ratios (32K run, 64K run,
+    GPipe run)."""
     runs = [{"seq_length": 32768, "spans": spans[:4],
              "memory": {"reserved_over_allocated": ratios[0]}},
             {"seq_length": 65536, "spans": spans[4:],
              "memory": {"reserved_over_allocated": ratios[1]}}]
     environment = {"cuda": cuda, "device": device} if cuda else {"cuda": False}
     path = folder / "device_check.json"
-    path.write_text(json.dumps({"environment": environment, "stage": runs}))
+    path.write_text(json.dumps({"environment": environment, "stage": runs, "held_microbatches": {
+        "memory": {"reserved_over_allocated": ratios[2]}}}))
     return path
 
 
@@ -77,6 +80,8 @@ def test_a_device_check_file_gives_efficiencies_and_the_largest_reserve(tmp_path
     assert calibration.gemm_efficiency == pytest.approx(0.55)
     assert calibration.attention_efficiency == pytest.approx(0.45)
     assert calibration.reserve_ratio == 1.2
+    held = read_device_check(_device_check(tmp_path, _spans(0.55, 0.45), (1.05, 1.2, 1.3)))
+    assert held.reserve_ratio == 1.3          # the GPipe run's counts too
     device = calibration.device_model(A100)
     assert (device.name, device.peak_tflops) == (A100.name, A100.peak_tflops)
     assert (device.gemm_efficiency, device.attention_efficiency) == (0.55, 0.45)
@@ -125,7 +130,7 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_reproduce_paper_judges_reserved_bytes_and_uses_the_measured_rates(tmp_path):
-    path = _device_check(tmp_path, _spans(0.7, 0.35), ratios=(1.1, 1.25))
+    path = _device_check(tmp_path, _spans(0.7, 0.35), ratios=(1.1, 1.25, 1.0))
     plain = json.loads(_tool("tools/reproduce_paper.py", "--json").stdout)
     proc = _tool("tools/reproduce_paper.py", "--json", "--device-check", str(path))
     assert proc.returncode == 0, proc.stderr
@@ -157,7 +162,7 @@ def test_the_tools_refuse_a_bad_device_check_in_one_line(tmp_path):
 
 
 def test_plan_memory_prints_the_reserved_peak(tmp_path):
-    path = _device_check(tmp_path, _spans(0.6, 0.5), ratios=(1.0, 1.5))
+    path = _device_check(tmp_path, _spans(0.6, 0.5), ratios=(1.0, 1.5, 1.2))
     args = ["tools/plan.py", "memory", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8",
             "--model", "7b", "--seq-length", "65536", "--tp", "8", "--sequence-parallel"]
     plain = json.loads(_tool(*args, "--json").stdout)
