@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -209,6 +210,8 @@ def memory_rows(models: Models) -> list[dict]:
         reserved = (estimate.reserved_peak_bytes(models.reserve_ratio) / GIB
                     if models.reserve_ratio else None)
         rows.append({**cell, "estimate_gb": estimate.peak_bytes / GIB, "reserved_gb": reserved,
+                     "fits_up_to_reserve": estimate.largest_fitting_reserve(
+                         models.gpu_memory_gib),
                      "oom": not models.fits(estimate),
                      **_paper_memory(cell["model"], cell["seq_length"],
                                      cell["schedule"])})
@@ -242,6 +245,16 @@ def ablation_rows(models: Models) -> list[dict]:
                              "tflops_compute": balanced.tflops_per_gpu,
                              "gain": balanced.tflops_per_gpu / even.tflops_per_gpu - 1})
     return rows
+
+
+def agreeing_reserves(memory: list[dict]) -> Optional[tuple[float, float]]:
+    """(low, high): every OOM verdict agrees with the paper's marks at a reserved/allocated
+    ratio above low (at least 1) and up to high; None where no ratio does. What a device
+    measurement of the allocator's reserve would have to show for the tables to match."""
+    checked = [r for r in memory if r["paper_oom"] is not None]
+    low = max([1.0] + [r["fits_up_to_reserve"] for r in checked if r["paper_oom"]])
+    high = min([math.inf] + [r["fits_up_to_reserve"] for r in checked if not r["paper_oom"]])
+    return (low, high) if low < high else None
 
 
 # -- text ----------------------------------------------------------------------------------------
@@ -320,6 +333,10 @@ def print_tables(result: dict, models: Models) -> None:
     checked = [r for r in result["memory"] if r["paper_oom"] is not None]
     agree = sum(r["paper_oom"] == r["oom"] for r in checked)
     print(f"  OOM verdicts agreeing with the paper: {agree} of {len(checked)}")
+    window = agreeing_reserves(result["memory"])
+    print("  " + (f"all {len(checked)} would agree at a reserved/allocated ratio above "
+                  f"{window[0]:.3f} and up to {window[1]:.3f} (device_check measures it)"
+                  if window else "no reserved/allocated ratio makes all of them agree"))
     print()
     print("(b) Projected TFLOPS per GPU and tokens/s (simulator, A100 cost model; "
           "* = the memory estimate says OOM)")

@@ -192,6 +192,12 @@ class MemoryEstimate:
     def fits(self, gpu_memory_gib: float, reserve_ratio: float = 1.0) -> bool:
         return self.reserved_peak_bytes(reserve_ratio) <= gpu_memory_gib * GIB
 
+    def largest_fitting_reserve(self, gpu_memory_gib: float) -> float:
+        """The reserved/allocated ratio up to which the peak still fits `gpu_memory_gib`."""
+        stage = max(self.stages, key=lambda s: s.total_bytes)
+        return ((gpu_memory_gib * GIB - stage.overhead_bytes)
+                / (stage.total_bytes - stage.overhead_bytes))
+
     def to_dict(self, gpu_memory_gib: Optional[float] = None, reserve_ratio: float = 1.0) -> dict:
         setup = asdict(self.setup)
         setup["model"] = asdict(self.setup.model)
