@@ -1,6 +1,7 @@
 """seq1f1b.plan.calibration: device_check's span times back to the efficiencies that produced
 them, its allocator peaks to the reserve the OOM verdicts apply, and its misuse refused by name
 (also through reproduce_paper.py and plan.py)."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -129,12 +130,29 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_reproduce_paper_judges_reserved_bytes_and_uses_the_measured_rates(tmp_path):
-    path = _device_check(tmp_path, _spans(0.7, 0.35), ratios=(1.1, 1.25, 1.0))
-    plain = json.loads(_tool("tools/reproduce_paper.py", "--json").stdout)
-    proc = _tool("tools/reproduce_paper.py", "--json", "--device-check", str(path))
-    assert proc.returncode == 0, proc.stderr
-    calibrated = json.loads(proc.stdout)
+def _reproduce_paper(monkeypatch):
+    """tools/reproduce_paper.py as a module, with one panel and one length (a quick run)."""
+    spec = importlib.util.spec_from_file_location("reproduce_paper_calibrated",
+                                                  REPO / "tools" / "reproduce_paper.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)      # its dataclasses look it up
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "PANELS", (module.Panel("7b", 32, tp=8, pp=4, microbatches=8,
+                                                        seq_lengths=(65536,), why="test"),))
+    return module
+
+
+def test_reproduce_paper_judges_reserved_bytes_and_uses_the_measured_rates(
+        tmp_path, monkeypatch, capsys):
+    rp = _reproduce_paper(monkeypatch)
+    path = str(_device_check(tmp_path, _spans(0.7, 0.35), ratios=(1.1, 1.6, 1.0)))
+
+    def run(*args: str) -> str:
+        assert rp.main(list(args)) == 0
+        return capsys.readouterr().out
+
+    plain, calibrated = (json.loads(run("--json", *more)) for more in ((), ("--device-check",
+                                                                          path)))
     for before, after in zip(plain["memory"], calibrated["memory"]):
         assert before["estimate_gb"] == after["estimate_gb"] and before["reserved_gb"] is None
         assert after["reserved_gb"] > after["estimate_gb"]
@@ -142,9 +160,9 @@ def test_reproduce_paper_judges_reserved_bytes_and_uses_the_measured_rates(tmp_p
     assert sum(r["oom"] for r in calibrated["memory"]) > sum(r["oom"] for r in plain["memory"])
     assert any(a["tflops_per_gpu"] != b["tflops_per_gpu"]
                for a, b in zip(plain["throughput"], calibrated["throughput"]))
-    text = _tool("tools/reproduce_paper.py", "--device-check", str(path)).stdout
+    text = run("--device-check", path)
     assert "gemm_efficiency = 0.7; attention_efficiency = 0.35" in text
-    assert "allocated x 1.250 measured by device_check" in text
+    assert "allocated x 1.600 measured by device_check" in text
 
 
 def test_the_tools_refuse_a_bad_device_check_in_one_line(tmp_path):
