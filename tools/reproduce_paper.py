@@ -7,6 +7,7 @@
                                         the same with what tools/device_check.py measured on
                                         a GPU: its efficiencies in the cost model, and OOM
                                         verdicts on allocated x its reserved/allocated ratio
+                                        (with --json also "calibration": {...})
     reproduce_paper.py --launch DIR     write DIR/submit.sh, the sweep as jobs of the shipped
                                         examples/slurm scripts, and DIR/sweeps.json
     reproduce_paper.py --launch DIR --submit [-- --partition=NAME --account=NAME ...]
@@ -670,6 +671,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                             if args.device_check else None)
             result = {"memory": memory_rows(models), "throughput": throughput_rows(models),
                       "ablation": ablation_rows(models)}
+            if models.calibration:
+                result["calibration"] = models.calibration.to_dict()
     except (UsageError, ScheduleError, CalibrationError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2

@@ -31,8 +31,9 @@ import numpy as np
 from seq1f1b.plan.projection import DeviceModel
 
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
-                    ("H200", 989.0), ("GH200", 989.0), ("A100", 312.0), ("L40S", 362.0))
-"""Dense bf16 peak by device name (first match wins: the PCIe/NVL variants before "H100")."""
+                    ("H200", 989.0), ("A100", 312.0), ("L40S", 362.0))
+"""Dense bf16 peak by device name (first match wins: the PCIe/NVL variants before "H100";
+"H200" also names the GH200)."""
 
 
 class CalibrationError(ValueError):

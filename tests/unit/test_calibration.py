@@ -158,6 +158,7 @@ def test_reproduce_paper_judges_reserved_bytes_and_uses_the_measured_rates(
         assert after["reserved_gb"] > after["estimate_gb"]
         assert after["oom"] == (after["reserved_gb"] > A100.memory_gib)
     assert sum(r["oom"] for r in calibrated["memory"]) > sum(r["oom"] for r in plain["memory"])
+    assert "calibration" not in plain and calibrated["calibration"]["reserve_ratio"] == 1.6
     assert any(a["tflops_per_gpu"] != b["tflops_per_gpu"]
                for a, b in zip(plain["throughput"], calibrated["throughput"]))
     text = run("--device-check", path)
