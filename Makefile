@@ -10,11 +10,15 @@ setup: $(STAMP)
 
 # One pinned requirements file (torch CPU wheel + megatron-core). The repo root goes on the venv's
 # path through a .pth file, so `megatron.training` merges with the installed `megatron.core`
-# namespace package and the tools run from anywhere.
+# namespace package and the tools run from anywhere. The installed packages are then byte-compiled
+# once on every core (~20 s on 2; files this Python cannot compile, such as torch's py312 test
+# helpers, stay as they are): with PYTHONDONTWRITEBYTECODE set, as on CI, each process the tests
+# start (torchrun ranks, tools) would otherwise compile torch's and megatron's sources again.
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile --disable-pip-version-check -r requirements.txt
 	$(PY) -c "import site, os; open(os.path.join(site.getsitepackages()[0], 'seq1f1b-repo.pth'), 'w').write(os.path.abspath('.') + '\n')"
+	$(PY) -c "import compileall, site; compileall.compile_dir(site.getsitepackages()[0], quiet=2, workers=0)"
 	$(PY) -c "import torch, megatron.core, seq1f1b; print('setup ok: torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
 	@touch $(STAMP)
 
