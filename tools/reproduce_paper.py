@@ -47,7 +47,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -190,11 +190,10 @@ class Models:
 
     gpu_memory_gib: float = A100.memory_gib
     calibration: Optional[Calibration] = None
-    device: DeviceModel = field(init=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "device", self.calibration.device_model(A100)
-                           if self.calibration else A100)
+    @property
+    def device(self) -> DeviceModel:
+        return self.calibration.device_model(A100) if self.calibration else A100
 
     @property
     def reserve_ratio(self) -> Optional[float]:
