@@ -71,7 +71,7 @@ class Shapes:
     stage_lengths: tuple[int, ...]
     splits: int
     repeats: int
-    held_length: int               # the micro-batches of the held-micro-batches memory run
+    held_length: int               # tokens per micro-batch of the GPipe memory run
     held_microbatches: int
 
 
