@@ -49,7 +49,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -280,6 +280,20 @@ def _grid(rows: list[dict], value) -> list[str]:
     return lines
 
 
+def _ablation_table(rows: list[dict], columns: list[tuple[str, Callable[[dict], str]]]
+                    ) -> list[str]:
+    """The partition ablation as a markdown table: each row's model, L and schedule, then one
+    column per (heading, cell text) of `columns`."""
+    names = _paper_names()
+    lines = ["| model, GPUs | L | schedule | " + " | ".join(h for h, _ in columns) + " |",
+             "|" + "---|" * (3 + len(columns))]
+    for r in rows:
+        lines.append(f"| {r['model']}, {r['gpus']} | {r['seq_length'] // 1024}K | "
+                     f"{names[r['schedule']]} | " + " | ".join(cell(r) for _, cell in columns)
+                     + " |")
+    return lines
+
+
 def _with_paper(text: str, row: dict, verdict: bool = True) -> str:
     """`text`, then the paper's figure where it has one, marked when our OOM `verdict` (False:
     none yet) differs from the paper's."""
@@ -353,14 +367,12 @@ def print_tables(result: dict, models: Models) -> None:
           "PAPER.md: no paper column.")
     print()
     print("(c) Partition ablation: projected TFLOPS per GPU, even vs computation-balanced spans")
-    print("| model, GPUs | L | schedule | even spans | TFLOPS | compute spans | TFLOPS | gain |")
-    print("|" + "---|" * 8)
-    names = _paper_names()
-    for r in result["ablation"]:
-        print(f"| {r['model']}, {r['gpus']} | {r['seq_length'] // 1024}K | "
-              f"{names[r['schedule']]} | {' '.join(map(str, r['even_spans']))} | "
-              f"{r['tflops_even']:.1f} | {' '.join(map(str, r['compute_spans']))} | "
-              f"{r['tflops_compute']:.1f} | {r['gain']:+.1%} |")
+    print("\n".join(_ablation_table(result["ablation"], [
+        ("even spans", lambda r: " ".join(map(str, r["even_spans"]))),
+        ("TFLOPS", lambda r: f"{r['tflops_even']:.1f}"),
+        ("compute spans", lambda r: " ".join(map(str, r["compute_spans"]))),
+        ("TFLOPS", lambda r: f"{r['tflops_compute']:.1f}"),
+        ("gain", lambda r: f"{r['gain']:+.1%}")])))
 
 
 def print_measured(result: dict) -> None:
@@ -375,14 +387,11 @@ def print_measured(result: dict) -> None:
     print("\n".join(_grid(result["throughput"], _measured_throughput_cell)))
     print()
     print("(c) Partition ablation: measured TFLOPS per GPU, even vs computation-balanced spans")
-    print("| model, GPUs | L | schedule | TFLOPS even | TFLOPS compute | gain |")
-    print("|" + "---|" * 6)
-    names = _paper_names()
-    for r in result["ablation"]:
-        gain = "-" if r["gain"] is None else f"{r['gain']:+.1%}"
-        print(f"| {r['model']}, {r['gpus']} | {r['seq_length'] // 1024}K | "
-              f"{names[r['schedule']]} | {_measured(_number(r['tflops_even']), r['status_even'])}"
-              f" | {_measured(_number(r['tflops_compute']), r['status_compute'])} | {gain} |")
+    print("\n".join(_ablation_table(result["ablation"], [
+        ("TFLOPS even", lambda r: _measured(_number(r["tflops_even"]), r["status_even"])),
+        ("TFLOPS compute", lambda r: _measured(_number(r["tflops_compute"]),
+                                               r["status_compute"])),
+        ("gain", lambda r: "-" if r["gain"] is None else f"{r['gain']:+.1%}")])))
 
 
 # -- the real sweep: the shipped examples/slurm scripts, submitted by sweep.sh -------------------
