@@ -180,23 +180,31 @@ class MemoryEstimate:
 
     @property
     def peak_bytes(self) -> float:
-        return max(stage.total_bytes for stage in self.stages)
+        return self.peak_stage.total_bytes
+
+    @property
+    def peak_stage(self) -> StageMemory:
+        """The stage that needs the most memory: the one that decides the verdict."""
+        return max(self.stages, key=lambda stage: stage.total_bytes)
+
+    @property
+    def allocator_peak_bytes(self) -> float:
+        """The peak stage's bytes that go through torch's caching allocator: all but the fixed
+        overhead (the CUDA context is outside the allocator)."""
+        return self.peak_stage.total_bytes - self.peak_stage.overhead_bytes
 
     def reserved_peak_bytes(self, reserve_ratio: float = 1.0) -> float:
-        """The peak as the caching allocator would reserve it: the largest stage's bytes but
-        the fixed overhead, times a measured reserved/allocated ratio (calibration.py), plus
-        the overhead (the CUDA context is outside the allocator)."""
-        stage = max(self.stages, key=lambda s: s.total_bytes)
-        return (stage.total_bytes - stage.overhead_bytes) * reserve_ratio + stage.overhead_bytes
+        """The peak as the caching allocator would reserve it: the allocator's bytes times a
+        measured reserved/allocated ratio (calibration.py), plus the fixed overhead."""
+        return self.allocator_peak_bytes * reserve_ratio + self.peak_stage.overhead_bytes
 
     def fits(self, gpu_memory_gib: float, reserve_ratio: float = 1.0) -> bool:
         return self.reserved_peak_bytes(reserve_ratio) <= gpu_memory_gib * GIB
 
     def largest_fitting_reserve(self, gpu_memory_gib: float) -> float:
         """The reserved/allocated ratio up to which the peak still fits `gpu_memory_gib`."""
-        stage = max(self.stages, key=lambda s: s.total_bytes)
-        return ((gpu_memory_gib * GIB - stage.overhead_bytes)
-                / (stage.total_bytes - stage.overhead_bytes))
+        return ((gpu_memory_gib * GIB - self.peak_stage.overhead_bytes)
+                / self.allocator_peak_bytes)
 
     def to_dict(self, gpu_memory_gib: Optional[float] = None, reserve_ratio: float = 1.0) -> dict:
         setup = asdict(self.setup)
