@@ -211,3 +211,12 @@ def activate() -> bool:
 def is_active() -> bool:
     """Whether `activate()` installed the CPU layer in this process."""
     return _active_mode is not None
+
+
+def compute_device() -> torch.device:
+    """The device the model computes on, as the code should name it: the current CUDA device on
+    a GPU and under the CPU layer (whose mode lands it on the CPU, so code written for the GPU is
+    the code that runs here), the CPU otherwise (plain single-process use without `activate()`)."""
+    if torch.cuda.is_available() or is_active():
+        return torch.device("cuda", torch.cuda.current_device())
+    return _CPU

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import get_attr_wrapped_model
 
+from seq1f1b import platform
 from seq1f1b.plan.actions import Action, Schedule, ScheduleError
 from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
 from seq1f1b.runtime.loss import MicrobatchLoss
@@ -101,8 +102,7 @@ class Executor:
         self.program = program
         config = inputs.config
         self.config = config
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = platform.compute_device()
         dtype = config.pipeline_dtype or (torch.bfloat16 if config.bf16 else
                                           torch.float16 if config.fp16 else torch.float32)
         self.channels = PipelineChannels(sched, inputs.rank, inputs.pp_group, self._shape_of,
@@ -138,7 +138,8 @@ class Executor:
 
     def _autocast(self):
         if self.config.enable_autocast:
-            return torch.autocast(self.device.type, dtype=self.config.autocast_dtype)
+            return torch.autocast("cuda" if torch.cuda.is_available() else "cpu",
+                                  dtype=self.config.autocast_dtype)
         return contextlib.nullcontext()
 
     # -- actions ---------------------------------------------------------------------------------
