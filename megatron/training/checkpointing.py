@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer import MegatronOptimizer, distrib_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training import checkpoint_layout
@@ -69,6 +69,19 @@ def _rng_sharded_object(state: Optional[dict]) -> ShardedObject:
               parallel_state.get_tensor_model_parallel_rank(),
               parallel_state.get_data_parallel_rank())
     return ShardedObject("rng_state", state, tuple(_layout()), offset, replica_id=0)
+
+
+def _adam_step_per_parameter(optimizer: MegatronOptimizer) -> bool:
+    """Whether `optimizer` is megatron's distributed optimizer on torch's Adam, which keeps Adam's
+    step per parameter: the case `_allocate_adam_state` and `_restore_adam_steps` are for.
+
+    With Transformer Engine (or Apex) installed, megatron builds their FusedAdam instead. It keeps
+    the step in its param groups, megatron allocates and restores its state itself, and it knows
+    only exp_avg, exp_avg_sq and master_param per parameter: its state_dict and load_state_dict
+    look every state name up in that set, so a per-parameter "step" is a KeyError. megatron's
+    own switch between the two is `distrib_optimizer.HAVE_APEX_OR_TE`, read here at call time.
+    """
+    return optimizer.config.use_distributed_optimizer and not distrib_optimizer.HAVE_APEX_OR_TE
 
 
 def _allocate_adam_state(optimizer: MegatronOptimizer) -> None:
@@ -162,7 +175,8 @@ def load_checkpoint(load_dir: str, model: list, optimizer: MegatronOptimizer,
     folder = checkpoint_layout.iteration_dir(load_dir, iteration)
     common = dist_checkpointing.load_common_state_dict(folder)
     same_layout = list(common["parallel_layout"]) == _layout()
-    if optimizer.config.use_distributed_optimizer:
+    adam_step_per_parameter = _adam_step_per_parameter(optimizer)
+    if adam_step_per_parameter:
         _allocate_adam_state(optimizer)
     request = _sharded_state_dict(model, optimizer, scheduler, RunPosition(), is_loading=True,
                                   with_rng=same_layout)
@@ -173,7 +187,7 @@ def load_checkpoint(load_dir: str, model: list, optimizer: MegatronOptimizer,
         for i, chunk in enumerate(model):
             unwrap(chunk).load_state_dict(state[_model_key(i, len(model))], strict=True)
         optimizer.load_state_dict(state["optimizer"])
-    if optimizer.config.use_distributed_optimizer:
+    if adam_step_per_parameter:
         _restore_adam_steps(optimizer)
     scheduler.load_state_dict(state["opt_param_scheduler"])
     if same_layout:
