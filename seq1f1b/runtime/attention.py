@@ -23,10 +23,11 @@ kernel in the backward, dropout replayed from the saved RNG states.
 Kernels (`--attention-backend`): eager (explicit mask, the reference), sdpa (torch SDPA with
 `causal_lower_right`; `is_causal=True` would be top-left aligned, wrong for spans), flash
 (flash-attn >= 2.1, whose causal=True is bottom-right aligned; public `flash_attn_func` only),
-te (Transformer Engine, attn_mask_type "causal_bottom_right"), flex (FlexAttention; trains on GPUs
-only: torch has no CPU backward for it), and auto (flash > te > sdpa, the first available).
-Only eager and sdpa are exercised on the CPU CI; flash, te and flex are written against their public
-APIs but untested there. Optional packages are looked up at run time, never imported at import time.
+te (Transformer Engine, attn_mask_type "causal_bottom_right"), flex (FlexAttention, compiled once
+for every span shape; trains on GPUs only: torch has no CPU backward for it), and auto (flash > te >
+sdpa, the first available). The CPU CI trains with eager and sdpa and runs flex's compiled forward;
+flash, te and flex's backward are written against their public APIs and checked on a GPU by
+tools/device_check.py. Optional packages are looked up at run time, never imported at import time.
 
 An explicit `attention_mask` (megatron's convention: bool, True = masked out) replaces the causal
 mask, as in `DotProductAttention`. Its shape is [b or 1, 1, sq, sk] with sk = the number of keys
@@ -188,33 +189,74 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float
     return out.transpose(0, 1).reshape(sq, b, -1)
 
 
-@functools.lru_cache(maxsize=64)
-def _flex_block_mask(sq: int, sk: int, device: torch.device):
-    from torch.nn.attention.flex_attention import create_block_mask
+_FLEX_BLOCK = 128
+"""FlexAttention's default tile of a BlockMask: 128 queries x 128 keys."""
 
-    shift = sk - sq
 
+def _block_rows(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """[query tiles, key tiles] bool -> BlockMask's row form ([1, 1, ...] int32): per query tile
+    the number of marked key tiles, and the key tile indices with the marked ones first."""
+    marked = tiles.to(torch.int32)
+    counts = marked.sum(-1, dtype=torch.int32)
+    order = torch.argsort(marked, dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[None, None].contiguous(), order[None, None].contiguous()
+
+
+def _bottom_right_mask_mod(shift: Tensor):
+    """Query row t sees keys <= t + shift; `shift` (sk - sq) is a 0-d tensor, so the function is
+    the same for every span shape and compiled flex takes the shift as an input, not a constant
+    to specialise (and recompile) on."""
     def bottom_right_causal(batch, head, q_idx, kv_idx):
         return kv_idx <= q_idx + shift
 
-    return create_block_mask(bottom_right_causal, None, None, sq, sk, device=device)
+    return bottom_right_causal
+
+
+@functools.lru_cache(maxsize=64)
+def _flex_block_mask(sq: int, sk: int, device: torch.device):
+    """The bottom-right causal BlockMask of sq queries over sk keys, one per span shape.
+
+    Built from tile arithmetic: `create_block_mask` without compilation would evaluate the mask
+    densely, [sq, sk] per span shape (1 GiB of bools for a span at the end of 32K). Tiles are
+    classed as `create_block_mask` classes them: full when every entry is seen and the tile lies
+    inside [sq, sk] (the mask is not evaluated there), partial when some entry is seen.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    shift = sk - sq
+    first_q = torch.arange(0, sq, _FLEX_BLOCK, device=device)[:, None]
+    first_k = torch.arange(0, sk, _FLEX_BLOCK, device=device)[None, :]
+    last_q = (first_q + _FLEX_BLOCK).clamp(max=sq) - 1
+    seen = first_k <= last_q + shift
+    full = ((first_k + _FLEX_BLOCK - 1 <= first_q + shift)
+            & (first_q + _FLEX_BLOCK <= sq) & (first_k + _FLEX_BLOCK <= sk))
+    return BlockMask.from_kv_blocks(
+        *_block_rows(seen & ~full), *_block_rows(full), BLOCK_SIZE=_FLEX_BLOCK,
+        mask_mod=_bottom_right_mask_mod(torch.tensor(shift, device=device)),
+        seq_lengths=(sq, sk))
 
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex_attention():
+    """flex_attention compiled for every span shape at once.
+
+    Uncompiled (or past dynamo's recompile limit, 8, where torch falls back to it) flex runs its
+    reference path, which materialises the [sq, sk] score matrix: out of memory at 32K. With
+    dynamic shapes and a mask function that is the same for every shape, the k span shapes
+    share one graph per grad mode (the square span 0 a second: dynamo's duck sizing specialises
+    sq == sk), so training plus evaluation stay within 4 graphs whatever k.
+    """
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
           dropout_p: float) -> Tensor:
-    from torch.nn.attention.flex_attention import flex_attention
-
     q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
-    attend = flex_attention if q.device.type == "cpu" else _compiled_flex_attention()
-    out = attend(q, k, v, block_mask=_flex_block_mask(q.size(2), k.size(2), q.device),
-                 scale=scale, enable_gqa=q.size(1) != k.size(1))
+    out = _compiled_flex_attention()(q, k, v, block_mask=_flex_block_mask(q.size(2), k.size(2),
+                                                                          q.device),
+                                     scale=scale, enable_gqa=q.size(1) != k.size(1))
     return _merge_heads(out)
 
 
@@ -223,6 +265,14 @@ _KERNELS: dict[str, Kernel] = {"eager": _eager, "sdpa": _sdpa, "flash": _flash, 
 
 def _build_te_attention(config: TransformerConfig, layer_number: int, dropout_p: float,
                         softmax_scale: float, tp_group) -> torch.nn.Module:
+    """TE's DotProductAttention on the cache's own layout, sbhd, whose prefix views K/V[0:end]
+    each of TE's sub-backends reads in place with one sequence per micro-batch (the paper's
+    setting). Its cuDNN sub-backend derives the strides from the declared layout and the shape
+    (so it needs exactly the contiguous views the cache hands out); its flash sub-backend turns
+    sbhd into bshd with `x.transpose(0, 1).contiguous()`, which is the same storage when b = 1.
+    With b > 1 that is a copy of the prefix, saved for backward (about (k+1)/2 x L of K/V per
+    layer): no layout avoids it for both sub-backends, since a bshd buffer's prefix view has
+    the whole sequence's batch stride, which cuDNN's canonical strides would misread."""
     import transformer_engine.pytorch as te_pytorch
 
     tracker = tensor_parallel.get_cuda_rng_tracker

@@ -204,14 +204,66 @@ def test_gpu_only_backends_refuse_masks_and_cpu_training():
         make_attention("eager")(q, k, v, mask[..., :5, :])
 
 
-def test_flex_forward_matches_eager_on_cpu():
-    """FlexAttention's CPU forward (inference) sees the same bottom-right mask as eager."""
-    (q, k, v), _ = random_qkv(2)
-    q, k, v = q.detach(), k.detach(), v.detach()
-    with torch.no_grad():
-        outs = [run_forward(make_attention(name, 2), q, k, v, [5, 11, 8])
-                for name in ("eager", "flex")]
-    assert rel_err(outs[1], outs[0]) <= 1e-5
+FLEX_SPANS = [300, 260, 200, 180, 150]
+"""k=5 spans, each a different (sq, sk) and at least two 128-token tiles (a dimension of one tile
+would be a shape of its own to dynamo)."""
+
+
+def test_flex_compiles_one_graph_for_every_span_shape():
+    """The compiled flex path, forward only (torch's FlexAttention has no CPU backward): k=5
+    span shapes run on at most 2 graphs (span 0 is square, dynamo specialises sq == sk; every
+    other shape shares the second), else dynamo fails instead of falling back to eager flex.
+    Outputs equal eager's."""
+    length = sum(FLEX_SPANS)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(length, 1, HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(length, 1, 2, HEAD_DIM, generator=gen) for _ in range(2))
+    outputs = {}
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True), \
+            torch.no_grad():
+        for name in ("flex", "eager"):
+            attn, cache, outputs[name] = make_attention(name, 2), MicrobatchKVCache(0, length), []
+            for j, (start, end) in enumerate(span_bounds(FLEX_SPANS)):
+                with span_context(SpanContext(0, j, start, end, cache)):
+                    outputs[name].append(attn(q[start:end], k[start:end], v[start:end], None))
+    assert rel_err(torch.cat(outputs["flex"]), torch.cat(outputs["eager"])) <= 1e-5
+
+
+@pytest.mark.parametrize("sq, sk", [(24, 24), (300, 300), (130, 700), (256, 512), (100, 1000),
+                                    (129, 257), (1, 385)])
+def test_flex_block_mask_equals_create_block_mask(sq, sk):
+    """The tile-arithmetic BlockMask is the one `create_block_mask` evaluates densely."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from seq1f1b.runtime.attention import _flex_block_mask
+
+    def bottom_right(batch, head, q_idx, kv_idx):
+        return kv_idx <= q_idx + (sk - sq)
+
+    ours = _flex_block_mask(sq, sk, torch.device("cpu"))
+    dense = create_block_mask(bottom_right, None, None, sq, sk, device="cpu")
+    assert ours.seq_lengths == dense.seq_lengths
+    for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                  "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(ours, field), getattr(dense, field)), field
+    assert torch.equal(ours.to_dense(), dense.to_dense())
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cache_prefix_views_are_what_te_reads_in_place(batch):
+    """TE's cuDNN sub-backend reads sbhd with the canonical strides of the shape: the cache's
+    prefix views are contiguous. Its flash sub-backend makes them batch-first with
+    `x.transpose(0, 1).contiguous()`: no copy with one sequence per micro-batch, a copy of the
+    prefix with more (see `_build_te_attention`)."""
+    cache = MicrobatchKVCache(microbatch=0, seq_length=SEQ)
+    key, value = (torch.randn(10, batch, 2, HEAD_DIM) for _ in range(2))
+    layer_kv = cache.layer("layer", key, value)
+    layer_kv.write(0, 10, key, value)
+    for view in layer_kv.views(10):
+        assert view.is_contiguous()
+        batch_first = view.transpose(0, 1).contiguous()
+        assert (batch_first.data_ptr() == view.data_ptr()) == (batch == 1)
 
 
 def test_span_needs_its_cache():
