@@ -20,6 +20,12 @@ Writes OUTDIR/device_check.json with these parts (the stage first; parts that wo
   reserve, which the estimator (allocated bytes) leaves out and the paper's figures include.
 - held_microbatches: the same memory figures for the stage under GPipe with 4 unsplit
   micro-batches of 16K: at its peak it holds all 4, as 1F1B's first stage does at P = 4.
+- span_kernels (last, with a budget and a try/except per check of its own): what only a GPU
+  confirms of the span kernels. flex: k=8 computation-balanced spans of a 32K micro-batch,
+  forward and backward as the executor runs them, twice, with dynamo failing rather than falling
+  back to eager flex: the graphs each iteration compiled (expected 2, then 0), the peak memory,
+  the errors against unsplit sdpa. te (when installed): the bytes of K/V prefix copies its
+  attention saves, with 1 and 2 sequences per micro-batch (expected 0 with 1).
 
 `reproduce_paper.py --device-check OUTDIR/device_check.json` (and `plan.py ... --device-check`)
 turn the stage part into the cost model's GEMM and attention efficiencies, and the largest
@@ -73,15 +79,21 @@ class Shapes:
     repeats: int
     held_length: int               # tokens per micro-batch of the GPipe memory run
     held_microbatches: int
+    kernel_length: int             # L of the span kernels part (flex in k spans, TE's layouts)
+    kernel_splits: int
 
 
 GPU = Shapes(attention_length=16384, heads=32, head_dim=128, eager_max_score_bytes=24e9,
              hidden_size=4096, num_layers=8, vocab_size=50304,
              stage_lengths=(32768, 65536), splits=4, repeats=2, held_length=16384,
-             held_microbatches=4)
+             held_microbatches=4, kernel_length=32768, kernel_splits=8)
 TINY = Shapes(attention_length=256, heads=4, head_dim=16, eager_max_score_bytes=1e9,
               hidden_size=64, num_layers=2, vocab_size=128, stage_lengths=(128, 256), splits=4,
-              repeats=2, held_length=128, held_microbatches=4)
+              repeats=2, held_length=128, held_microbatches=4, kernel_length=2048,
+              kernel_splits=8)
+KERNELS_BUDGET_S = 180.0
+"""The span kernels part's own budget (flex's first compilation of forward and backward takes
+about a minute on a GPU); it runs last, whatever the other parts left."""
 
 
 def _sync() -> None:
@@ -214,6 +226,147 @@ def check_attention(shapes: Shapes, deadline: Deadline) -> dict:
             / (times["full_forward_backward_s"] / full_flops))
         results["backends"][name] = times
     return results
+
+
+# -- span kernels: what only a GPU confirms of flex and TE ----------------------------------------
+def _span_pass(module, tensors: list, bounds: list[tuple[int, int]], backward: bool) -> list:
+    """One micro-batch through `module` in spans as the executor runs it (forward 0..k-1, then
+    backward k-1..0): the output and, with `backward`, the gradients of q, k and v."""
+    import torch
+
+    from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
+
+    *qkv, grad_out = tensors
+    leaves = [t.detach().requires_grad_(backward) for t in qkv]
+    cache = MicrobatchKVCache(0, bounds[-1][1], requires_grad=backward)
+    outputs = []
+    with torch.set_grad_enabled(backward):
+        for j, (start, end) in enumerate(bounds):
+            with span_context(SpanContext(0, j, start, end, cache)):
+                outputs.append(module(*(t[start:end] for t in leaves), None))
+    if backward:
+        for j, (start, end) in reversed(list(enumerate(bounds))):
+            with span_context(SpanContext(0, j, start, end, cache)):
+                outputs[j].backward(grad_out[start:end])
+    return [torch.cat([o.detach() for o in outputs])] + [t.grad for t in leaves if backward]
+
+
+def _flex_in_spans(shapes: Shapes, config, device) -> dict:
+    """flex over k computation-balanced spans of an L-token micro-batch, twice, dynamo failing
+    instead of falling back to eager flex past its recompile limit: the graphs each iteration
+    compiled, the peak memory beside the score matrix an eager fallback would hold, and the
+    relative error of the output (and, on a GPU, dQ/dK/dV) against unsplit sdpa."""
+    import torch
+    import torch._dynamo
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from seq1f1b.plan.costs import ModelConfig
+    from seq1f1b.plan.partition import partition, span_bounds
+    from seq1f1b.runtime.attention import SpanAttention
+
+    n, d, length = shapes.heads, shapes.head_dim, shapes.kernel_length
+    lengths = partition(length, shapes.kernel_splits, "compute",
+                        ModelConfig(num_layers=1, hidden_size=n * d, num_attention_heads=n))
+    backward = device.type == "cuda"        # torch has no CPU backward for flex
+    gen = torch.Generator(device=device).manual_seed(0)
+    tensors = [torch.randn(length, 1, n, d, device=device, dtype=config.params_dtype,
+                           generator=gen) for _ in range(3)]
+    tensors.append(torch.randn(length, 1, n * d, device=device, dtype=config.params_dtype,
+                               generator=gen))
+    modules = {name: SpanAttention(config, 1, AttnMaskType.causal, "self", backend=name)
+               for name in ("flex", "sdpa")}
+    reference = _span_pass(modules["sdpa"], tensors, [(0, length)], backward)
+    torch._dynamo.reset()                   # count this run's graphs only
+    counters = torch._dynamo.utils.counters["stats"]
+    graphs, started = [], time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for _ in range(2):
+            before = counters["unique_graphs"]
+            result = _span_pass(modules["flex"], tensors, span_bounds(lengths), backward)
+            graphs.append(counters["unique_graphs"] - before)
+    names = ("output", "dq", "dk", "dv")
+    return {
+        "length": length, "span_lengths": lengths, "backward": backward,
+        "graphs_compiled_per_iteration": graphs, "seconds": time.perf_counter() - started,
+        "max_memory_allocated_bytes":
+            torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        "eager_fallback_score_bytes": 4.0 * n * lengths[-1] * length,
+        "relative_error_vs_unsplit_sdpa": {
+            name: ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+            for name, ours, ref in zip(names, result, reference)}}
+
+
+def _te_prefix_copies(shapes: Shapes, config, device) -> dict:
+    """Whether TE's attention reads the cache's K/V prefix in place: per micro-batch size (1 and
+    2), the bytes of the tensors its graph saves that are prefix-sized and not the cache's
+    storage (0 = read in place; see attention._build_te_attention)."""
+    import torch
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from seq1f1b.runtime.attention import SpanAttention
+    from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
+
+    n, d, length = shapes.heads, shapes.head_dim, shapes.kernel_length
+    start = length - length // shapes.kernel_splits
+    module = SpanAttention(config, 1, AttnMaskType.causal, "self", backend="te")
+    copies = {}
+    for batch in (1, 2):
+        q, k, v = (torch.randn(length, batch, n, d, device=device, dtype=config.params_dtype)
+                   for _ in range(3))
+        cache = MicrobatchKVCache(0, length)
+        layer_kv = cache.layer(module, k, v)
+        layer_kv.write(0, start, k[:start], v[:start])
+        cache_storages = {t.untyped_storage().data_ptr() for t in layer_kv.tensors()}
+        saved = []
+
+        def keep(tensor):
+            saved.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), \
+                span_context(SpanContext(0, 1, start, length, cache)):
+            module(*(t[start:].requires_grad_() for t in (q, k, v)), None)
+        prefix = k[:start].numel()
+        copies[f"batch_{batch}"] = sum(
+            t.numel() * t.element_size() for t in saved
+            if t.numel() >= prefix and t.untyped_storage().data_ptr() not in cache_storages)
+    return {"length": length, "span_start": start, "copied_prefix_bytes": copies}
+
+
+def _guarded(check: Callable[[], dict], deadline: Deadline) -> dict:
+    """`check()`, or why it did not run or what it raised: one sub-check never loses another."""
+    import torch
+
+    if deadline.passed():
+        return {"skipped": "the span kernels part's time budget ran out"}
+    try:
+        return check()
+    except Exception as err:            # noqa: BLE001 -- reported in the JSON, not fatal
+        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def check_span_kernels(shapes: Shapes, deadline: Deadline) -> dict:
+    """What only a GPU can confirm of the span kernels (issue 14, findings 6 and 8): flex trains
+    k spans of a 32K micro-batch without recompiling per span shape and without the eager
+    fallback's out-of-memory, and TE reads the cache's K/V prefix in place. On a CPU: flex's
+    forward only, TE reported as unavailable."""
+    import torch
+
+    from seq1f1b.runtime.attention import backend_unavailable_reason
+
+    config = _config(shapes.heads * shapes.head_dim, shapes.heads, 1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = {}
+    for name, check in (("flex", _flex_in_spans), ("te", _te_prefix_copies)):
+        reason = backend_unavailable_reason(name, config)
+        result[name] = ({"skipped": reason} if reason is not None else
+                        _guarded(functools.partial(check, shapes, config, device), deadline))
+    return result
 
 
 # -- one stage -----------------------------------------------------------------------------------
@@ -404,7 +557,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("outdir", help="folder for device_check.json (created)")
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--skip-stage", action="store_true",
-                        help="only the attention comparison")
+                        help="only the attention comparison and the span kernels")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="skip the parts that would start after this many seconds "
                              "(default 420)")
@@ -426,6 +579,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["stage"] = check_stage(shapes, deadline)
         result["held_microbatches"] = check_held_microbatches(shapes, deadline)
     result["attention"] = check_attention(shapes, deadline)
+    result["span_kernels"] = check_span_kernels(shapes, Deadline(KERNELS_BUDGET_S))
     result["wall_s"] = time.perf_counter() - started
     path = outdir / "device_check.json"
     path.write_text(json.dumps(result, indent=1))

@@ -97,6 +97,11 @@ def test_device_check_tiny_runs_on_cpu(tmp_path):
         for span in run["spans"]:
             assert span["forward_linear_flops"] + span["forward_attention_flops"] == \
                 pytest.approx(span["forward_flops"])
+    flex, te = data["span_kernels"]["flex"], data["span_kernels"]["te"]
+    assert len(flex["span_lengths"]) == data["shapes"]["kernel_splits"]
+    assert flex["graphs_compiled_per_iteration"] == [2, 0]   # square span 0, then all others
+    assert flex["relative_error_vs_unsplit_sdpa"]["output"] < 1e-5
+    assert "skipped" in te
     held = data["held_microbatches"]
     assert (held["schedule"], held["microbatches"]) == ("gpipe", 4)
     assert held["memory"]["saved_over_estimated"] == pytest.approx(1, abs=0.1)   # 4 held
