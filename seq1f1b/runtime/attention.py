@@ -217,7 +217,7 @@ def _flex_block_mask(sq: int, sk: int, device: torch.device):
     """The bottom-right causal BlockMask of sq queries over sk keys, one per span shape.
 
     Built from tile arithmetic: `create_block_mask` without compilation would evaluate the mask
-    densely, [sq, sk] per span shape (1 GiB of bools for a span at the end of 32K). Tiles are
+    densely, at least [sq, sk] bools per span shape (1 GiB for an unsplit 32K sequence). Tiles are
     classed as `create_block_mask` classes them: full when every entry is seen and the tile lies
     inside [sq, sk] (the mask is not evaluated there), partial when some entry is seen.
     """
@@ -254,9 +254,9 @@ def _compiled_flex_attention():
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
           dropout_p: float) -> Tensor:
     q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
-    out = _compiled_flex_attention()(q, k, v, block_mask=_flex_block_mask(q.size(2), k.size(2),
-                                                                          q.device),
-                                     scale=scale, enable_gqa=q.size(1) != k.size(1))
+    block_mask = _flex_block_mask(q.size(2), k.size(2), q.device)
+    out = _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
+                                     enable_gqa=q.size(1) != k.size(1))
     return _merge_heads(out)
 
 
