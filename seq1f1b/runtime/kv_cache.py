@@ -35,8 +35,9 @@ MIN_ACCUMULATOR_DTYPE = torch.float32
 bf16 each span's addition would round the running sum, an error that grows with k (eager bf16,
 L=1024, dK against fp64: 16% above the unsplit kernel's error at k=8, 24% at k=16); in fp32 the
 split adds one bf16 rounding of the result, 8% at any k (each span's contribution leaves its
-kernel rounded to bf16; no accumulator can undo that). A span's complete dK/dV is rounded to the gradient's dtype
-once, when its backward takes it. The price: 4 bytes per accumulated element instead of 2."""
+kernel rounded to bf16; no accumulator can undo that). A span's complete dK/dV is rounded to the
+gradient's dtype once, when its backward takes it. The price: 4 bytes per accumulated element
+instead of 2 in bf16 training."""
 
 
 @dataclass
