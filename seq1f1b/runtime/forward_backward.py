@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -102,6 +102,40 @@ def _cost_model(config) -> Optional[ModelConfig]:
         return None
 
 
+def pipeline_sequence_length(chunked: bool, splits: int, seq_length: int,
+                             decoder_seq_length: Optional[int]) -> int:
+    """The length L of the sequence that flows between stages: the p2p tensors are
+    [L / cp (/ tp under sequence parallelism), b, h], and the spans cut [0, L).
+
+    megatron-core 0.16.1 reads `decoder_seq_length` in one place, `get_tensor_shapes` of
+    `forward_backward_pipelining_without_interleaving`: when given, it replaces `seq_length` as
+    the length of every p2p tensor, so later stages see a [decoder_seq_length, b, h] input (e.g. a
+    language model fed image embeddings as well as text). The interleaved function sizes its
+    tensors with `seq_length` and ignores `decoder_seq_length`, as does the no-pipelining one. We
+    follow that: non-chunked schedules take L = decoder_seq_length when given, chunked ones
+    L = seq_length.
+
+    Span boundaries are positions of that flowing sequence. At k=1 the single span is [0, L) and
+    the first stage's forward_step gets the micro-batch whole (slicing [0, L) cuts nothing), which
+    is megatron exactly. At k>1 with L != seq_length the data (seq_length tokens) and the flowing
+    sequence (L positions) have no mapping the schedule knows, so a span of the data cannot be cut:
+    refused."""
+    if chunked or decoder_seq_length is None or decoder_seq_length == seq_length:
+        return seq_length
+    if splits > 1:
+        raise ValueError(f"decoder_seq_length={decoder_seq_length} differs from seq_length="
+                         f"{seq_length}: spans cannot cut it, use --seq1f1b-splits 1")
+    return decoder_seq_length
+
+
+def _as_iterator(data: Any) -> Any:
+    """Megatron hands data_iterator to forward_step_func untouched; we read one item per
+    micro-batch to cut its spans, so a plain iterable (megatron's tests pass a range) becomes an
+    iterator. Anything with __next__ stays as it is: megatron's RerunDataIterator has no
+    __iter__."""
+    return data if data is None or hasattr(data, "__next__") else iter(data)
+
+
 def _check_interleaving_like_megatron(num_microbatches: int, pp: int, config) -> None:
     """Refuse what megatron's interleaved schedule refuses, with the exception type it uses."""
     group = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp
@@ -131,14 +165,14 @@ def get_forward_backward_func(name: str = "seq1f1b",
                          adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
                          force_all_reduce: Optional[bool] = False) -> list:
         chunks: Sequence = model if isinstance(model, list) else [model]
-        iterators = (data_iterator if isinstance(data_iterator, list)
-                     else [data_iterator] * len(chunks))
+        iterators = [_as_iterator(it) for it in (data_iterator if isinstance(data_iterator, list)
+                                                 else [data_iterator] * len(chunks))]
         config = get_model_config(chunks[0])
         if adjust_tensor_shapes_fn is not None:
             raise ValueError("adjust_tensor_shapes_fn: span shapes come from the plan; "
                              f"schedule {name!r} cannot adjust them")
-        if decoder_seq_length not in (None, seq_length):
-            raise ValueError("decoder_seq_length: encoder-decoder models are not supported")
+        length = pipeline_sequence_length(info.chunked, settings.splits, seq_length,
+                                          decoder_seq_length)
         pp_group = _pp_group(p2p_communicator, pg_collection)
         pp = pp_group.size()
         tp = _group_size(pg_collection, "tp", parallel_state.get_tensor_model_parallel_world_size)
@@ -149,13 +183,13 @@ def get_forward_backward_func(name: str = "seq1f1b",
             if not isinstance(model, list) or len(model) < 2:
                 raise AssertionError("interleaved pipeline parallelism expected model chunking")
             _check_interleaving_like_megatron(num_microbatches, pp, config)
-        spans = _spans(settings, seq_length, _cost_model(config), tp,
+        spans = _spans(settings, length, _cost_model(config), tp,
                        bool(config.sequence_parallel))
         schedule = _schedule(name, pp, num_microbatches, settings.splits, len(chunks))
         executor = Executor(StepInputs(
             schedule=schedule, spans=spans, rank=pp_group.rank(), pp_group=pp_group,
             forward_step_func=forward_step_func, data_iterators=iterators, model_chunks=chunks,
-            config=config, seq_length=seq_length, micro_batch_size=micro_batch_size,
+            config=config, seq_length=length, micro_batch_size=micro_batch_size,
             tp_size=tp, cp_size=cp, forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, p2p_timeout_s=settings.p2p_timeout_s,
             trace=settings.trace))

@@ -1,13 +1,15 @@
 """The forward-backward functions keep megatron-core's contract: its keyword set, one reduced
-entry per micro-batch on the last stage, toy models with plain-number losses, and the exception
-types megatron's interleaved schedule raises for micro-batch counts it refuses."""
+entry per micro-batch on the last stage, toy models with plain-number losses, the exception
+types megatron's interleaved schedule raises for micro-batch counts it refuses, and
+`decoder_seq_length` as megatron reads it (tests/distributed/test_decoder_seq_length.py runs it
+across two stages)."""
 import pytest
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 from seq1f1b.runtime.forward_backward import (_check_interleaving_like_megatron,
                                               SpanSettings, get_forward_backward_func,
-                                              schedule_names)
+                                              pipeline_sequence_length, schedule_names)
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
@@ -65,3 +67,48 @@ def test_interleaving_refuses_what_megatron_refuses_with_its_exception_type(micr
     with pytest.raises(error):
         _check_interleaving_like_megatron(microbatches, pp, config)
     _check_interleaving_like_megatron(2 * pp, pp, config)
+
+
+@pytest.mark.parametrize("chunked,splits,decoder,expected", [
+    (False, 1, None, 512), (False, 4, 512, 512),
+    # megatron's 1F1B sizes its p2p tensors with decoder_seq_length when given ...
+    (False, 1, 256, 256), (False, 1, 600, 600),
+    # ... its interleaved function ignores it.
+    (True, 1, 256, 512), (True, 4, 256, 512)])
+def test_pipeline_sequence_length_reads_decoder_seq_length_as_megatron(chunked, splits, decoder,
+                                                                       expected):
+    assert pipeline_sequence_length(chunked, splits, 512, decoder) == expected
+
+
+def test_spans_cannot_cut_a_decoder_sequence_of_another_length():
+    with pytest.raises(ValueError, match=r"^decoder_seq_length=256 differs from seq_length=512"):
+        pipeline_sequence_length(False, 2, 512, 256)
+
+
+class NextOnly:
+    """Megatron's RerunDataIterator: __next__ without __iter__."""
+
+    def __init__(self) -> None:
+        self.pulled = 0
+
+    def __next__(self):
+        self.pulled += 1
+        return torch.zeros(1, 4)
+
+
+@pytest.mark.parametrize("decoder_seq_length", [4, 6])
+def test_decoder_seq_length_and_any_iterable_as_data_at_k1(decoder_seq_length):
+    # megatron's own tests pass a range as data_iterator and a decoder_seq_length of their own.
+    func = get_forward_backward_func("seq1f1b", SpanSettings(splits=1))
+    losses = func(forward_step_func=_toy_step, data_iterator=range(10), model=[ToyModel()],
+                  num_microbatches=2, seq_length=4, micro_batch_size=1,
+                  decoder_seq_length=decoder_seq_length, forward_only=True)
+    assert losses == [{"loss_reduced": 7}] * 2
+
+
+def test_an_iterator_without_iter_is_read_as_it_is():
+    data = NextOnly()
+    func = get_forward_backward_func("seq1f1b", SpanSettings(splits=1))
+    func(forward_step_func=_toy_step, data_iterator=data, model=[ToyModel()], num_microbatches=3,
+         seq_length=4, micro_batch_size=1, forward_only=True)
+    assert data.pulled == 3
