@@ -25,20 +25,34 @@ the CPU, without copying or patching any megatron-core file:
    without it. `torch.autograd._engine_run_backward`, the one private hook used here, is wrapped to
    push the mode again around the engine run; `activate()` fails loudly if torch renames it.
 
+5. strict mode (`SEQ1F1B_STRICT_CUDA=1` at `activate()`, or `strict_mode()` around a block) keeps
+   track of which tensors would be on the GPU and enforces CUDA's rules on them: no op mixing
+   device and host tensors, no host tensor handed to a collective, no host sync inside
+   `host_sync_forbidden()` (the executor's run) unless `host_sync_allowed()`. The rules, and what
+   strict mode cannot emulate (streams, asynchrony, the caching allocator, NCCL's matching, GPU
+   kernels), are in `seq1f1b/strict_cuda.py`.
+
 Limits: a `TorchFunctionMode` is thread-local, so threads started by user code run without it; on a
 machine with CUDA `activate()` does nothing and returns False.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from seq1f1b import strict_cuda
+# Re-exported: the executor's hot loop and a deliberate sync in it (no-ops unless strict).
+from seq1f1b.strict_cuda import host_sync_allowed, host_sync_forbidden  # noqa: F401
+
+STRICT_ENV = "SEQ1F1B_STRICT_CUDA"
 _CPU = torch.device("cpu")
 _RNG_WARNING = "CPU RNG state changed within GPU RNG context"
-_active_mode: TorchFunctionMode | None = None
+_active_mode: _CudaToCpuMode | None = None
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -60,9 +74,19 @@ def _cpu_type_name(name: str) -> str:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA placements of every torch call to the CPU (see the module docstring)."""
+    """Rewrites CUDA placements of every torch call to the CPU (see the module docstring), under
+    strict mode's rules when `rules` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rules: Optional[strict_cuda.StrictRules] = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.rules is not None:
+            return self.rules.call(func, args, kwargs or {}, self._on_cpu)
+        return self._on_cpu(func, args, kwargs)
+
+    def _on_cpu(self, func, args, kwargs):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
@@ -205,12 +229,36 @@ def activate() -> bool:
     torch.autograd._engine_run_backward = _engine_run_backward_under(mode, engine_run_backward)
     mode.__enter__()  # process-wide from here on (for this thread: the mode stack is thread-local)
     _active_mode = mode
+    if os.environ.get(STRICT_ENV) == "1":   # for the rest of the process
+        mode.rules = strict_cuda.install(_is_cuda_device)
+        mode.rules.enforcing += 1
     return True
 
 
 def is_active() -> bool:
     """Whether `activate()` installed the CPU layer in this process."""
     return _active_mode is not None
+
+
+def is_strict() -> bool:
+    """Whether CUDA's rules are enforced now (see `strict_mode`)."""
+    return _active_mode is not None and _active_mode.rules is not None
+
+
+@contextlib.contextmanager
+def strict_mode() -> Iterator[None]:
+    """Enforce CUDA's rules (seq1f1b/strict_cuda.py) within this block, on tensors made in it;
+    `SEQ1F1B_STRICT_CUDA=1` enforces them in the whole process from `activate()` on."""
+    if _active_mode is None:
+        raise RuntimeError("strict CUDA mode needs the CPU platform layer: call activate() first")
+    rules = strict_cuda.install(_is_cuda_device)
+    previous, _active_mode.rules = _active_mode.rules, rules
+    rules.enforcing += 1
+    try:
+        yield
+    finally:
+        rules.enforcing -= 1
+        _active_mode.rules = previous
 
 
 def compute_device() -> torch.device:

@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import threading
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel import mappings
 
 from seq1f1b import platform
 
@@ -110,3 +117,295 @@ def test_backward_pass_runs_under_the_cpu_layer(entry):
     else:
         (grad,) = torch.autograd.grad(y, x)
     assert torch.equal(grad, torch.full((3,), 2.0))
+
+
+# -- strict mode: CUDA's rules on the CPU ----------------------------------------------------------
+MIXED = "Expected all tensors to be on the same device"
+NCCL = "Tensors must be CUDA and dense"
+SYNC = "host sync in the hot loop"
+
+
+@pytest.fixture
+def strict():
+    with platform.strict_mode():
+        yield
+
+
+def on_device(*shape: int) -> torch.Tensor:
+    return torch.ones(*shape, device="cuda")
+
+
+DEVICE_MADE = {
+    "device=cuda": lambda: torch.ones(3, device="cuda"),
+    "device=cuda:0": lambda: torch.ones(3, device="cuda:0"),
+    "device=torch.device": lambda: torch.ones(3, device=torch.device("cuda", 0)),
+    "device=ordinal": lambda: torch.ones(3, device=torch.cuda.current_device()),
+    "device=x.device": lambda: torch.ones(3, device=on_device(1).device),
+    ".cuda()": lambda: torch.ones(3).cuda(),
+    ".to('cuda')": lambda: torch.ones(3).to("cuda"),
+    ".to(device=)": lambda: torch.ones(3).to(device=torch.device("cuda")),
+    ".to(tensor)": lambda: torch.ones(3).to(on_device(1)),
+    "computed": lambda: on_device(3) * 2,
+    "_like": lambda: torch.empty_like(on_device(3)),
+    "new_": lambda: on_device(1).new_zeros(3),
+    "cat": lambda: torch.cat([on_device(1), on_device(2)]),
+    "Parameter": lambda: torch.nn.Parameter(on_device(3)),
+}
+HOST_MADE = {
+    "plain": lambda: torch.ones(3),
+    "device=cpu": lambda: torch.ones(3, device="cpu"),
+    ".cpu()": lambda: on_device(3).cpu(),
+    ".to('cpu')": lambda: on_device(3).to("cpu"),
+    "device=cpu from device": lambda: torch.zeros_like(on_device(3), device="cpu"),
+}
+
+
+@pytest.mark.parametrize("make", DEVICE_MADE.values(), ids=list(DEVICE_MADE))
+def test_strict_tensors_made_for_cuda_live_on_the_device(strict, make):
+    tensor = make()
+    assert torch.equal(tensor * 0 + on_device(3), on_device(3))       # device with device
+    assert torch.equal(tensor * 0 + torch.tensor(1.0), on_device(3))   # a host scalar is fine
+    with pytest.raises(RuntimeError, match=MIXED):
+        tensor + torch.ones(3)
+
+
+@pytest.mark.parametrize("make", HOST_MADE.values(), ids=list(HOST_MADE))
+def test_strict_other_tensors_live_on_the_host(strict, make):
+    tensor = make()
+    assert torch.equal(tensor * 0 + torch.ones(3), torch.ones(3))
+    with pytest.raises(RuntimeError, match=MIXED):
+        tensor + on_device(3)
+
+
+def test_strict_moving_makes_a_new_tensor_as_on_a_gpu(strict):
+    host = torch.ones(3)
+    moved = host.cuda()
+    assert moved is not host and moved.cuda() is moved
+    host + torch.ones(3)                     # the original stays on the host
+    with pytest.raises(RuntimeError, match=MIXED):
+        moved + host
+
+
+def test_strict_device_tensors_pick_cpu_kernels(strict):
+    assert on_device(3).device.type == "cpu" and not on_device(3).is_cuda
+
+
+def test_strict_in_place_ops_do_not_write_device_values_into_host_scalars(strict):
+    device = on_device(3)
+    device.add_(torch.tensor(1.0))
+    with pytest.raises(RuntimeError, match=MIXED):
+        torch.tensor(0.0).add_(on_device(()))
+    with pytest.raises(RuntimeError, match=MIXED):
+        total = torch.zeros(())
+        total += on_device(())
+
+
+def test_strict_transfers_and_host_indices_are_allowed(strict):
+    device = on_device(3)
+    device.copy_(torch.arange(3.0))
+    host = torch.zeros(3).copy_(device)
+    assert host.tolist() == [0.0, 1.0, 2.0]
+    assert device[torch.tensor([0, 2])].tolist() == [0.0, 2.0]
+    device[torch.tensor([1])] = torch.full((1,), 5.0)
+    with pytest.raises(RuntimeError, match=MIXED):
+        torch.ones(3)[torch.tensor([0], device="cuda")]
+
+
+def test_strict_numpy_and_grad_follow_cuda(strict):
+    with pytest.raises(TypeError, match="can't convert cuda:0 device type tensor to numpy"):
+        on_device(3).numpy()
+    assert torch.ones(3).numpy().tolist() == [1.0, 1.0, 1.0]
+    param = torch.nn.Parameter(on_device(3))
+    param.grad = on_device(3)
+    with pytest.raises(RuntimeError, match="different device"):
+        param.grad = torch.ones(3)
+
+
+def test_strict_module_cuda_moves_parameters_and_their_grads(strict):
+    layer = torch.nn.Linear(3, 3)
+    with pytest.raises(RuntimeError, match=MIXED):
+        layer(on_device(2, 3))
+    layer.cuda()
+    layer(on_device(2, 3)).sum().backward()
+    assert torch.equal(layer.weight.grad * 0, torch.zeros(3, 3, device="cuda"))
+    with pytest.raises(RuntimeError, match=MIXED):
+        layer.weight.grad + torch.ones(3, 3)
+
+
+class _DoubleInBackward(torch.autograd.Function):
+    """Its backward multiplies the incoming gradient by a tensor it makes on the host or on
+    the gradient's device."""
+
+    @staticmethod
+    def forward(ctx, x, factor_on_host: bool):
+        ctx.factor_on_host = factor_on_host
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        device = "cpu" if ctx.factor_on_host else grad.device
+        return grad * torch.full(grad.shape, 2.0, device=device), None
+
+
+def _run_backward(entry: str, root: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if entry == "tensor.backward":
+        root.backward()
+    elif entry == "engine":     # as the executor and megatron's custom_backward call it
+        torch.autograd.Variable._execution_engine.run_backward(
+            tensors=(root,), grad_tensors=(torch.ones_like(root),), keep_graph=False,
+            create_graph=False, inputs=(), allow_unreachable=True, accumulate_grad=True)
+    else:
+        (grad,) = torch.autograd.grad(root, x)
+        return grad
+    return x.grad
+
+
+@pytest.mark.parametrize("entry", ["tensor.backward", "engine", "autograd.grad"])
+def test_strict_gradients_of_a_device_backward_are_device_tensors(strict, entry):
+    x = on_device(3).requires_grad_()
+    grad = _run_backward(entry, _DoubleInBackward.apply(x, False).sum(), x)
+    assert torch.equal(grad, torch.full((3,), 2.0, device="cuda"))
+    with pytest.raises(RuntimeError, match=MIXED):
+        grad + torch.ones(3)
+    x = on_device(3).requires_grad_()
+    with pytest.raises(RuntimeError, match=MIXED):      # a host tensor made in that backward
+        _run_backward(entry, _DoubleInBackward.apply(x, True).sum(), x)
+
+
+class _KeepGrad(torch.autograd.Function):
+    """Keeps its incoming gradient without computing on it (as a deferred weight grad does)."""
+
+    kept: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _KeepGrad.kept.append(grad)
+        return grad
+
+
+def test_strict_gradients_a_function_only_keeps_are_device_tensors(strict):
+    _KeepGrad.kept.clear()
+    _KeepGrad.apply(on_device(3).requires_grad_()).sum().backward()
+    assert torch.equal(_KeepGrad.kept[0] + on_device(3), torch.full((3,), 2.0, device="cuda"))
+    with pytest.raises(RuntimeError, match=MIXED):
+        _KeepGrad.kept[0] + torch.ones(3)
+
+
+def test_strict_a_host_backward_stays_on_the_host(strict):
+    x = torch.ones(3, requires_grad=True)
+    _DoubleInBackward.apply(x, True).sum().backward()
+    assert torch.equal(x.grad + torch.ones(3), torch.full((3,), 3.0))
+
+
+COLLECTIVES = {
+    "all_reduce": lambda t: dist.all_reduce(t),
+    "all_gather": lambda t: dist.all_gather([torch.empty_like(t)], t),
+    "all_gather_into_tensor": lambda t: dist.all_gather_into_tensor(torch.empty_like(t), t),
+    "broadcast": lambda t: dist.broadcast(t, 0),
+    "megatron's alias": lambda t: mappings.dist_all_gather_func(torch.empty_like(t), t),
+}
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES.values(), ids=list(COLLECTIVES))
+def test_strict_collectives_take_device_tensors_only(strict, collective):
+    collective(on_device(2))
+    with pytest.raises(RuntimeError, match=NCCL):
+        collective(torch.ones(2))
+    with pytest.raises(RuntimeError, match=NCCL):   # a 0-dim host tensor too
+        collective(torch.zeros(()))
+
+
+def test_strict_p2p_ops_take_device_tensors_only(strict):
+    op = dist.P2POp(dist.isend, torch.ones(2), 0)     # dist.isend is still the op P2POp takes
+    with pytest.raises(RuntimeError, match=NCCL):
+        dist.batch_isend_irecv([op])
+    with pytest.raises(RuntimeError, match=NCCL):
+        dist.irecv(torch.ones(2), 0)
+
+
+def test_strict_collective_check_holds_in_other_threads(strict):
+    errors = []
+
+    def reduce_host_tensor():
+        try:
+            dist.all_reduce(torch.ones(2))
+        except RuntimeError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=reduce_host_tensor)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and NCCL in str(errors[0])
+
+
+def test_strict_gloo_groups_take_host_tensors(strict):
+    group = dist.new_group(backend="gloo")
+    dist.all_reduce(torch.ones(2), group=group)
+    with pytest.raises(RuntimeError, match=NCCL):
+        dist.all_reduce(torch.ones(2), group=dist.new_group())
+
+
+SYNCS = {
+    "item": lambda t: t.item(),
+    "int": int, "float": float, "bool": bool,
+    "tolist": lambda t: t.tolist(),
+    "cpu": lambda t: t.cpu(),
+    "to cpu": lambda t: t.to("cpu"),
+    "copy_ to host": lambda t: torch.zeros(()).copy_(t),
+    "equal": lambda t: torch.equal(t, t),
+    "nonzero": lambda t: t.reshape(1).nonzero(),
+    "mask index": lambda t: t.reshape(1)[t.reshape(1) > 0],
+    "repr": repr,
+}
+
+
+@pytest.mark.parametrize("sync", SYNCS.values(), ids=list(SYNCS))
+def test_strict_host_syncs_raise_in_the_hot_loop_only(strict, sync):
+    sync(on_device(()))
+    with platform.host_sync_forbidden():
+        sync(torch.ones(()))                    # host tensors: no sync
+        with platform.host_sync_allowed():
+            sync(on_device(()))
+        with pytest.raises(RuntimeError, match=SYNC):
+            sync(on_device(()))
+
+
+def test_strict_asynchronous_transfers_and_masked_fills_are_no_syncs(strict):
+    device = on_device(3)
+    with platform.host_sync_forbidden():
+        device.to("cpu", non_blocking=True)
+        device[device > 0] = 0.0                 # a masked_fill_ on CUDA
+        with pytest.raises(RuntimeError, match=SYNC):
+            device[device > 0] = on_device(())     # a device value: index_put_, nonzero
+
+
+def test_strict_a_wait_with_timeout_is_a_host_sync(strict):
+    work = dist.all_reduce(on_device(1), async_op=True)
+    with platform.host_sync_forbidden():
+        work.wait()
+        with pytest.raises(RuntimeError, match=SYNC):
+            work.wait(timedelta(seconds=30))
+
+
+def test_rules_are_off_outside_strict_mode():
+    assert not platform.is_strict()
+    torch.ones(3, device="cuda") + torch.ones(3)
+    dist.all_reduce(torch.zeros(()))
+    with platform.host_sync_forbidden():
+        int(torch.ones((), device="cuda"))
+    with platform.strict_mode():
+        assert platform.is_strict()
+    assert not platform.is_strict()
+
+
+def test_the_environment_turns_strict_mode_on_for_the_process():
+    code = ("from seq1f1b import platform; import torch; platform.activate(); "
+            "print(platform.is_strict()); torch.ones(2, device='cuda') + torch.ones(2)")
+    env = {**os.environ, platform.STRICT_ENV: "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.startswith("True") and MIXED in proc.stderr
