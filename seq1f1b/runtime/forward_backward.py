@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.utils import get_model_config
 
+from seq1f1b import platform
 from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import ScheduleError
@@ -196,7 +197,8 @@ def get_forward_backward_func(name: str = "seq1f1b",
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(
                 barrier=config.barrier_with_L1_time)
-        store = executor.run()
+        with platform.host_sync_forbidden():   # strict mode: no host sync in the hot loop
+            store = executor.run()
         if config.finalize_model_grads_func is not None and not forward_only:
             config.finalize_model_grads_func(
                 list(chunks),
