@@ -77,14 +77,23 @@ class MicrobatchLoss:
         return [length / total for length in self.span_lengths]
 
     def backward_scale(self, span: int, num_microbatches: int, per_token_loss: bool,
-                       cp_size: int = 1) -> float:
-        """The factor d(iteration loss)/d(loss of span `span`)."""
+                       cp_size: int = 1) -> float | torch.Tensor:
+        """The factor d(iteration loss)/d(loss of span `span`).
+
+        In the per-token form it depends on the token count, a tensor on the loss's device: the
+        factor stays there (reading the count on the host would stall the GPU at every span's
+        backward), computed in float64 and cast to the loss's dtype, which is what the
+        multiplication by the same Python float would round it to."""
         if not self.complete:
             raise RuntimeError("backward of a span before every span of its micro-batch has a loss")
         if self.per_token_form:
             if per_token_loss:
                 return 1.0
-            return 1.0 / (max(int(self.total_tokens()), 1) * num_microbatches)
+            scale = 1.0 / (self.total_tokens().clamp(min=1).double() * num_microbatches)
+            loss = self.losses[span]
+            if isinstance(loss, torch.Tensor) and loss.is_floating_point():
+                return scale.to(loss.dtype)
+            return scale
         return self._weights()[span] * cp_size / num_microbatches
 
     def combined_reduced(self) -> Any:
