@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
                    config=None) -> torch.nn.Module:
-    """One GPT model chunk: megatron's GPTModel with Seq1F1B's span-aware attention."""
+    """One GPT model chunk: megatron's GPTModel with Seq1F1B's span-aware attention, on the
+    device (where Megatron-LM's get_model puts it: without a GPU the config initialises on the
+    host, and megatron-core never moves a model)."""
+    from seq1f1b import platform
     from seq1f1b.megatron_adapter import build_model_chunk
     from seq1f1b.runtime.forward_backward import splits_backward
 
@@ -35,17 +38,35 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         position_embedding_type=args.position_embedding_type, pre_process=pre_process,
         post_process=post_process, vp_stage=vp_stage, attention_backend=args.attention_backend,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        split_backward=splits_backward(args.pipeline_schedule))
+        split_backward=splits_backward(args.pipeline_schedule)).to(platform.compute_device())
 
 
-def get_batch(data_iterator):
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def get_batch(data_iterator, pre_process: bool = True, post_process: bool = True):
     """(tokens, labels, loss_mask, attention_mask, position_ids) of the next micro-batch (or the
-    span of it the schedule runs); Nones on stages that read no data."""
+    span of it the schedule runs); Nones on stages that read no data.
+
+    The data loader collates on the host; the model computes on the device. As Megatron's
+    get_batch_on_this_tp_rank, a stage moves only what it uses: the first stage
+    (`pre_process`) its inputs, tokens and position_ids, the last stage (`post_process`) the
+    loss's labels and loss_mask, either of them the attention mask when there is one.
+    """
     if data_iterator is None:
         return None, None, None, None, None
+    from seq1f1b import platform
+
     batch = next(data_iterator)
-    return (batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"],
-            batch["position_ids"])
+    used = set()
+    if pre_process:
+        used |= {"tokens", "position_ids", "attention_mask"}
+    if post_process:
+        used |= {"labels", "loss_mask", "attention_mask"}
+    device = platform.compute_device()
+    return tuple(batch[key].to(device, non_blocking=True)
+                 if key in used and batch.get(key) is not None else batch.get(key)
+                 for key in _BATCH_KEYS)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -66,7 +87,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """Megatron's forward step: run the chunk, hand back the loss function for the last stage."""
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    from megatron.core.utils import get_attr_wrapped_model
+
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, get_attr_wrapped_model(model, "pre_process"),
+        get_attr_wrapped_model(model, "post_process"))
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
     return output_tensor, functools.partial(loss_func, loss_mask)
 

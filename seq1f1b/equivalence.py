@@ -22,7 +22,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-from seq1f1b import megatron_adapter
+from seq1f1b import megatron_adapter, platform
 from seq1f1b.distributed import release_model_parallel
 from seq1f1b.plan import registry
 from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
@@ -149,28 +149,33 @@ def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_paral
 
 def _build(case: EquivalenceCase, config, *, pre_process: bool, post_process: bool,
            vp_stage: Optional[int]) -> torch.nn.Module:
+    """A chunk on the device, where Megatron-LM's get_model puts it: without a GPU the config
+    initialises on the host (`use_cpu_initialization`), and megatron-core never moves a model."""
     return megatron_adapter.build_model_chunk(
         config, vocab_size=case.vocab_size, max_sequence_length=case.seq_length,
         position_embedding_type=case.position_embedding_type, pre_process=pre_process,
         post_process=post_process, vp_stage=vp_stage,
         share_embeddings_and_output_weights=not case.untie_embeddings,
         attention_backend=case.attention_backend,
-        split_backward=splits_backward(case.schedule))
+        split_backward=splits_backward(case.schedule)).to(platform.compute_device())
 
 
 def global_batch(case: EquivalenceCase, dp: int) -> list[dict]:
-    """DP x m micro-batches of random tokens, next-token labels and a loss mask with holes."""
+    """DP x m micro-batches of random tokens, next-token labels and a loss mask with holes, on
+    the device the model computes on (drawn on the CPU, so every device draws the same)."""
     gen = torch.Generator().manual_seed(case.seed + 1)
     shape = (case.micro_batch_size, case.seq_length)
+    device = platform.compute_device()
     batches = []
     for _ in range(dp * case.num_microbatches):
         tokens = torch.randint(0, case.vocab_size, (shape[0], shape[1] + 1), generator=gen)
-        batches.append({
-            "tokens": tokens[:, :-1].contiguous(),
-            "labels": tokens[:, 1:].contiguous(),
+        batch = {
+            "tokens": tokens[:, :-1],
+            "labels": tokens[:, 1:],
             "loss_mask": (torch.rand(shape, generator=gen) > 0.25).float(),
-            "position_ids": torch.arange(shape[1]).unsqueeze(0).expand(shape).contiguous(),
-        })
+            "position_ids": torch.arange(shape[1]).unsqueeze(0).expand(shape),
+        }
+        batches.append({key: value.to(device).contiguous() for key, value in batch.items()})
     return batches
 
 
@@ -263,8 +268,9 @@ def _max_rel_diff(pairs) -> tuple[float, str, int]:
 
 def _worst_over_ranks(worst: float, name: str, compared: int, dp: int) -> tuple[float, str, int]:
     world = dist.get_world_size()
-    gathered = [torch.zeros(2) for _ in range(world)]
-    dist.all_gather(gathered, torch.tensor([worst, float(compared)]))
+    device = platform.compute_device()      # NCCL takes device tensors only
+    gathered = [torch.zeros(2, device=device) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor([worst, float(compared)], device=device))
     names = [None] * world
     dist.all_gather_object(names, name)
     rank = max(range(world), key=lambda r: float(gathered[r][0]))
@@ -326,7 +332,7 @@ class ParallelLayout:
             num_microbatches=case.num_microbatches, seq_length=case.seq_length,
             micro_batch_size=case.micro_batch_size)
         # Mean over micro-batches of each one's token mean, then over DP (megatron's report).
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=platform.compute_device())
         if losses and parallel_state.get_tensor_model_parallel_rank() == 0:
             loss += sum(float(x["lm loss"][0]) / max(float(x["lm loss"][1]), 1.0)
                         for x in losses) / case.num_microbatches

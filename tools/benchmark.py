@@ -151,6 +151,7 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from seq1f1b import platform
     from seq1f1b.equivalence import forward_step, ParallelLayout
     from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
                                                   get_forward_backward_func, splits_backward)
@@ -182,7 +183,9 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
                  model=layout.chunks if chunked else layout.chunks[0],
                  num_microbatches=case.num_microbatches, seq_length=case.seq_length,
                  micro_batch_size=case.micro_batch_size)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        torch.cuda.synchronize()        # a GPU may still be running what the host queued
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
+                               device=platform.compute_device())     # NCCL: device tensors only
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed)
 
