@@ -3,9 +3,9 @@
 Each rank runs its program in order; an action starts when its rank is free and every action it
 depends on (`actions.dependencies`, the one place the rules live) has finished, plus a p2p latency
 when that action ran on another rank. Nothing else is shared, so timing the actions in any order
-that respects those two constraints yields the event-driven timeline: `validate.topological_order`
-gives one. Invalid schedules (incomplete, misordered, deadlocking) are refused with
-`validate.validate`'s message.
+that respects those two constraints yields the event-driven timeline: `validate.execution_graph`
+gives one, with each action's dependencies. Invalid schedules (incomplete, misordered,
+deadlocking) are refused with `validate.validate`'s message.
 
 Memory: a span is live on a rank from the start of its F until the end of the action that frees its
 activations: B, or W when the schedule splits backward; the loss's logits (last stage only) go with
@@ -31,7 +31,7 @@ from seq1f1b.plan.costs import (ModelConfig, Recompute, SpanFlops, chunk_activat
                                 kv_cache_bytes, layer_flops, logits_bytes, logits_flops,
                                 output_layer_input_bytes)
 from seq1f1b.plan.partition import span_bounds
-from seq1f1b.plan.validate import topological_order, validate
+from seq1f1b.plan.validate import execution_graph, validate
 
 Table = tuple[tuple[float, ...], ...]
 """Indexed [virtual stage][span]."""
@@ -216,17 +216,26 @@ def simulate(schedule: Schedule, costs: SpanCosts, p2p_latency: float = 0.0
     if p2p_latency < 0:
         raise ScheduleError("--p2p-latency must not be negative")
     validate(schedule)
-    finished: dict[tuple[int, Action], float] = {}
-    timelines: list[list[TimedAction]] = [[] for _ in range(schedule.pp)]
+    return _report(schedule, costs, timelines(schedule, costs, p2p_latency))
+
+
+def timelines(schedule: Schedule, costs: SpanCosts, p2p_latency: float = 0.0
+              ) -> list[list[TimedAction]]:
+    """Each rank's actions, in program order, with their start and end: `simulate` without the
+    report, for a schedule known to be valid (one that deadlocks still raises)."""
+    graph = execution_graph(schedule)
+    finished = [0.0] * len(graph.steps)
+    ranks: list[list[TimedAction]] = [[] for _ in range(schedule.pp)]
     free_at = [0.0] * schedule.pp
-    for rank, action in topological_order(schedule):
+    for step in graph.order:
+        rank, action = graph.steps[step]
         start = max([free_at[rank]] + [
-            finished[(dep_rank, dep)] + (p2p_latency if dep_rank != rank else 0.0)
-            for dep_rank, dep in dependencies(schedule, rank, action)])
+            finished[need] + (p2p_latency if graph.steps[need][0] != rank else 0.0)
+            for need in graph.needs[step]])
         end = start + costs.duration(schedule.stage_of(rank, action.chunk), action)
-        finished[(rank, action)] = free_at[rank] = end
-        timelines[rank].append(TimedAction(action, start, end))
-    return _report(schedule, costs, timelines)
+        finished[step] = free_at[rank] = end
+        ranks[rank].append(TimedAction(action, start, end))
+    return ranks
 
 
 _HELD = ("activation", "kv_cache", "logits")

@@ -44,6 +44,26 @@ def topological_order(schedule: Schedule) -> list[Step]:
     return [steps[step] for step in _replay(schedule, _StepGraph.of(schedule))]
 
 
+@dataclass(frozen=True)
+class ExecutionGraph:
+    """The schedule's steps (every (rank, action), rank by rank in program order), an order that
+    runs them, and each step's dependencies as step indices (program order not listed): what a
+    replay with costs needs, computed once with the vectorised rule table."""
+
+    steps: list[Step]
+    order: list[int]
+    needs: list[list[int]]
+
+
+def execution_graph(schedule: Schedule) -> ExecutionGraph:
+    """`topological_order` with the dependency steps of each step; raises like it."""
+    graph = _StepGraph.of(schedule)
+    order = _replay(schedule, graph)
+    never = graph.never
+    return ExecutionGraph(list(schedule.iter_actions()), order,
+                          [[need for need in needs if need < never] for needs in graph.needs])
+
+
 def find_problems(schedule: Schedule) -> list[str]:
     """Everything wrong with `schedule`, one sentence each; empty when it is valid."""
     graph = _StepGraph.of(schedule)
