@@ -329,7 +329,8 @@ def kv_cache_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int
     B(i,0). So a micro-batch in flight holds the sum of this over all its spans, from F(i,0) on;
     the simulator's replay counts it that way. From the micro-batch's first backward (its last
     span's B) to B(i,0) the cache also accumulates the later spans' dK/dV for the rows of spans
-    0..k-2: the same bytes again for those spans.
+    0..k-2, in fp32 whatever the training precision: these bytes again for those spans at 4 bytes
+    per element (`simulate.ACCUMULATOR_BYTES`), twice them in bf16 training.
     """
     return 2 * span_length * batch * model.num_query_groups * model.kv_channels \
         * bytes_per_element / tp

@@ -18,7 +18,7 @@ schedule's memory is read off the same plan that runs. What the estimate counts,
   group's input);
 - the K/V cache of the micro-batches in flight, each the whole sequence's from its first span's
   forward to its last backward (the runtime's one buffer per micro-batch), and its dK/dV
-  accumulators from its first backward on; on the last stage ("logits") the loss's fp32 softmax
+  accumulators (fp32 whatever the precision) from its first backward on; on the last stage ("logits") the loss's fp32 softmax
   and the inputs of the final norm and the output layer;
 - a backward workspace (costs.backward_workspace_bytes; with full recompute it includes the
   recomputed group's activations) and a fixed framework overhead (`FRAMEWORK_OVERHEAD_GIB`).

@@ -48,6 +48,8 @@ class SpanCosts:
     kv_cache_bytes: Table | None = None
     logits_bytes: Table | None = None      # the loss's fp32 softmax and the head's inputs:
                                            # non-zero on the last stage only
+    kv_accumulator_bytes: Table | None = None  # dK/dV accumulated for each span's rows (fp32
+                                               # whatever the precision); None: kv_cache_bytes
 
     def duration(self, stage: int, action: Action) -> float:
         table = {"F": self.forward, "B": self.backward, "W": self.weight}[action.op]
@@ -156,6 +158,9 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                                              bytes_per_element, recompute)),
         kv_cache_bytes=per_span_bytes(
             lambda n: layers * kv_cache_bytes(model, n, batch, tp, bytes_per_element)),
+        kv_accumulator_bytes=per_span_bytes(
+            lambda n: layers * kv_cache_bytes(model, n, batch, tp,
+                                              max(bytes_per_element, ACCUMULATOR_BYTES))),
         logits_bytes=tuple(logits if stage == last else no_logits
                            for stage in range(schedule.num_stages)))
 
@@ -238,18 +243,25 @@ def timelines(schedule: Schedule, costs: SpanCosts, p2p_latency: float = 0.0
     return ranks
 
 
+ACCUMULATOR_BYTES = 4
+"""Bytes per element of the runtime's dK/dV accumulators: fp32 at least, whatever the training
+precision (`seq1f1b.runtime.kv_cache.MIN_ACCUMULATOR_DTYPE`)."""
+
 _HELD = ("activation", "kv_cache", "logits")
 """What a rank holds for backward, by kind: activations and logits per span (freed with the span's
 activations), K/V per micro-batch (the whole sequence's, from F(i,0) until after B(i,0)) and, from
 the micro-batch's first backward (its last span's B) on, the cache's dK/dV accumulators of the
-earlier spans' rows (the K/V bytes of spans 0..k-2; none with k = 1)."""
+earlier spans' rows (spans 0..k-2, in fp32: twice their K/V bytes in bf16 training; none with
+k = 1). The accumulators count under "kv_cache"."""
 
 
 def _held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
     if costs is None or costs.activation_bytes is None or costs.kv_cache_bytes is None:
         return None
     logits = costs.logits_bytes or tuple((0.0,) * len(row) for row in costs.activation_bytes)
-    return dict(zip(_HELD, (costs.activation_bytes, costs.kv_cache_bytes, logits)))
+    tables = dict(zip(_HELD, (costs.activation_bytes, costs.kv_cache_bytes, logits)))
+    tables["kv_accumulator"] = costs.kv_accumulator_bytes or costs.kv_cache_bytes
+    return tables
 
 
 def _held_change(tables: dict[str, Table], stage: int, action: Action, frees_activations: str
@@ -267,7 +279,7 @@ def _held_change(tables: dict[str, Table], stage: int, action: Action, frees_act
     if action.op == frees_activations:
         released["activation"] = tables["activation"][stage][span]
         released["logits"] = tables["logits"][stage][span]
-    earlier_spans_kv = sum(tables["kv_cache"][stage][:-1])
+    earlier_spans_kv = sum(tables["kv_accumulator"][stage][:-1])
     if action.op == "B" and span == len(tables["kv_cache"][stage]) - 1:
         allocated["kv_cache"] = earlier_spans_kv
     if action.op == "B" and span == 0:

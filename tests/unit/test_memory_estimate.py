@@ -65,7 +65,8 @@ def test_seq1f1b_rank0_holds_p_plus_k_minus_1_spans(pp, k):
     every F brings rank 0 to P + k - 1 live spans; right after an F(i,0) they are span 0 of i,
     whole micro-batches, and r >= 1 remaining spans of the oldest: P + k - 2 = k * whole + r, so
     2 + ceil((P - 2) / k) micro-batches are in flight, and never more. The oldest has begun its
-    backward, so its dK/dV accumulators hold the rows of its first k - 1 spans.
+    backward, so its dK/dV accumulators hold the rows of its first k - 1 spans, in fp32: twice
+    their bf16 K/V bytes.
     """
     model = replace(MODEL, num_layers=8 * 3)
     seq_length = 4096 * 3
@@ -77,7 +78,7 @@ def test_seq1f1b_rank0_holds_p_plus_k_minus_1_spans(pp, k):
     layers = model.num_layers // pp
     in_flight = 2 + -(-(pp - 2) // k)
     assert seq.stages[0].kv_cache_bytes == pytest.approx(
-        (in_flight + (k - 1) / k) * layers * kv_cache_bytes(model, seq_length))
+        (in_flight + 2 * (k - 1) / k) * layers * kv_cache_bytes(model, seq_length))
     assert one.stages[0].kv_cache_bytes == pytest.approx(
         pp * layers * kv_cache_bytes(model, seq_length))
 

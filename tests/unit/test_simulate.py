@@ -84,31 +84,32 @@ def test_kv_cache_of_a_micro_batch_is_held_whole_from_its_first_span():
     """P=1, k=4: F0.0 already holds the whole sequence's K/V; they stay until B0.0.
 
     From B0.3 (the micro-batch's first backward) to B0.0 the dK/dV accumulators of spans 0-2 (90
-    tokens) are held too. m=1: F0.0-F0.3 B0.3 ...: one sequence's K/V plus the accumulators.
-    m=2: F0.0 F0.1 F0.2 F0.3 B0.3 F1.0 B0.2 F1.1 B0.1 F1.2 B0.0 F1.3 ...; from F1.0 to B0.0 two
-    whole sequences' K/V and micro-batch 0's accumulators are held (span by span the K/V would
-    never exceed 140 of 200 tokens); the byte peak is at F1.1, with 2 x 70 tokens of activations.
+    tokens) are held too, in fp32: the bytes of 180 tokens of bf16 K/V. m=1: F0.0-F0.3 B0.3 ...:
+    one sequence's K/V plus the accumulators. m=2: F0.0 F0.1 F0.2 F0.3 B0.3 F1.0 B0.2 F1.1 B0.1
+    F1.2 B0.0 F1.3 ...; from F1.0 to B0.0 two whole sequences' K/V and micro-batch 0's
+    accumulators are held (span by span the K/V would never exceed 140 of 200 tokens); the byte
+    peak is at F1.1, with 2 x 70 tokens of activations.
     """
     model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
     spans = [40, 30, 20, 10]
-    for m, tokens in ((1, 100 + 90), (2, 2 * 100 + 90)):
+    for m, tokens in ((1, 100 + 2 * 90), (2, 2 * 100 + 2 * 90)):
         schedule = registry.build("seq1f1b", 1, m, 4)
         rank = simulate(schedule, model_costs(schedule, model, spans,
                                               flops_per_second=1e9)).ranks[0]
         assert rank.peak_kv_cache_bytes == 2 * kv_cache_bytes(model, tokens)
-    assert rank.held_at_peak["kv_cache"] == 2 * kv_cache_bytes(model, 290)      # at F1.1
+    assert rank.held_at_peak["kv_cache"] == 2 * kv_cache_bytes(model, 380)      # at F1.1
     assert rank.held_at_peak["activation"] == pytest.approx(2 * 2 * activation_bytes(model, 70))
 
 
 def test_kv_cache_is_freed_after_the_micro_batchs_last_backward():
     """Split backward, k=2: K/V of micro-batch 0 (and, from B0.1, its span 0's dK/dV
-    accumulator) leave after B0.0 (W needs none), before F1.0."""
+    accumulator, fp32: twice its bf16 K/V bytes) leave after B0.0 (W needs none), before F1.0."""
     schedule = Schedule.from_text("rank 0: F0.0 F0.1 B0.1 B0.0 F1.0 W0.1 W0.0 F1.1 B1.1 B1.0 "
                                   "W1.1 W1.0", "w-toy-k2")
     model = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=100)
     rank = simulate(schedule, model_costs(schedule, model, [24, 8],
                                           flops_per_second=1e9)).ranks[0]
-    assert rank.peak_kv_cache_bytes == kv_cache_bytes(model, 32 + 24)
+    assert rank.peak_kv_cache_bytes == kv_cache_bytes(model, 32 + 2 * 24)
     # At F1.0 micro-batch 0's activations are still held (until its W), its K/V are not.
     assert rank.held_at_peak["activation"] == 2 * activation_bytes(model, 24) + \
         activation_bytes(model, 8)
@@ -152,9 +153,9 @@ def test_model_costs_follow_the_cost_formula():
     # F0.0-F0.3 F1.0 F1.1 (warm-up P - 1 + k - 1 = 6), then alternates F and B: F1.2 B0.3 F1.3
     # B0.2 F2.0 -- micro-batches 0 (spans 0, 1), 1 and 2 in flight -- B0.1 F2.1 B0.0; never four,
     # since 7 live spans cannot cover three whole micro-batches plus a fourth's first span. Since
-    # B0.3, micro-batch 0's dK/dV accumulators hold the rows of its spans 0-2.
+    # B0.3, micro-batch 0's dK/dV accumulators hold the rows of its spans 0-2 (fp32: twice).
     assert report.ranks[0].peak_kv_cache_bytes == pytest.approx(
-        8 * kv_cache_bytes(model, 3 * 65536 + sum(spans[:3]), tp=2))
+        8 * kv_cache_bytes(model, 3 * 65536 + 2 * sum(spans[:3]), tp=2))
     # The byte peak is not where the span count first peaks (all of micro-batch 0 and three
     # spans of micro-batch 1): the first span is the longest, so a later window holding two
     # first spans is heavier.
