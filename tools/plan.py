@@ -9,8 +9,10 @@
   plan.py memory    --schedule seq1f1b --pp 4 --microbatches 32 --splits 4 --model 7b \\
                     --seq-length 65536 --tp 8 --sequence-parallel --partition compute \\
                     --distributed-optimizer --gpu-memory 79.25 --recompute-granularity full
+  plan.py comm      --schedule seq1f1b --pp 4 --microbatches 8 --splits 2
 
-Every subcommand takes --json for other tools. Bad arguments print one line on stderr and exit 2.
+Every subcommand takes --json for other tools. Bad arguments print one line on stderr and exit 2;
+`comm` exits 1 when the communication would deadlock or mismatch under NCCL's rules.
 """
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ from seq1f1b.plan.actions import ScheduleError  # noqa: E402
 from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
 from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
                                 ModelConfig, preset)
+from seq1f1b.plan.communication import SEND, communication_plan  # noqa: E402
 from seq1f1b.plan.memory import (FRAMEWORK_OVERHEAD_GIB, GIB, MEGATRON_PLANS,  # noqa: E402
                                  PRECISIONS, MemoryEstimate, TrainingSetup, estimate_memory)
+from seq1f1b.plan.nccl import MODES, validate_modes  # noqa: E402
 from seq1f1b.plan.partition import imbalance, partition, span_flops  # noqa: E402
 from seq1f1b.plan.projection import A100  # noqa: E402
 from seq1f1b.plan.simulate import (SimulationReport, model_costs, simulate,  # noqa: E402
@@ -238,6 +242,41 @@ def _print_memory(estimate: MemoryEstimate, gpu_memory_gib: float, reserve: floa
           f"{verdict} (TOTAL counts optim/DP only with --distributed-optimizer)")
 
 
+def cmd_comm(args: argparse.Namespace) -> int:
+    schedule = _schedule(args)
+    plan = communication_plan(schedule)
+    modes = MODES if args.mode == "both" else (args.mode,)
+    verdicts = validate_modes(plan, modes)
+    show = schedule.chunks > 1
+
+    ranks = [[{"after": None if g.point < 0 else rank.actions[g.point].format(show),
+               "ops": [{"op": op.kind, "peer": op.peer, "message": str(op.payload)}
+                       for op in g.group.ops]} for g in rank.groups] for rank in plan.ranks]
+    if args.json:
+        print(json.dumps({"schedule": schedule.name, "pp": schedule.pp,
+                          "microbatches": schedule.microbatches, "splits": schedule.splits,
+                          "chunks": schedule.chunks, "ranks": ranks,
+                          "verdicts": {mode: {"ok": v.ok, "groups": v.groups,
+                                              "messages": v.messages, "problems": v.problems}
+                                       for mode, v in verdicts.items()}}))
+    else:
+        print(f"{schedule.name}: P={schedule.pp} m={schedule.microbatches} k={schedule.splits} "
+              f"V={schedule.chunks}; each line is one batch_isend_irecv, issued after the action "
+              "named (or before the first)")
+        for rank, groups in enumerate(ranks):
+            print(f"rank {rank}:")
+            for group in groups:
+                ops = "; ".join(f"{op['op']} {op['message']} "
+                                f"{'to' if op['op'] == SEND else 'from'} rank {op['peer']}"
+                                for op in group["ops"])
+                print(f"  {'after ' + group['after'] if group['after'] else 'start':<14} {ops}")
+        for mode, verdict in verdicts.items():
+            result = "ok" if verdict.ok else "FAILS: " + "; ".join(verdict.problems)
+            print(f"NCCL {mode} mode: {verdict.groups} groups, {verdict.messages} messages: "
+                  f"{result}")
+    return 0 if all(v.ok for v in verdicts.values()) else 1
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="plan.py", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -312,17 +351,24 @@ def build_parser() -> Parser:
                           "allocated bytes times its measured reserved/allocated ratio")
     mem.add_argument("--json", action="store_true")
     mem.set_defaults(run=cmd_memory)
+
+    comm = commands.add_parser("comm", help="each rank's p2p groups and the NCCL-rules verdict")
+    _add_schedule_args(comm)
+    comm.add_argument("--mode", choices=list(MODES) + ["both"], default="both",
+                      help="NCCL init: lazy (default of init_process_group), eager (device_id "
+                           "given) or both")
+    comm.add_argument("--json", action="store_true")
+    comm.set_defaults(run=cmd_comm)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        args.run(args)
+        return args.run(args) or 0
     except (UsageError, ScheduleError, CalibrationError) as err:
         print(f"plan.py: error: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""tools/plan.py: show / partition / simulate, their JSON, the pictures, and one-line errors."""
+"""tools/plan.py: show / partition / simulate / comm, their JSON, the pictures, one-line errors."""
 import importlib.util
 import json
 import subprocess
@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prefetch_order import prefetch_plan
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("plan_cli", REPO / "tools" / "plan.py")
@@ -38,6 +39,31 @@ def test_show_text_and_json(capsys):
         {"schedule": "seq1f1b-interleaved", "pp": 2, "microbatches": 2, "splits": 2, "chunks": 2}
     assert len(data["ranks"]) == 2 and data["ranks"][0][0] == "F0.0@0"
     assert all(len(actions) == 2 * 2 * 2 * 2 for actions in data["ranks"])
+
+
+def test_comm_prints_each_ranks_groups_and_both_verdicts(capsys):
+    code, out, _ = run(capsys, "comm", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("1f1b: P=2 m=4 k=1 V=1; each line is one batch_isend_irecv")
+    assert "  after F1.0     send activation of micro-batch 1 span 0 for stage 1 to rank 1; recv " \
+           "gradient of micro-batch 0 span 0 for stage 0 from rank 1" in lines
+    assert lines[-2:] == ["NCCL lazy mode: 11 groups, 8 messages: ok",
+                          "NCCL eager mode: 11 groups, 8 messages: ok"]
+    data = run_json(capsys, "comm", "--schedule", "seq1f1b-interleaved", "--pp", "2",
+                    "--microbatches", "2", "--splits", "2", "--chunks", "2", "--mode", "eager")
+    assert list(data["verdicts"]) == ["eager"] and data["verdicts"]["eager"]["ok"]
+    first = data["ranks"][1][0]
+    assert first["after"] is None and first["ops"][0] == {
+        "op": "recv", "peer": 0, "message": "activation of micro-batch 0 span 0 for stage 1"}
+
+
+def test_comm_exits_1_on_an_order_that_deadlocks(capsys, monkeypatch):
+    monkeypatch.setattr(plan_cli, "communication_plan", prefetch_plan)
+    code, out, _ = run(capsys, "comm", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4")
+    assert code == 1
+    assert out.splitlines()[-1].startswith("NCCL eager mode: 16 groups, 8 messages: FAILS: "
+                                           "deadlock among ranks 0, 1: ")
 
 
 @pytest.mark.parametrize("seq_length", [32768, 65536, 131072])
@@ -105,6 +131,10 @@ BAD_INPUTS = [
      "--uniform-cost"),
     (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--uniform-cost",
       "1"], "--uniform-cost"),
+    (["comm", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--mode", "fast"],
+     "--mode"),
+    (["comm", "--schedule", "seq1f1b-interleaved", "--pp", "2", "--microbatches", "2"],
+     "--chunks"),
 ]
 
 
