@@ -2,7 +2,8 @@
 
 `run_cases(world_size, worker, cases)` writes the cases to a JSON file, launches
 `torchrun --nproc-per-node W worker cases.json results.json` and returns the worker's list of
-results (one dict per case, in order). The worker runs every case even if one fails.
+results (one dict per case, in order). The worker runs every case even if one fails. `env` adds
+environment variables for the launch (e.g. SEQ1F1B_STRICT_CUDA=1: strict platform mode).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,16 +25,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_cases(world_size: int, worker: str, cases: list[dict], timeout_s: int = 900) -> list[dict]:
+def run_cases(world_size: int, worker: str, cases: list[dict], timeout_s: int = 900,
+              env: Optional[dict[str, str]] = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         cases_path = Path(tmp) / "cases.json"
         results_path = Path(tmp) / "results.json"
         cases_path.write_text(json.dumps(cases))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(world_size), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
                str(ROOT / "tests" / "distributed" / worker), str(cases_path), str(results_path)]
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+        proc = subprocess.run(cmd, env=environ, cwd=ROOT, capture_output=True, text=True,
                               timeout=timeout_s)
         if proc.returncode != 0 or not results_path.exists():
             raise RuntimeError(f"torchrun x{world_size} failed ({proc.returncode}):\n"
