@@ -5,11 +5,29 @@ of the micro-batch on the first stage), run the chunk on the span with its KV co
 receive the output grad (or scale the span's loss on the last stage), back-propagate from the
 output and from this span's K/V with the dK/dV later spans left, send the input grad. The order is
 the plan's; the executor adds none of its own, so what the validator and simulator saw is what runs.
+Communication too: `PipelineChannels` issues the communication plan's groups right after the
+actions they follow (`seq1f1b.plan.communication`, checked under NCCL's rules).
+
+On a GPU (what the CPU cannot show, so it is written down here):
+- **Receives.** A group is issued by the host after its action has been enqueued; ProcessGroupNCCL
+  makes its NCCL stream wait for the compute stream at that moment (so the receive buffers, made
+  on the compute stream, exist). Before an action that needs a received tensor, `work.wait()`
+  without a timeout makes the compute stream wait for the group; the host never blocks and keeps
+  enqueueing. Nothing in `run` reads a device value on the host (the loss scale stays a tensor;
+  the trace uses CUDA events read after the iteration), so the host can run ahead of the GPU.
+- **Sent tensors.** `send` keeps a detached view of the output; with
+  `deallocate_pipeline_outputs` the output's `.data` is then swapped for a one-element tensor so
+  its graph no longer pins the activation, but the view keeps the storage until the group has
+  been waited (ProcessGroupNCCL also records the storage on its stream, so the caching allocator
+  cannot hand it out before the send ran). Backward then calls the autograd engine directly, as
+  megatron's `custom_backward` does, to skip the shape check against the swapped `.data`.
+- **dK/dV buffers.** The KV cache of a (micro-batch, chunk) and its dK/dV accumulators live on
+  the compute stream only: they are written by F(i,j) and read by B(i,j') in program order on
+  this rank, never sent, and freed after B(i,0); no cross-stream use, so no event is needed.
 """
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -245,10 +263,9 @@ class Executor:
             trace.begin(self.held_tensors,
                         [p for m in self.inp.model_chunks for p in m.parameters()])
         show_chunk = self.schedule.chunks > 1
+        self.channels.start()
         for n, action in enumerate(self.program):
-            if n + 1 < len(self.program):
-                self.channels.prefetch(self.program[n + 1])
-            start = time.perf_counter()
+            start = trace.mark() if trace is not None else None
             if action.op == "F":
                 self.forward(action)
             elif action.op == "B":
@@ -256,7 +273,8 @@ class Executor:
             else:
                 self.weight_grad(action, n == last_backward)
             if trace is not None:
-                trace.record(action.format(show_chunk), start, time.perf_counter())
+                trace.record(action.format(show_chunk), start, trace.mark())
+            self.channels.after(action)
         self.channels.finish()
         if trace is not None:
             trace.end()

@@ -1,120 +1,205 @@
-"""Point-to-point transfers between pipeline ranks, planned from the schedule.
+"""Point-to-point transfers between pipeline ranks: this rank's part of the communication plan.
 
-Every message is known before the iteration starts: which action sends it, which action receives
-it, its shape (from the span length) and its place in the order of its (sender, receiver) channel.
-So nothing is exchanged at run time (Megatron's variable-shape exchange is where its p2p bugs live),
-receives are posted ahead in channel order (what NCCL's in-order matching needs), sends never block,
-and a receive that does not arrive in time fails with the rank, action and peer in the message.
+`seq1f1b.plan.communication` decides, before the iteration, which sends and receives go out
+together and where; this module issues exactly those groups, each one `batch_isend_irecv`, on
+every backend, and nothing else. Shapes come from the plan's spans (no shape exchange: Megatron's
+variable-shape exchange is where its p2p bugs live). Tags are 0: NCCL ignores them, and gloo with
+one tag matches in issue order as NCCL does, so a wrong order shows on the CPU as a wrong tensor
+or a hang instead of being forgiven.
+
+How groups run (`make_transport`):
+- NCCL: issued at once; `work.wait()` without a timeout makes the compute stream wait for the
+  group and lets the host run ahead. A stuck transfer is reported by the process group's own
+  watchdog, whose timeout `--p2p-timeout` sets (a wait with a timeout would busy-wait the host).
+- gloo, "stream" (default): one worker thread runs the groups one at a time in issue order, each
+  to completion, as the CUDA stream runs NCCL kernels: an order that would hang on a GPU hangs
+  here too, and fails after `--p2p-timeout` naming the ranks and the messages.
+- gloo, "direct" (`SEQ1F1B_GLOO_P2P=direct`): issued and waited exactly as on NCCL, and left to
+  gloo, which runs them concurrently (a wait is bounded by the process group's timeout); the host
+  calls are then those a GPU run makes (the recorded-call test replays them under NCCL's rules).
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from seq1f1b.plan.actions import Action, Schedule
+from seq1f1b.plan.communication import (SEND, Group, Message, RankPlan, communication_plan,
+                                        incoming, outgoing)
 
-ACTIVATION = "activation"
-GRADIENT = "gradient"
-
-
-@dataclass(frozen=True)
-class Message:
-    """A tensor for virtual stage `stage`: the activation into F(i,j) or the grad into B(i,j)."""
-
-    kind: str
-    microbatch: int
-    span: int
-    stage: int
-
-    def describe(self) -> str:
-        return f"{self.kind} of micro-batch {self.microbatch} span {self.span} for stage {self.stage}"
+GLOO_MODES = ("stream", "direct")
+GLOO_MODE_VARIABLE = "SEQ1F1B_GLOO_P2P"
 
 
-def outgoing(schedule: Schedule, rank: int, action: Action) -> Optional[tuple[int, Message]]:
-    """(receiving rank, message) that `action` on `rank` sends, or None."""
-    stage = schedule.stage_of(rank, action.chunk)
-    if action.op == "F" and stage < schedule.num_stages - 1:
-        target = stage + 1
-        kind = ACTIVATION
-    elif action.op == "B" and stage > 0:
-        target = stage - 1
-        kind = GRADIENT
-    else:
-        return None
-    return schedule.owner_of(target)[0], Message(kind, action.microbatch, action.span, target)
+class Transport(Protocol):
+    """Issues a group's P2POps and waits for them; `describe` words a timeout."""
+
+    def issue(self, ops: list[dist.P2POp], batched: bool) -> object: ...
+
+    def wait(self, handle: object, describe: Callable[[], str]) -> None: ...
+
+    def close(self) -> None: ...
 
 
-def incoming(schedule: Schedule, rank: int, action: Action) -> Optional[tuple[int, Message]]:
-    """(sending rank, message) that `action` on `rank` must receive before it runs, or None."""
-    stage = schedule.stage_of(rank, action.chunk)
-    if action.op == "F" and stage > 0:
-        source, kind = stage - 1, ACTIVATION
-    elif action.op == "B" and stage < schedule.num_stages - 1:
-        source, kind = stage + 1, GRADIENT
-    else:
-        return None
-    return schedule.owner_of(source)[0], Message(kind, action.microbatch, action.span, stage)
+def _start(ops: list[dist.P2POp], batched: bool) -> list:
+    """One batch_isend_irecv; or, for a plan's lone group (test fixtures only: every planned
+    group is batched), its one isend or irecv."""
+    if batched:
+        return dist.batch_isend_irecv(ops)
+    (op,) = ops
+    key = "group_dst" if op.op is dist.isend else "group_src"
+    return [op.op(op.tensor, group=op.group, **{key: op.group_peer})]
 
 
-@functools.lru_cache(maxsize=256)
-def channel_order(schedule: Schedule, src: int, dst: int) -> tuple[Message, ...]:
-    """Messages from rank `src` to rank `dst` in the order `src` sends them (once per plan: the
-    executor of every iteration asks again)."""
-    order = []
-    for action in schedule.programs[src]:
-        sent = outgoing(schedule, src, action)
-        if sent is not None and sent[0] == dst:
-            order.append(sent[1])
-    return tuple(order)
+class ImmediateTransport:
+    """Issued at once; `wait()` without a timeout: on NCCL a stream wait (see the module doc), on
+    gloo a host wait bounded by the process group's timeout (`--p2p-timeout`)."""
+
+    def issue(self, ops: list[dist.P2POp], batched: bool) -> object:
+        return _start(ops, batched)
+
+    def wait(self, handle: object, describe: Callable[[], str]) -> None:
+        for work in handle:
+            work.wait()
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _Queued:
+    ops: list
+    batched: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+
+
+class StreamGlooTransport:
+    """One worker runs the groups in issue order, each to completion before the next starts: the
+    FIFO of a CUDA stream. The host waits for a group's completion, not for its own turn."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.running: Optional[_Queued] = None     # what the stream is on now (for reports)
+        self._worker = threading.Thread(target=self._run, name="p2p-stream", daemon=True)
+        self._worker.start()
+
+    def _run(self) -> None:
+        failed: Optional[BaseException] = None
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self.running = item
+            if failed is None:
+                try:
+                    for work in _start(item.ops, item.batched):
+                        work.wait(timedelta(seconds=self.timeout_s))
+                except BaseException as err:   # reported to the host by the group's waiter
+                    failed = err
+            item.error = failed
+            item.done.set()
+
+    def issue(self, ops: list[dist.P2POp], batched: bool) -> object:
+        item = _Queued(ops, batched)
+        self._queue.put(item)
+        return item
+
+    def wait(self, handle: object, describe: Callable[[], str]) -> None:
+        if not handle.done.wait(self.timeout_s):
+            raise RuntimeError(describe())
+        if handle.error is not None:
+            first = str(handle.error).splitlines()[0] if str(handle.error) else ""
+            raise RuntimeError(f"{describe()}: {type(handle.error).__name__} {first}")
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+def gloo_mode() -> str:
+    mode = os.environ.get(GLOO_MODE_VARIABLE, "stream")
+    if mode not in GLOO_MODES:
+        raise ValueError(f"{GLOO_MODE_VARIABLE}={mode!r}: choose one of {', '.join(GLOO_MODES)}")
+    return mode
+
+
+def make_transport(group: Optional[dist.ProcessGroup], timeout_s: float) -> Transport:
+    if dist.get_backend(group) == "nccl" or gloo_mode() == "direct":
+        return ImmediateTransport()
+    return StreamGlooTransport(timeout_s)
+
+
+@dataclass
+class _Issued:
+    """A group this rank has issued: its handle and its receive buffers."""
+
+    index: int
+    handle: object
+    buffers: dict[Message, torch.Tensor]
+    sent: list[torch.Tensor]
+    waited: bool = False
 
 
 class PipelineChannels:
-    """This rank's planned sends and receives over the pipeline process group.
+    """This rank's planned sends and receives over the pipeline process group, one iteration.
 
-    `shape_of(span)` gives the tensor shape of span `span` (the same for activations and their
-    grads); a message between two chunks of the same rank is handed over in memory.
+    The executor calls `start()`, then for action n: `receive(action)` (waits for the group
+    holding its tensor), `send(action, tensor)` (hands its output over), `after(action)` (issues
+    the groups planned right after it), and `finish()` at the end. `shape_of(span)` gives the
+    tensor shape of span `span`; a message between two chunks of this rank goes through memory.
     """
 
     def __init__(self, schedule: Schedule, rank: int, group: Optional[dist.ProcessGroup],
                  shape_of: Callable[[int], tuple[int, ...]], dtype: torch.dtype,
-                 device: torch.device, timeout_s: float = 600.0) -> None:
+                 device: torch.device, timeout_s: float = 600.0,
+                 plan: Optional[RankPlan] = None) -> None:
         self.schedule = schedule
         self.rank = rank
         self.group = group
         self.shape_of = shape_of
         self.dtype = dtype
         self.device = device
-        self.timeout = timedelta(seconds=timeout_s)
-        peers = {incoming(schedule, rank, a)[0] for a in schedule.programs[rank]
-                 if incoming(schedule, rank, a) is not None}
-        # Per peer: messages still to post in channel order, and the tags by message.
-        self._to_post = {p: list(channel_order(schedule, p, rank)) for p in peers if p != rank}
-        self._tags = {p: {m: n for n, m in enumerate(order)} for p, order in self._to_post.items()}
-        self._send_tags = {p: {m: n for n, m in enumerate(channel_order(schedule, rank, p))}
-                           for p in range(schedule.pp) if p != rank}
-        self._posted: dict[Message, tuple[dist.Work, torch.Tensor, int]] = {}
+        self.timeout_s = timeout_s
+        self.plan = plan if plan is not None else communication_plan(schedule).ranks[rank]
+        self._transport: Optional[Transport] = None
+        self._issued: list[_Issued] = []
+        self._holder: dict[Message, _Issued] = {}
+        self._outputs: dict[Message, torch.Tensor] = {}
         self._local: dict[Message, torch.Tensor] = {}
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def _post_until(self, peer: int, message: Message) -> None:
-        queue = self._to_post[peer]
-        while message not in self._posted:
-            nxt = queue.pop(0)
-            buffer = torch.empty(self.shape_of(nxt.span), dtype=self.dtype, device=self.device)
-            work = dist.irecv(buffer, group=self.group, group_src=peer,
-                              tag=self._tags[peer][nxt])
-            self._posted[nxt] = (work, buffer, peer)
+    def start(self) -> None:
+        if self.plan.groups:
+            self._transport = make_transport(self.group, self.timeout_s)
+        self._issue_at(-1)
 
-    def prefetch(self, action: Action) -> None:
-        """Post the receive `action` will need (and those before it on its channel) now."""
-        need = incoming(self.schedule, self.rank, action)
-        if need is not None and need[0] != self.rank:
-            self._post_until(*need)
+    def _issue_at(self, point: int) -> None:
+        for index in self.plan.issued_at.get(point, ()):
+            self._issue(index, self.plan.groups[index].group)
+
+    def _issue(self, index: int, group: Group) -> None:
+        ops, buffers, sent = [], {}, []
+        for op in group.ops:
+            if op.kind == SEND:
+                tensor = self._outputs.pop(op.payload)
+                sent.append(tensor)
+                ops.append(dist.P2POp(dist.isend, tensor, group=self.group, group_peer=op.peer))
+            else:
+                buffer = torch.empty(self.shape_of(op.payload.span), dtype=self.dtype,
+                                     device=self.device)
+                buffers[op.payload] = buffer
+                ops.append(dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=op.peer))
+        issued = _Issued(index, self._transport.issue(ops, group.batched), buffers, sent)
+        self._issued.append(issued)
+        for message in buffers:
+            self._holder[message] = issued
 
     def receive(self, action: Action) -> Optional[torch.Tensor]:
         """The tensor `action` needs from its neighbour stage, or None when it needs none."""
@@ -124,24 +209,33 @@ class PipelineChannels:
         peer, message = need
         if peer == self.rank:
             return self._local.pop(message)
-        self._post_until(peer, message)
-        work, buffer, _ = self._posted.pop(message)
-        try:
-            finished = work.wait(self.timeout)
-        except RuntimeError as err:
-            raise RuntimeError(self._timeout_text(action, peer, message, err)) from None
-        if finished is False:
-            raise RuntimeError(self._timeout_text(action, peer, message, None))
-        return buffer
+        issued = self._holder.pop(message)
+        self._wait(issued, action)
+        return issued.buffers.pop(message)
 
-    def _timeout_text(self, action: Action, peer: int, message: Message, err) -> str:
-        cause = f": {str(err).splitlines()[0]}" if err else ""
-        return (f"pipeline rank {self.rank}: {action.format(self.schedule.chunks > 1)} waited "
-                f"more than {self.timeout.total_seconds():g} s for the {message.describe()} from "
-                f"pipeline rank {peer} (--p2p-timeout){cause}")
+    def _wait(self, issued: _Issued, action: Optional[Action]) -> None:
+        if issued.waited:
+            return
+        self._transport.wait(issued.handle, lambda: self._timeout_text(issued, action))
+        issued.waited = True
+        issued.sent.clear()
+
+    def _timeout_text(self, issued: _Issued, action: Optional[Action]) -> str:
+        show = self.schedule.chunks > 1
+        who = f"{action.format(show)} waited" if action is not None else "the iteration's end " \
+                                                                          "waited"
+        group = self.plan.groups[issued.index].group
+        text = (f"pipeline rank {self.rank}: {who} more than {self.timeout_s:g} s for its p2p "
+                f"group {issued.index} {_describe(group)}")
+        running = getattr(self._transport, "running", None)
+        stuck = next((i for i in self._issued if i.handle is running), None)
+        if stuck is not None and stuck is not issued:
+            text += (f"; its stream is stuck at group {stuck.index} "
+                     f"{_describe(self.plan.groups[stuck.index].group)}")
+        return text + " (--p2p-timeout)"
 
     def send(self, action: Action, tensor: torch.Tensor) -> None:
-        """Send what `action` produced to the stage that needs it (never blocks)."""
+        """Hand what `action` produced to the stage that needs it; it goes out with `after`."""
         target = outgoing(self.schedule, self.rank, action)
         if target is None:
             return
@@ -153,19 +247,28 @@ class PipelineChannels:
                                f"{tuple(tensor.shape)}, the plan expects {tuple(expected)}")
         if peer == self.rank:
             self._local[message] = tensor
-            return
-        tensor = tensor.contiguous()
-        work = dist.isend(tensor, group=self.group, group_dst=peer,
-                          tag=self._send_tags[peer][message])
-        self._sends.append((work, tensor))
-        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        else:
+            self._outputs[message] = tensor.contiguous()
+
+    def after(self, action: Action) -> None:
+        """Issue the groups planned right after `action`."""
+        self._issue_at(self.schedule.position(self.rank, action))
 
     def finish(self) -> None:
-        """Wait for every send; check that every planned receive was consumed."""
-        for work, _ in self._sends:
-            work.wait(self.timeout)
-        self._sends.clear()
-        leftover = [m.describe() for m in self._posted] + [m.describe() for m in self._local]
-        leftover += [m.describe() for queue in self._to_post.values() for m in queue]
+        """Wait for every group (the sends); check that every planned message was used."""
+        try:
+            for issued in self._issued:
+                self._wait(issued, None)
+        finally:
+            if self._transport is not None:
+                self._transport.close()
+        leftover = [str(m) for m in self._holder] + [str(m) for m in self._local]
+        leftover += [str(m) for m in self._outputs]
         if leftover:
             raise RuntimeError(f"pipeline rank {self.rank}: unconsumed messages {leftover}")
+
+
+def _describe(group: Group) -> str:
+    """A group in words, peers named as pipeline ranks."""
+    return "{" + "; ".join(f"{op.kind} {op.payload} {'to' if op.kind == SEND else 'from'} "
+                           f"pipeline rank {op.peer}" for op in group.ops) + "}"

@@ -1,16 +1,21 @@
 """Per-action timing and bytes held for backward, recorded by the executor when asked.
 
-Cheap enough to leave on in benchmarks: one `time.perf_counter()` pair per action, and (with
-`measure_memory`) saved-tensor hooks that count each saved storage once. Times are seconds from the
-start of the iteration, so the ranks' traces line up when their iterations start together
-(benchmarks put a barrier before each iteration).
+Cheap enough to leave on in benchmarks: two clock marks per action, and (with `measure_memory`)
+saved-tensor hooks that count each saved storage once. Times are seconds from the start of the
+iteration, so the ranks' traces line up when their iterations start together (benchmarks put a
+barrier before each iteration).
+
+On a GPU the marks are CUDA events recorded on the current stream: the host only enqueues
+kernels, so its clock would time an F's launches and charge a B with whatever was queued before
+it. Events are read when `actions` is first asked for, after the iteration: no host sync inside
+it. On the CPU the marks are `time.perf_counter()`, which is when the work ran.
 """
 from __future__ import annotations
 
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -24,33 +29,69 @@ class TimedAction:
     end: float
 
 
+Mark = Union[float, "torch.cuda.Event"]
+
+
+def _mark() -> Mark:
+    if torch.cuda.is_available():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _seconds_between(origin: Mark, mark: Mark) -> float:
+    if isinstance(mark, float):
+        return mark - origin
+    return origin.elapsed_time(mark) / 1e3
+
+
 @dataclass
 class ExecutionTrace:
     """What one iteration of the executor did on this rank."""
 
     measure_memory: bool = False
-    actions: list[TimedAction] = field(default_factory=list)
     peak_saved_bytes: int = 0
     peak_device_bytes: Optional[int] = None          # torch.cuda.max_memory_allocated
     peak_device_reserved_bytes: Optional[int] = None  # max_memory_reserved: allocator's share
-    _origin: float = 0.0
+    _origin: Mark = 0.0
+    _marks: list[tuple[str, Mark, Mark]] = field(default_factory=list)
+    _actions: list[TimedAction] = field(default_factory=list)
     _meter: Optional[SavedTensorMeter] = None
     _stack: Optional[ExitStack] = None
+
+    @property
+    def actions(self) -> list[TimedAction]:
+        """Each action's start and end, seconds from the iteration's start (reading CUDA events
+        waits for them: ask after the iteration)."""
+        if self._marks:
+            last = self._marks[-1][2]
+            if not isinstance(last, float):
+                last.synchronize()
+            self._actions = [TimedAction(label, _seconds_between(self._origin, start),
+                                         _seconds_between(self._origin, end))
+                             for label, start, end in self._marks]
+            self._marks = []
+        return self._actions
+
+    def mark(self) -> Mark:
+        """A point in time on the device's clock (a CUDA event, or the CPU's)."""
+        return _mark()
 
     def begin(self, held_tensors: Callable[[], Iterable[torch.Tensor]],
               parameters: Iterable[torch.Tensor] = ()) -> None:
         """Start of the iteration; `held_tensors` lists what the executor holds outside autograd,
         `parameters` the model's (held whatever the schedule: not counted)."""
-        self.actions.clear()
-        self._origin = time.perf_counter()
+        self._marks, self._actions = [], []
+        self._origin = _mark()
         self._stack = ExitStack()
         if self.measure_memory:
             self._meter = self._stack.enter_context(SavedTensorMeter(held_tensors, parameters))
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
 
-    def record(self, label: str, start: float, end: float) -> None:
-        self.actions.append(TimedAction(label, start - self._origin, end - self._origin))
+    def record(self, label: str, start: Mark, end: Mark) -> None:
+        self._marks.append((label, start, end))
         if self._meter is not None:
             self._meter.sample()
 

@@ -70,6 +70,40 @@ def test_trace_records_every_action_and_bytes_held():
     assert trace.peak_saved_bytes > 0
 
 
+def test_trace_on_a_gpu_marks_actions_with_cuda_events_read_after_the_iteration(monkeypatch):
+    """On CUDA the host only enqueues: an action is timed by events recorded on the stream, and
+    reading them (one sync) waits until someone asks for the actions, after the iteration."""
+    clock, synced = [0.0], []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            clock[0] += 1.5
+            self.at = clock[0]
+
+        def elapsed_time(self, other):          # milliseconds, as torch's
+            return (other.at - self.at) * 1e3
+
+        def synchronize(self):
+            synced.append(self.at)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    trace = ExecutionTrace()
+    trace.begin(list, [])                       # origin event at 1.5
+    for label in ("F0.0", "B0.0"):
+        trace.record(label, trace.mark(), trace.mark())
+    trace.end()
+    assert synced == []
+    assert [(a.action, a.start, a.end) for a in trace.actions] == [
+        ("F0.0", 1.5, 3.0), ("B0.0", 4.5, 6.0)]
+    assert synced == [7.5]                      # the last event, once
+    assert trace.busy == 3.0 and trace.makespan == 6.0
+
+
 def test_forward_only_spans_report_the_training_losses():
     reported = {}
     for forward_only in (False, True):

@@ -1,11 +1,9 @@
-"""Pure pieces of the runtime: span slicing of batches, exact span-loss normalisation, planned p2p
-message order, and the saved-tensor meter."""
+"""Pure pieces of the runtime: span slicing of batches, exact span-loss normalisation and the
+saved-tensor meter."""
 import torch
 
-from seq1f1b.plan.actions import Schedule
 from seq1f1b.runtime.loss import MicrobatchLoss
 from seq1f1b.runtime.memory import SavedTensorMeter
-from seq1f1b.runtime.p2p import channel_order, incoming, outgoing
 from seq1f1b.runtime.span_data import SpanDataSource, slice_span
 
 
@@ -60,16 +58,6 @@ def test_mean_form_losses_are_weighted_by_span_length():
     total = sum(record.backward_scale(j, 2, False) * record.losses[j] for j in range(2))
     assert abs(float(total) - (0.25 * 1 + 0.75 * 3) / 2) < 1e-7
     assert abs(float(record.combined_reduced()["lm"]) - 2.5) < 1e-7
-
-
-def test_p2p_messages_follow_the_sender_program_order():
-    sched = Schedule.from_text("rank 0: F0.0 F0.1 B0.1 B0.0\nrank 1: F0.0 F0.1 B0.1 B0.0")
-    assert [(m.kind, m.span) for m in channel_order(sched, 0, 1)] == [
-        ("activation", 0), ("activation", 1)]
-    assert [(m.kind, m.span) for m in channel_order(sched, 1, 0)] == [
-        ("gradient", 1), ("gradient", 0)]
-    first = sched.programs[0][0]
-    assert incoming(sched, 0, first) is None and outgoing(sched, 0, first)[0] == 1
 
 
 def test_saved_tensor_meter_counts_each_storage_once_and_frees_with_the_graph():

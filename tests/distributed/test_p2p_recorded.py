@@ -1,0 +1,63 @@
+"""The runtime's real p2p calls, recorded on gloo and replayed under NCCL's rules (lazy and eager):
+every registry schedule, TP 2 and sequence parallelism included, finishes; our schedules issue
+exactly their communication plan's groups; megatron-core's own 1F1B is recorded as a baseline; the
+runtime's old prefetch order, which gloo runs without complaint, is caught."""
+import pytest
+
+from launch import run_cases
+from seq1f1b.plan import registry
+
+L8 = {"num_layers": 8}
+CASES = {
+    2: [{"schedule": "1f1b", "pp": 2},
+        {"schedule": "seq1f1b", "pp": 2, "splits": 3, "span_lengths": [4, 13, 7]},
+        {"schedule": "gpipe", "pp": 2, "splits": 2},
+        {"schedule": "interleaved-1f1b", "pp": 2, "chunks": 2},
+        {"schedule": "seq1f1b-interleaved", "pp": 2, "chunks": 2, "splits": 3},
+        {"schedule": "zb-h1", "pp": 2, "splits": 2},
+        {"schedule": "seq1f1b-zb-h1", "pp": 2, "splits": 3},
+        {"schedule": "megatron-1f1b", "pp": 2},
+        {"schedule": "1f1b", "pp": 2, "prefetch_order": True}],
+    4: [{"schedule": "seq1f1b", "pp": 4, "splits": 3, "num_microbatches": 5},
+        {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 3, "sequence_parallel": True,
+         "span_lengths": [6, 10, 8]},
+        {"schedule": "seq1f1b-zb-h1", "tp": 2, "pp": 2, "splits": 2, "sequence_parallel": True},
+        {"schedule": "seq1f1b-interleaved", "pp": 4, "chunks": 2, "splits": 3, **L8},
+        {"schedule": "interleaved-1f1b", "tp": 2, "pp": 2, "chunks": 2}],
+}
+PARAMS = [(world, n) for world, cases in CASES.items() for n in range(len(cases))
+          if not cases[n].get("prefetch_order")]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {world: run_cases(world, "p2p_record_worker.py", cases)
+            for world, cases in CASES.items()}
+
+
+def test_cases_cover_every_registry_schedule_with_tp_and_sp():
+    used = {case["schedule"] for cases in CASES.values() for case in cases}
+    assert set(registry.names()) <= used
+    assert any(case.get("sequence_parallel") for case in CASES[4])
+
+
+@pytest.mark.parametrize("param", PARAMS, ids=[f"w{w}-{CASES[w][n]['schedule']}-{n}"
+                                               for w, n in PARAMS])
+def test_recorded_calls_finish_under_nccl_rules(results, param):
+    world, n = param
+    result = results[world][n]
+    assert result["error"] is None, result["error"]
+    assert result["passed"]                       # the run was exact, too
+    assert result["groups"] > 0 and result["pipeline_groups"] == world // CASES[world][n]["pp"]
+    assert result["problems"] == {"lazy": [], "eager": []}
+    assert result["plan_equal"]
+
+
+def test_the_old_order_passes_on_gloo_and_its_recorded_calls_deadlock(results):
+    (result,) = [r for r, case in zip(results[2], CASES[2]) if case.get("prefetch_order")]
+    assert result["error"] is None and result["passed"]          # gloo forgives
+    assert not result["plan_equal"]
+    for mode in ("lazy", "eager"):
+        (problem,) = result["problems"][mode]
+        assert problem.startswith("deadlock among ranks 0, 1: ")
+        assert "recv float32 [24, 2, 32] from rank 1" in problem
