@@ -106,7 +106,9 @@ def _add_parallel_args(parser: ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks")
     g.add_argument("--p2p-timeout", type=float, default=600.0,
-                   help="seconds a pipeline send/receive may wait before the run fails")
+                   help="seconds a pipeline send/receive, or any collective (the process "
+                        "groups' timeout, which NCCL's watchdog enforces), may wait before the "
+                        "run fails")
 
 
 def _add_schedule_args(parser: ArgumentParser) -> None:
@@ -145,6 +147,10 @@ def _add_training_args(parser: ArgumentParser) -> None:
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="gradient of the global batch's token mean (default: mean over "
                         "micro-batches of each one's token mean, as Megatron)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="do not stop at a NaN or inf loss or gradient norm (by default the run "
+                        "stops, naming the iteration, the stage and the micro-batch)")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)

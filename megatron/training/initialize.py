@@ -18,7 +18,11 @@ from seq1f1b.distributed import init_distributed, release_model_parallel
 
 def initialize_megatron(args: argparse.Namespace) -> None:
     """Join (or reuse) the process group, build parallel_state for TP x PP (x V), seed the RNGs."""
-    _, world = init_distributed(timeout_s=max(args.p2p_timeout, 60.0))
+    # --p2p-timeout is every process group's timeout too: on NCCL the pipeline's waits have none
+    # of their own (a wait with one would block the host), and the watchdog then reports a stuck
+    # transfer or collective instead of the job freezing.
+    timeout_s = max(args.p2p_timeout, 60.0)
+    _, world = init_distributed(timeout_s=timeout_s)
     if world != args.world_size:
         raise RuntimeError(f"the flags were validated for {args.world_size} processes, but the "
                            f"process group has {world}")
@@ -26,7 +30,8 @@ def initialize_megatron(args: argparse.Namespace) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=timeout_s / 60)
     set_random_seed(args.seed)
 
 

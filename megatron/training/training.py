@@ -22,7 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training import checkpointing, model_setup
+from megatron.training import checkpointing, model_setup, numerics
 from megatron.training.data import MicroBatchIterator, train_valid_test_num_samples
 from megatron.training.global_vars import set_global_variables
 from megatron.training.initialize import finish_megatron, initialize_megatron
@@ -132,6 +132,8 @@ class _Run:
         learning_rate = self.optimizer.param_groups[0]["lr"]
         with self.memory.measure():
             losses = self._run_schedule(iterators, forward_only=False)
+        if self.args.check_for_nan_in_loss_and_grad:
+            self._check_numerics(losses)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
@@ -140,6 +142,15 @@ class _Run:
         return IterationRecord(self.iteration, reduce_losses(losses),
                                None if grad_norm is None else float(grad_norm),
                                learning_rate, not update_successful)
+
+    def _check_numerics(self, losses: list) -> None:
+        """--check-for-nan-in-loss-and-grad, before the update (megatron/training/numerics.py)."""
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        stages = [chunk * pp + rank for chunk in range(len(self.model))]
+        numerics.check_losses(losses, self.iteration + 1, stages[-1])
+        if not self.args.fp16:
+            numerics.check_gradients(self.model, stages, self.iteration + 1)
 
     # -- reporting ---------------------------------------------------------------------------
     def record(self, record: IterationRecord, seconds: float) -> None:
