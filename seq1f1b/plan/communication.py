@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 from seq1f1b.plan.actions import Action, Schedule
 
@@ -49,8 +49,7 @@ GRADIENT = "gradient"
 SEND, RECV = "send", "recv"
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """A tensor for virtual stage `stage`: the activation into F(i,j) or the grad into B(i,j)."""
 
     kind: str
@@ -100,8 +99,9 @@ def channel_order(schedule: Schedule, src: int, dst: int) -> tuple[Message, ...]
 
 
 # -- host programs: what a rank's host does, as the checker reads it -------------------------------
-@dataclass(frozen=True)
-class Op:
+# Small immutable records made by the hundred thousand in the grid test: NamedTuples, whose
+# construction is a C call (frozen dataclasses set each field through object.__setattr__).
+class Op(NamedTuple):
     """One send or receive of a group. `payload` is what both ends must agree on: the planned
     Message, or a tensor's dtype and shape for recorded calls."""
 
@@ -113,8 +113,7 @@ class Op:
         return f"{self.kind} {self.payload} {'to' if self.kind == SEND else 'from'} rank {self.peer}"
 
 
-@dataclass(frozen=True)
-class Group:
+class Group(NamedTuple):
     """Ops issued together: one batch_isend_irecv (`batched`) or one lone isend/irecv."""
 
     ops: tuple[Op, ...]
@@ -124,18 +123,15 @@ class Group:
         return "{" + "; ".join(op.describe() for op in self.ops) + "}"
 
 
-@dataclass(frozen=True)
-class Compute:
+class Compute(NamedTuple):
     label: str
 
 
-@dataclass(frozen=True)
-class Issue:
+class Issue(NamedTuple):
     group: Group
 
 
-@dataclass(frozen=True)
-class Wait:
+class Wait(NamedTuple):
     group: int      # index of the waited group among this rank's Issue steps
 
 
@@ -154,8 +150,7 @@ class HostProgram:
 
 
 # -- the plan ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PlannedGroup:
+class PlannedGroup(NamedTuple):
     """A group and where it goes out: before action 0 (point -1) or right after action `point`."""
 
     point: int

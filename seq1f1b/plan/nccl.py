@@ -152,30 +152,37 @@ class _Replay:
 
     def _match(self) -> None:
         """Pair the n-th send a->b with the n-th receive at b from a, per communicator."""
-        ends: dict[tuple, list[list[tuple[int, int]]]] = defaultdict(lambda: [[], []])
+        sends: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+        receives: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
         batching: dict[int, set[bool]] = defaultdict(set)
         for gid, group in enumerate(self.group_of):
             rank = self.group_rank[gid]
             batching[rank].add(group.batched)
+            comm = self._comm(group)
             for n, op in enumerate(group.ops):
-                pair = (rank, op.peer) if op.kind == SEND else (op.peer, rank)
-                ends[(self._comm(group),) + pair][op.kind != SEND].append((gid, n))
-        for key, (sends, recvs) in ends.items():
-            for n in range(max(len(sends), len(recvs))):
-                send = sends[n] if n < len(sends) else None
-                recv = recvs[n] if n < len(recvs) else None
+                if op.kind == SEND:
+                    sends[(comm, rank, op.peer)].append((gid, n))
+                else:
+                    receives[(comm, op.peer, rank)].append((gid, n))
+        ends, group_messages = self.message_ends, self.group_messages
+        for key in sends.keys() | receives.keys():
+            out, into = sends.get(key, ()), receives.get(key, ())
+            for n in range(max(len(out), len(into))):
+                send = out[n] if n < len(out) else None
+                recv = into[n] if n < len(into) else None
                 if send is not None and recv is not None:
-                    sent, received = self._op(send), self._op(recv)
-                    if sent.payload != received.payload:
+                    sent, received = self._op(send).payload, self._op(recv).payload
+                    if sent != received:
                         self.problems.append(
                             f"rank {key[1]}'s send number {n + 1} to rank {key[2]} carries "
-                            f"{sent.payload}, but rank {key[2]} receives it as "
-                            f"{received.payload} (NCCL matches sends and receives in order)")
-                message = len(self.message_ends)
-                present = [end for end in (send, recv) if end is not None]
-                self.message_ends.append((present[0], present[1] if len(present) > 1 else None))
-                for gid, _ in present:
-                    self.group_messages[gid].append(message)
+                            f"{sent}, but rank {key[2]} receives it as {received} (NCCL matches "
+                            "sends and receives in order)")
+                    ends.append((send, recv))
+                    group_messages[send[0]].append(len(ends) - 1)
+                    group_messages[recv[0]].append(len(ends) - 1)
+                else:
+                    ends.append((send or recv, None))
+                    group_messages[(send or recv)[0]].append(len(ends) - 1)
         if self.mode == "lazy" and any(True in kinds for kinds in batching.values()):
             lone = sorted(rank for rank, kinds in batching.items() if True not in kinds)
             if lone:
