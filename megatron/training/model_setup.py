@@ -21,7 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from seq1f1b import megatron_adapter
+from seq1f1b import megatron_adapter, platform
 
 ModelProvider = Callable[..., torch.nn.Module]
 """`model_provider(pre_process, post_process, vp_stage, config) -> one model chunk`."""
@@ -71,7 +71,7 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
         chunk = model_provider(
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            vp_stage=vp, config=config)
+            vp_stage=vp, config=config).to(platform.compute_device())   # as Megatron's get_model
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         if args.fp16 or args.bf16:

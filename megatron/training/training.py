@@ -28,6 +28,7 @@ from megatron.training.global_vars import set_global_variables
 from megatron.training.initialize import finish_megatron, initialize_megatron
 from megatron.training.logging_utils import (IntervalReport, PeakMemory, TensorBoard, throughput,
                                              validation_lines)
+from seq1f1b import platform
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.runtime.forward_backward import SpanSettings, get_forward_backward_func
 
@@ -242,9 +243,9 @@ def reduce_losses(losses: list) -> dict[str, float]:
 
 
 def _collective_device() -> torch.device:
-    """Where small tensors for collectives live: the GPU with NCCL, the CPU with gloo."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    """Where small tensors for collectives live: the device (NCCL refuses host tensors; under
+    the CPU platform layer that device is the CPU, and strict mode checks it is asked for)."""
+    return platform.compute_device()
 
 
 def _peaks_per_stage(local_bytes: int) -> list[int]:
