@@ -500,10 +500,16 @@ def check_stage(shapes: Shapes, deadline: Deadline) -> list[dict]:
                           "forward_attention_flops": flops.attention,
                           "forward_tflops": flops.forward / forward / 1e12,
                           "backward_tflops": flops.backward / backward / 1e12})
+        traced = statistics.median(t.busy for t in traces)
         runs.append({
             "seq_length": seq_length, "splits": shapes.splits, "layers": shapes.num_layers,
             "hidden_size": shapes.hidden_size, "precision": precision,
-            "iteration_s": statistics.median(seconds), "spans": spans, "memory": memory})
+            "iteration_s": statistics.median(seconds), "spans": spans, "memory": memory,
+            # The span times above come from the executor's trace: CUDA events on a GPU. One
+            # stage has no bubble, so its actions should cover the synchronised iteration
+            # (host-clock marks would time an F by its launches and leave this well below 1).
+            "trace_clock": "cuda events" if torch.cuda.is_available() else "host clock",
+            "traced_over_iteration": traced / statistics.median(seconds)})
         del run, model, config
         _release_cache()
     return runs

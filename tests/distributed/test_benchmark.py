@@ -94,6 +94,8 @@ def test_device_check_tiny_runs_on_cpu(tmp_path):
     for run in data["stage"]:
         assert len(run["spans"]) == data["shapes"]["splits"]
         assert run["memory"]["peak_saved_bytes"] > 0
+        assert run["trace_clock"] == "host clock"       # CUDA events on a GPU
+        assert 0.5 < run["traced_over_iteration"] <= 1.0
         for span in run["spans"]:
             assert span["forward_linear_flops"] + span["forward_attention_flops"] == \
                 pytest.approx(span["forward_flops"])
