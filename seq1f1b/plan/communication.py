@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
 from seq1f1b.plan.actions import Action, Schedule
+from seq1f1b.plan.simulate import timelines, uniform_costs
 
 ACTIVATION = "activation"
 GRADIENT = "gradient"
@@ -229,7 +230,6 @@ Timeline = list[list[tuple[float, float]]]
 
 
 def _unit_cost_timeline(schedule: Schedule) -> Timeline:
-    from seq1f1b.plan.simulate import timelines, uniform_costs   # simulate imports this layer
     costs = (uniform_costs(schedule, 1.0, 1.0, 1.0) if schedule.split_backward
              else uniform_costs(schedule, 1.0, 2.0))
     return [[(t.start, t.end) for t in rank] for rank in timelines(schedule, costs)]
