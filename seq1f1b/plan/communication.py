@@ -110,8 +110,10 @@ class Op(NamedTuple):
     peer: int
     payload: Union[Message, str]
 
-    def describe(self) -> str:
-        return f"{self.kind} {self.payload} {'to' if self.kind == SEND else 'from'} rank {self.peer}"
+    def describe(self, rank: str = "rank") -> str:
+        """In words; `rank` names the peer's rank ("pipeline rank" in the runtime's errors)."""
+        return f"{self.kind} {self.payload} {'to' if self.kind == SEND else 'from'} {rank} " \
+               f"{self.peer}"
 
 
 class Group(NamedTuple):
@@ -120,8 +122,8 @@ class Group(NamedTuple):
     ops: tuple[Op, ...]
     batched: bool = True
 
-    def describe(self) -> str:
-        return "{" + "; ".join(op.describe() for op in self.ops) + "}"
+    def describe(self, rank: str = "rank") -> str:
+        return "{" + "; ".join(op.describe(rank) for op in self.ops) + "}"
 
 
 class Compute(NamedTuple):

@@ -36,6 +36,7 @@ from seq1f1b.plan.communication import (SEND, Group, Message, RankPlan, communic
 
 GLOO_MODES = ("stream", "direct")
 GLOO_MODE_VARIABLE = "SEQ1F1B_GLOO_P2P"
+_PEER = "pipeline rank"     # how errors name a peer: its rank in the pipeline group
 
 
 class Transport(Protocol):
@@ -226,12 +227,12 @@ class PipelineChannels:
                                                                           "waited"
         group = self.plan.groups[issued.index].group
         text = (f"pipeline rank {self.rank}: {who} more than {self.timeout_s:g} s for its p2p "
-                f"group {issued.index} {_describe(group)}")
+                f"group {issued.index} {group.describe(_PEER)}")
         running = getattr(self._transport, "running", None)
         stuck = next((i for i in self._issued if i.handle is running), None)
         if stuck is not None and stuck is not issued:
             text += (f"; its stream is stuck at group {stuck.index} "
-                     f"{_describe(self.plan.groups[stuck.index].group)}")
+                     f"{self.plan.groups[stuck.index].group.describe(_PEER)}")
         return text + " (--p2p-timeout)"
 
     def send(self, action: Action, tensor: torch.Tensor) -> None:
@@ -266,9 +267,3 @@ class PipelineChannels:
         leftover += [str(m) for m in self._outputs]
         if leftover:
             raise RuntimeError(f"pipeline rank {self.rank}: unconsumed messages {leftover}")
-
-
-def _describe(group: Group) -> str:
-    """A group in words, peers named as pipeline ranks."""
-    return "{" + "; ".join(f"{op.kind} {op.payload} {'to' if op.kind == SEND else 'from'} "
-                           f"pipeline rank {op.peer}" for op in group.ops) + "}"

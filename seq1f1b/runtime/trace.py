@@ -32,8 +32,8 @@ class TimedAction:
 Mark = Union[float, "torch.cuda.Event"]
 
 
-def _mark() -> Mark:
-    if torch.cuda.is_available():
+def _mark(on_cuda: bool) -> Mark:
+    if on_cuda:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
@@ -54,6 +54,7 @@ class ExecutionTrace:
     peak_saved_bytes: int = 0
     peak_device_bytes: Optional[int] = None          # torch.cuda.max_memory_allocated
     peak_device_reserved_bytes: Optional[int] = None  # max_memory_reserved: allocator's share
+    _on_cuda: bool = False                            # the clock, chosen once per iteration
     _origin: Mark = 0.0
     _marks: list[tuple[str, Mark, Mark]] = field(default_factory=list)
     _actions: list[TimedAction] = field(default_factory=list)
@@ -76,14 +77,15 @@ class ExecutionTrace:
 
     def mark(self) -> Mark:
         """A point in time on the device's clock (a CUDA event, or the CPU's)."""
-        return _mark()
+        return _mark(self._on_cuda)
 
     def begin(self, held_tensors: Callable[[], Iterable[torch.Tensor]],
               parameters: Iterable[torch.Tensor] = ()) -> None:
         """Start of the iteration; `held_tensors` lists what the executor holds outside autograd,
         `parameters` the model's (held whatever the schedule: not counted)."""
         self._marks, self._actions = [], []
-        self._origin = _mark()
+        self._on_cuda = torch.cuda.is_available()
+        self._origin = _mark(self._on_cuda)
         self._stack = ExitStack()
         if self.measure_memory:
             self._meter = self._stack.enter_context(SavedTensorMeter(held_tensors, parameters))
