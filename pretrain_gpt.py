@@ -27,7 +27,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     """One GPT model chunk: megatron's GPTModel with Seq1F1B's span-aware attention, on the
     device (where Megatron-LM's get_model puts it: without a GPU the config initialises on the
     host, and megatron-core never moves a model)."""
-    from seq1f1b.megatron_adapter import build_model_chunk
+    from seq1f1b.megatron_adapter import Architecture, build_model_chunk
     from seq1f1b.runtime.forward_backward import splits_backward
 
     args = get_args()
@@ -37,7 +37,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         position_embedding_type=args.position_embedding_type, pre_process=pre_process,
         post_process=post_process, vp_stage=vp_stage, attention_backend=args.attention_backend,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        split_backward=splits_backward(args.pipeline_schedule))
+        architecture=Architecture.from_args(args), split_backward=splits_backward(args.pipeline_schedule))
 
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")

@@ -13,12 +13,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -37,7 +37,17 @@ class EquivalenceCase:
     num_layers: int = 4
     hidden_size: int = 32
     num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None
+    num_query_groups: Optional[int] = None     # GQA (megatron_adapter.Architecture's fields)
+    swiglu: bool = False
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    disable_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     ffn_hidden_size: Optional[int] = None
     vocab_size: int = 96
     seq_length: int = 24
@@ -78,7 +88,18 @@ def add_model_flags(parser, **defaults) -> None:
     add("--num-layers", type=int, default=4)
     add("--hidden-size", type=int, default=32)
     add("--num-attention-heads", type=int, default=4)
-    add("--num-query-groups", type=int, default=None)
+    add("--num-query-groups", type=int, default=None,
+        help="K/V heads (grouped-query attention; default: one per attention head)")
+    add("--swiglu", action="store_true", help="gated SiLU MLP")
+    add("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    add("--norm-epsilon", type=float, default=1e-5)
+    add("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    add("--add-qkv-bias", action="store_true", help="QKV bias even without linear biases")
+    add("--rotary-base", type=int, default=10000)
+    add("--rotary-percent", type=float, default=1.0)
+    add("--rotary-seq-len-interpolation-factor", type=float, default=None)
+    add("--use-rope-scaling", action="store_true", help="Llama 3.x RoPE frequency scaling")
+    add("--rope-scaling-factor", type=float, default=8.0)
     add("--ffn-hidden-size", type=int, default=None)
     add("--vocab-size", type=int, default=96)
     add("--seq-length", type=int, default=24)
@@ -140,7 +161,8 @@ def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_paral
         init_method_std=case.init_method_std, hidden_dropout=case.hidden_dropout,
         attention_dropout=case.attention_dropout, **_recompute_fields(case),
         num_layers=case.num_layers, hidden_size=case.hidden_size,
-        num_attention_heads=case.num_attention_heads, num_query_groups=case.num_query_groups,
+        num_attention_heads=case.num_attention_heads,
+        architecture=megatron_adapter.Architecture.from_args(case),
         ffn_hidden_size=case.ffn_hidden_size, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
@@ -157,6 +179,7 @@ def _build(case: EquivalenceCase, config, *, pre_process: bool, post_process: bo
         post_process=post_process, vp_stage=vp_stage,
         share_embeddings_and_output_weights=not case.untie_embeddings,
         attention_backend=case.attention_backend,
+        architecture=megatron_adapter.Architecture.from_args(case),
         split_backward=splits_backward(case.schedule)).to(platform.compute_device())
 
 
@@ -195,13 +218,34 @@ def forward_step(data_iterator, model):
     return output, functools.partial(_loss_func, batch["loss_mask"])
 
 
-def _shard_index(model: torch.nn.Module) -> dict[int, tuple[str, ShardedTensor]]:
-    """data_ptr of each parameter -> (its name, its ShardedTensor)."""
-    names = {p.data_ptr(): n for n, p in model.named_parameters()}
-    index = {}
-    for sharded in model.sharded_state_dict().values():
-        if isinstance(sharded, ShardedTensor) and sharded.data.data_ptr() in names:
-            index[sharded.data.data_ptr()] = (names[sharded.data.data_ptr()], sharded)
+class Shard(NamedTuple):
+    """One piece of a parameter in megatron's sharded state dict: most parameters are one
+    ShardedTensor, SwiGLU's FC1 weight is two (gate and up rows, each sharded over TP on its
+    own), which `offset` (in elements) locates inside the flattened parameter."""
+
+    name: str
+    sharded: ShardedTensor
+    offset: int
+
+    def part(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The piece of `tensor` (shaped like the parameter: the weight, its grad) it covers."""
+        numel = math.prod(self.sharded.local_shape)
+        return tensor.reshape(-1)[self.offset:self.offset + numel].view(self.sharded.local_shape)
+
+
+def _shard_index(model: torch.nn.Module) -> list[Shard]:
+    """Every parameter's pieces, with factories (SwiGLU) built into their ShardedTensors."""
+    params = {p.untyped_storage().data_ptr(): (n, p) for n, p in model.named_parameters()}
+    index = []
+    for entry in model.sharded_state_dict().values():
+        pieces = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
+        for sharded in pieces:
+            owner = params.get(sharded.data.untyped_storage().data_ptr()) \
+                if isinstance(sharded, ShardedTensor) else None
+            if owner is not None:
+                name, param = owner
+                index.append(Shard(name, sharded,
+                                   sharded.data.storage_offset() - param.storage_offset()))
     return index
 
 
@@ -228,8 +272,9 @@ def _whole_model(case: EquivalenceCase) -> torch.nn.Module:
 def _by_place(model: torch.nn.Module, grads: bool = False) -> dict:
     """Weights (or grads) of the whole model keyed by their place in the global tensors."""
     params = dict(model.named_parameters())
-    return {_place(sharded): (params[name].grad if grads else params[name]).detach().clone()
-            for name, sharded in _shard_index(model).values()}
+    return {_place(shard.sharded): (params[shard.name].grad if grads
+                                    else params[shard.name]).detach().clone()
+            for shard in _shard_index(model)}
 
 
 def whole_model_weights(case: EquivalenceCase) -> dict:
@@ -286,7 +331,7 @@ class ParallelLayout:
             case.tp, case.pp, virtual_pipeline_model_parallel_size=case.chunks if chunked else None)
         tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
         config = _config(case, case.tp, case.pp, case.chunks, case.sequence_parallel)
-        models = []
+        models, self.shards = [], []
         for chunk in range(case.chunks):
             vp = chunk if chunked else None
             model = _build(case, config, vp_stage=vp,
@@ -296,14 +341,15 @@ class ParallelLayout:
                                ignore_virtual=False, vp_stage=vp))
             params = dict(model.named_parameters())
             shards = _shard_index(model)
-            if len(shards) != len(params):
-                missing = sorted(set(params) - {n for n, _ in shards.values()})
+            missing = sorted(set(params) - {shard.name for shard in shards})
+            if missing:
                 raise RuntimeError(f"parameters without a reference shard: {missing}")
             with torch.no_grad():
-                for name, sharded in shards.values():
-                    params[name].copy_(_slice(ref_weights[_place(sharded)], sharded))
+                for shard in shards:
+                    shard.part(params[shard.name]).copy_(
+                        _slice(ref_weights[_place(shard.sharded)], shard.sharded))
             models.append(model)
-        self.shards = [list(_shard_index(model).values()) for model in models]
+            self.shards.append(shards)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
         self.chunks = [DistributedDataParallel(config, ddp_config, m) for m in models]
         no_sync = [model.no_sync for model in self.chunks]
@@ -340,8 +386,9 @@ class ParallelLayout:
         grads = []
         for model, shards in zip(self.chunks, self.shards):
             params = dict(model.module.named_parameters())
-            grads += [(name, sharded, params[name].main_grad.float().clone())
-                      for name, sharded in shards]
+            grads += [(shard.name, shard.sharded,
+                       shard.part(params[shard.name].main_grad).float().clone())
+                      for shard in shards]
         return float(loss) / dp, grads
 
 

@@ -7,6 +7,7 @@ parallelism, and a rotary embedding that knows the absolute positions of a span.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -31,6 +32,63 @@ from seq1f1b.runtime.wgrad import (
 )
 
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What makes a GPT Llama-, Mistral- or Qwen2-shaped, with Megatron-LM's flag names.
+
+    One record for every path that builds a model (pretrain_gpt.py, check_equivalence.py, the
+    Hugging Face converter, benchmarks), so a flag cannot reach one of them and miss another.
+    `transformer_fields()` goes into megatron's TransformerConfig, `rotary_kwargs()` into
+    GPTModel; megatron-core implements all of it, Seq1F1B only has to keep it exact per span
+    (the span norm does RMSNorm, the span rotary embedding keeps megatron's frequencies).
+    """
+
+    num_query_groups: Optional[int] = None    # --group-query-attention --num-query-groups
+    swiglu: bool = False                      # --swiglu: gated SiLU MLP (three GEMMs)
+    normalization: str = "LayerNorm"          # --normalization
+    norm_epsilon: float = 1e-5                # --norm-epsilon
+    add_bias_linear: bool = True              # not --disable-bias-linear
+    add_qkv_bias: bool = False                # --add-qkv-bias (Qwen2)
+    rotary_base: int = 10000                  # --rotary-base
+    rotary_percent: float = 1.0               # --rotary-percent
+    rotary_seq_len_interpolation_factor: Optional[float] = None
+    use_rope_scaling: bool = False            # --use-rope-scaling: Llama 3.x frequencies
+    rope_scaling_factor: float = 8.0          # --rope-scaling-factor
+
+    def __post_init__(self) -> None:
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"--normalization {self.normalization!r}: choose from "
+                             f"{', '.join(NORMALIZATIONS)}")
+
+    @classmethod
+    def from_args(cls, args) -> "Architecture":
+        """The architecture flags of a parsed command line (missing ones keep the defaults);
+        `--disable-bias-linear` is the negation of `add_bias_linear`."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls)
+                 if getattr(args, f.name, None) is not None}
+        if getattr(args, "disable_bias_linear", False):
+            given["add_bias_linear"] = False
+        return cls(**given)
+
+    def transformer_fields(self) -> dict:
+        """TransformerConfig fields, as Megatron-LM's `core_transformer_config_from_args` sets
+        them (SwiGLU: gated linear unit with SiLU, unfused on the CPU)."""
+        result = dict(num_query_groups=self.num_query_groups, normalization=self.normalization,
+                      layernorm_epsilon=self.norm_epsilon, add_bias_linear=self.add_bias_linear,
+                      add_qkv_bias=self.add_qkv_bias)
+        if self.swiglu:
+            result.update(gated_linear_unit=True, activation_func=F.silu)
+        return result
+
+    def rotary_kwargs(self) -> dict:
+        """GPTModel's rotary arguments."""
+        return dict(rotary_base=self.rotary_base, rotary_percent=self.rotary_percent,
+                    seq_len_interpolation_factor=self.rotary_seq_len_interpolation_factor,
+                    rope_scaling=self.use_rope_scaling,
+                    rope_scaling_factor=self.rope_scaling_factor)
 
 
 class SequenceParallelNorm(MegatronModule):
@@ -43,14 +101,14 @@ class SequenceParallelNorm(MegatronModule):
     norms.
     """
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: Optional[float] = None) -> None:
         super().__init__(config=config)
         if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"--normalization {config.normalization}: only LayerNorm and RMSNorm")
         if config.persist_layer_norm or config.memory_efficient_layer_norm:
             raise ValueError("persist/memory-efficient layer norm need Apex; turn them off")
         self.hidden_size = hidden_size
-        self.eps = eps
+        self.eps = config.layernorm_epsilon if eps is None else eps
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         make = functools.partial(torch.empty, hidden_size, device=device,
@@ -111,14 +169,16 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
                       post_process: bool = True, vp_stage: Optional[int] = None,
                       attention_backend: str = "auto",
                       share_embeddings_and_output_weights: bool = False,
-                      parallel_output: bool = True, rotary_percent: float = 1.0,
-                      rotary_base: int = 10000,
+                      parallel_output: bool = True,
+                      architecture: Architecture = Architecture(),
                       pg_collection: Optional[ProcessGroupCollection] = None,
                       split_backward: bool = False) -> GPTModel:
     """One GPTModel chunk (the layers of `vp_stage` on this pipeline rank) that can run spans.
 
-    `split_backward`: the layers' linears (span_layer_spec) and the output layer defer their
-    weight gradients to W actions (runtime/wgrad.py)."""
+    `config` must come from `architecture.transformer_fields()` (make_transformer_config does
+    that); the architecture's rotary settings go to GPTModel here. `split_backward`: the layers'
+    linears (span_layer_spec) and the output layer defer their weight gradients to W actions
+    (runtime/wgrad.py)."""
     if position_embedding_type not in POSITION_EMBEDDINGS:
         raise ValueError(f"--position-embedding-type {position_embedding_type!r}: Seq1F1B spans "
                          f"support {', '.join(POSITION_EMBEDDINGS)}")
@@ -132,8 +192,8 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
         vocab_size=vocab_size, max_sequence_length=max_sequence_length,
         pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        position_embedding_type=position_embedding_type, rotary_percent=rotary_percent,
-        rotary_base=rotary_base, pg_collection=pg_collection, vp_stage=vp_stage)
+        position_embedding_type=position_embedding_type, **architecture.rotary_kwargs(),
+        pg_collection=pg_collection, vp_stage=vp_stage)
     if position_embedding_type == "rope":
         make_span_aware(model.rotary_pos_emb)
     if split_backward and post_process:
@@ -143,7 +203,7 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
 
 def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_heads: int,
                             ffn_hidden_size: Optional[int] = None,
-                            num_query_groups: Optional[int] = None,
+                            architecture: Architecture = Architecture(),
                             tensor_model_parallel_size: int = 1,
                             pipeline_model_parallel_size: int = 1,
                             virtual_pipeline_model_parallel_size: Optional[int] = None,
@@ -156,12 +216,13 @@ def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_
     GPU; megatron-core's dataclass defaults already keep the fused kernels off (on the CPU each
     costs seconds of inductor compilation). Pipeline stage outputs are freed after their send
     (`deallocate_pipeline_outputs`, which Megatron-LM's training always turns on; the dataclass
-    default keeps every in-flight output). `overrides` go to TransformerConfig unchanged.
+    default keeps every in-flight output). `architecture` gives the layer's shape (GQA, SwiGLU,
+    norm, biases); `overrides` go to TransformerConfig unchanged.
     """
     dtype = torch.float32 if fp32 else torch.bfloat16
     fields = dict(
         num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-        ffn_hidden_size=ffn_hidden_size, num_query_groups=num_query_groups,
+        ffn_hidden_size=ffn_hidden_size, **architecture.transformer_fields(),
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,

@@ -30,6 +30,7 @@ PIPE_SP_STRATEGIES = {"average": "even", "uniform_comp": "compute"}  # reference
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
 class ArgumentError(ValueError):
@@ -78,6 +79,30 @@ def _add_model_args(parser: ArgumentParser) -> None:
                    choices=POSITION_EMBEDDINGS)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="separate input embedding and output layer weights")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention: --num-query-groups K/V heads")
+    g.add_argument("--num-query-groups", type=int,
+                   help="K/V heads with --group-query-attention (divides the attention heads)")
+    g.add_argument("--swiglu", action="store_true",
+                   help="gated SiLU MLP (Llama); --ffn-hidden-size defaults to 8h/3 rounded "
+                        "down to a multiple of 64, as Megatron-LM does")
+    g.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS,
+                   help="the layers' and the final norm (sequence-parallel capable either way)")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="the norms' epsilon")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the linear layers (Llama, Mistral)")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="bias in the QKV projection even with --disable-bias-linear (Qwen2)")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (theta)")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of each head's channels that RoPE rotates")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int,
+                   help="linear position interpolation: positions divided by this")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x RoPE frequency scaling (megatron-core's: low/high frequency "
+                        "factors 1/4, original context 8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="the factor of --use-rope-scaling")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -264,14 +289,18 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                  "seq1f1b_splits", "pipe_sp_splits", "make_vocab_size_divisible_by",
                  "lr_decay_iters", "save_interval", "eval_interval", "log_interval",
-                 "exit_interval", "vocab_size"):
+                 "exit_interval", "vocab_size", "num_query_groups", "rotary_base",
+                 "rotary_seq_len_interpolation_factor"):
         _check_range(args, name, 1)
     for name in ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad"):
         _check_range(args, name, 0)
     for name in ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"):
         _check_range(args, name, 0, 1)
-    for name in ("init_method_std", "adam_eps", "p2p_timeout"):
+    for name in ("init_method_std", "adam_eps", "p2p_timeout", "norm_epsilon",
+                 "rope_scaling_factor"):
         _check_range(args, name, 0, low_inclusive=False)
+    if not 0 < args.rotary_percent <= 1:
+        _fail(f"--rotary-percent must be > 0 and <= 1, got {args.rotary_percent:g}")
 
 
 def _validate_model(args: argparse.Namespace) -> None:
@@ -282,8 +311,10 @@ def _validate_model(args: argparse.Namespace) -> None:
             _fail(f"--recompute-num-layers must be at least 1, got {args.recompute_num_layers}")
     elif args.recompute_method or args.recompute_num_layers is not None:
         _fail("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    _validate_architecture(args)
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
+        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
+                                else 4 * args.hidden_size)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -295,6 +326,31 @@ def _validate_model(args: argparse.Namespace) -> None:
     if args.bf16 and args.fp16:
         _fail("--bf16 and --fp16 are exclusive; give one")
     args.params_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+
+
+def _validate_architecture(args: argparse.Namespace) -> None:
+    """GQA, norm and RoPE flags, checked as Megatron-LM checks them."""
+    if args.group_query_attention:
+        if args.num_query_groups is None:
+            _fail("--group-query-attention needs --num-query-groups")
+        if args.num_attention_heads % args.num_query_groups:
+            _fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                  f"--num-query-groups {args.num_query_groups}")
+        if args.num_query_groups % args.tensor_model_parallel_size:
+            _fail(f"--num-query-groups {args.num_query_groups} is not divisible by "
+                  f"--tensor-model-parallel-size {args.tensor_model_parallel_size}")
+    elif args.num_query_groups is not None:
+        _fail("--num-query-groups needs --group-query-attention")
+    rotary_flags = {"rotary_base": 10000, "rotary_percent": 1.0,
+                    "rotary_seq_len_interpolation_factor": None, "use_rope_scaling": False}
+    if args.position_embedding_type != "rope":
+        changed = [name for name, default in rotary_flags.items()
+                   if getattr(args, name) != default]
+        if changed:
+            _fail(f"--{changed[0].replace('_', '-')} needs --position-embedding-type rope")
+    if args.swiglu and args.ffn_hidden_size is None and args.hidden_size < 48:
+        _fail(f"--swiglu with --hidden-size {args.hidden_size}: the default FFN size rounds "
+              "to 0; give --ffn-hidden-size")
 
 
 def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:

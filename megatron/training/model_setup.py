@@ -39,6 +39,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
     return megatron_adapter.make_transformer_config(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        architecture=megatron_adapter.Architecture.from_args(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,

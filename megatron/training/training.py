@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_model_config
 
 from megatron.training import checkpointing, model_setup, numerics
 from megatron.training.data import MicroBatchIterator, train_valid_test_num_samples
@@ -101,10 +102,8 @@ class _Run:
             p2p_timeout_s=args.p2p_timeout))
         self.memory = PeakMemory()
         self.tensorboard = TensorBoard(args.tensorboard_dir, enabled=is_last_rank())
-        self.cost_model = ModelConfig(
-            num_layers=args.num_layers, hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-            vocab_size=args.padded_vocab_size)
+        self.cost_model = ModelConfig.of_transformer_config(get_model_config(model[0]),
+                                                            vocab_size=args.padded_vocab_size)
         self.summary = TrainingSummary(position.iteration, position.iteration)
         self._interval: list[tuple[IterationRecord, float]] = []
 

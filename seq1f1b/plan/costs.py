@@ -26,6 +26,10 @@ class ModelConfig:
     vocab_size: int = 50257                   # GPT-2 BPE; pass the padded size where it matters
     num_query_groups: int | None = None       # None: one K/V head per query head (no GQA)
     seq_length: int | None = None
+    swiglu: bool = False                      # gated MLP: FC1 is two GEMMs (gate, up) of f
+    normalization: str = "LayerNorm"          # RMSNorm has no bias
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -50,6 +54,27 @@ class ModelConfig:
     def kv_channels(self) -> int:
         """d: channels per attention head."""
         return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def of_transformer_config(cls, config, vocab_size: int = 50257) -> "ModelConfig":
+        """The cost shape of a megatron-core TransformerConfig (read by attribute, so this
+        module stays free of torch and megatron)."""
+        return cls(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                   num_attention_heads=config.num_attention_heads,
+                   ffn_hidden_size=config.ffn_hidden_size, vocab_size=vocab_size,
+                   num_query_groups=config.num_query_groups, swiglu=config.gated_linear_unit,
+                   normalization=config.normalization, add_bias_linear=config.add_bias_linear,
+                   add_qkv_bias=config.add_qkv_bias)
+
+    @property
+    def fc1_width(self) -> int:
+        """Output width of FC1: f, or 2f with SwiGLU (gate and up projections side by side)."""
+        return 2 * self.ffn_hidden_size if self.swiglu else self.ffn_hidden_size
+
+    @property
+    def norm_parameters(self) -> int:
+        """Parameters of one norm: weight and bias (LayerNorm) or weight only (RMSNorm)."""
+        return self.hidden_size * (2 if self.normalization == "LayerNorm" else 1)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -118,8 +143,9 @@ def _check_span(span_length: int, end: int) -> None:
 def layer_flops(model: ModelConfig, span_length: int, end: int, batch: int = 1) -> SpanFlops:
     """Forward FLOPs of one transformer layer on a span of `span_length` tokens ending at `end`.
 
-    linear = 4*s*h*d*(n + g) + 4*s*h*f, i.e. QKV and output projections (8*s*h*(n*d) without
-    GQA) plus the two MLP GEMMs; attention = (4d + 3) * n * (s*E - s^2/2): 4d per query-key pair
+    linear = 4*s*h*d*(n + g) + 2*s*h*(f1 + f), i.e. QKV and output projections (8*s*h*(n*d)
+    without GQA) plus the MLP GEMMs, with f1 = f (GeLU, 4*s*h*f) or 2f (SwiGLU's gate and up
+    projections, 6*s*h*f); attention = (4d + 3) * n * (s*E - s^2/2): 4d per query-key pair
     for QK^T and AV, 3 for scale, mask and softmax, over the causal pairs of the span. The pair
     count s*E - s^2/2 = (E^2 - (E-s)^2)/2 telescopes, so the spans of a sequence sum exactly to
     the whole causal sequence's cost (L^2/2 pairs).
@@ -127,7 +153,7 @@ def layer_flops(model: ModelConfig, span_length: int, end: int, batch: int = 1) 
     _check_span(span_length, end)
     h, n, g = model.hidden_size, model.num_attention_heads, model.num_query_groups
     d, f = model.kv_channels, model.ffn_hidden_size
-    linear = 4 * span_length * h * d * (n + g) + 4 * span_length * h * f
+    linear = 4 * span_length * h * d * (n + g) + 2 * span_length * h * (model.fc1_width + f)
     start = end - span_length
     attention = (4 * d + 3) * n * (end * end - start * start) / 2
     return SpanFlops(float(linear * batch), attention * batch)
@@ -194,7 +220,9 @@ def activation_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: i
         1 byte each, only when dropout > 0: with p = 0 torch keeps no mask): split over TP only
         with sequence parallelism, else replicated;
       - Q (n*d), attention output = input of the output projection (n*d), softmax statistics,
-        FC1 output = GeLU input (f), GeLU output = FC2 input (f): split over TP.
+        FC1 output = GeLU input (f), GeLU output = FC2 input (f): split over TP. With SwiGLU
+        (megatron's unfused gated unit) FC1's output is 2f, the SiLU of its gate half (f) and
+        the product = FC2 input (f) are kept as well: 4f instead of 2f.
       - RoPE's cos and sin of the span, once for Q and once for K (4*d): megatron's unfused
         rotary embedding (its default) computes them in each layer and the products save them;
         broadcast over heads, so not split by TP. Assumes RoPE, as the paper's models.
@@ -209,7 +237,8 @@ def activation_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: i
                                                   sequence_parallel, bytes_per_element)
     masks = (2 * tokens * model.hidden_size / (tp if sequence_parallel else 1)
              if dropout else 0.0)
-    sharded = tokens * (2 * n * d + 2 * f) * bytes_per_element / tp
+    mlp = 4 * f if model.swiglu else 2 * f
+    sharded = tokens * (2 * n * d + mlp) * bytes_per_element / tp
     rope = tokens * 4 * d * bytes_per_element
     return gemm_and_norm_inputs + masks + sharded + rope + softmax_stats_bytes(
         model, span_length, batch, tp)
@@ -379,8 +408,9 @@ def backward_workspace_bytes(model: ModelConfig, span_length: int, batch: int = 
     """Transient bytes of one backward on one span, on top of what is kept for backward.
 
     The largest working set of a layer's backward is its MLP: the gradients of the FC1 output and
-    of the GeLU output (2*s*b*f/TP elements) while the layer's output gradient and its (on TP with
-    sequence parallelism, all-gathered) input live (2*s*b*h): 2*s*b*(f/TP + h) elements. With
+    of the GeLU output (2*s*b*f/TP elements; 3*s*b*f/TP with SwiGLU, whose FC1 output is 2f)
+    while the layer's output gradient and its (on TP with sequence parallelism, all-gathered)
+    input live (2*s*b*h): 2*s*b*(f/TP + h) elements. With
     full recompute the recomputed group's whole activations (`activation_bytes` of N layers with
     uniform, of 1 layer with block) live on top of that while the group back-propagates.
     Selective recompute adds nothing: the core attention re-runs after the layer's MLP and
@@ -390,7 +420,8 @@ def backward_workspace_bytes(model: ModelConfig, span_length: int, batch: int = 
     of the peak allocator demand, not a count of saved tensors.
     """
     e = bytes_per_element
-    layer = 2 * span_length * batch * (model.ffn_hidden_size / tp + model.hidden_size) * e
+    mlp_grads = model.fc1_width + model.ffn_hidden_size
+    layer = span_length * batch * (mlp_grads / tp + 2 * model.hidden_size) * e
     layer += recomputed_activation_bytes(model, span_length, batch, tp, sequence_parallel, e,
                                          recompute)
     if not last_stage:
@@ -404,19 +435,21 @@ def stage_parameters(model: ModelConfig, num_layers: int, *, first: bool, last: 
     """Parameters one GPU of a pipeline stage holds: `num_layers` layers, plus the word embedding
     on the first stage and the final LayerNorm and (untied) output layer on the last stage.
 
-    Megatron GPT with biases and LayerNorm, RoPE (no position-embedding table). TP splits the
-    QKV, FC1 (weights and biases), output projection and FC2 weights and the vocabulary; the
-    LayerNorms and the row-parallel biases are replicated.
+    Megatron GPT with RoPE (no position-embedding table), biases unless `add_bias_linear` is off
+    (the QKV bias stays with `add_qkv_bias`), LayerNorm or RMSNorm, GeLU or SwiGLU (FC1 twice as
+    wide). TP splits the QKV, FC1 (weights and biases), output projection and FC2 weights and the
+    vocabulary; the norms and the row-parallel biases are replicated.
     """
     h, n, g, d, f = model.hidden_size, model.num_attention_heads, model.num_query_groups, \
         model.kv_channels, model.ffn_hidden_size
-    qkv = (n + 2 * g) * d
-    sharded = (h + 1) * qkv + n * d * h + (h + 1) * f + f * h
-    replicated = 2 * h + 4 * h       # row-parallel biases of the projection and FC2; 2 LayerNorms
+    qkv, fc1, bias = (n + 2 * g) * d, model.fc1_width, int(model.add_bias_linear)
+    qkv_bias = int(model.add_bias_linear or model.add_qkv_bias)
+    sharded = (h + qkv_bias) * qkv + n * d * h + (h + bias) * fc1 + f * h
+    replicated = 2 * bias * h + 2 * model.norm_parameters  # row-parallel biases; 2 norms
     params = num_layers * (sharded / tp + replicated)
     vocab = model.vocab_size * h / tp
     if first:
         params += vocab
     if last:
-        params += vocab + 2 * h
+        params += vocab + model.norm_parameters
     return params

@@ -95,10 +95,7 @@ def _schedule(name: str, pp: int, microbatches: int, splits: int, chunks: int):
 def _cost_model(config) -> Optional[ModelConfig]:
     """The cost-model shape of megatron's TransformerConfig (None for toy configs without one)."""
     try:
-        return ModelConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
-                           num_attention_heads=config.num_attention_heads,
-                           ffn_hidden_size=config.ffn_hidden_size,
-                           num_query_groups=config.num_query_groups)
+        return ModelConfig.of_transformer_config(config)
     except (AttributeError, TypeError, ValueError):
         return None
 
