@@ -223,7 +223,10 @@ def _memory_estimate(args: argparse.Namespace, run: Run, dp: int):
     model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                         num_attention_heads=args.num_attention_heads,
                         ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
-                        num_query_groups=args.num_query_groups)
+                        num_query_groups=args.num_query_groups, swiglu=args.swiglu,
+                        normalization=args.normalization,
+                        add_bias_linear=not args.disable_bias_linear,
+                        add_qkv_bias=args.add_qkv_bias)
     setup = TrainingSetup(
         model=model, seq_length=args.seq_length, schedule=run.schedule, pp=args.pp,
         microbatches=args.num_microbatches, splits=run.splits, chunks=run.chunks, tp=args.tp,

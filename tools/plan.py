@@ -67,7 +67,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-attention-heads", type=int)
     group.add_argument("--ffn-hidden-size", type=int)
     group.add_argument("--vocab-size", type=int)
-    group.add_argument("--num-query-groups", type=int)
+    group.add_argument("--num-query-groups", type=int, help="K/V heads (grouped-query attention)")
+    group.add_argument("--swiglu", action="store_true", default=None,
+                       help="gated SiLU MLP: three GEMMs, more kept activations")
+    group.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
+    group.add_argument("--disable-bias-linear", action="store_true", default=None)
+    group.add_argument("--add-qkv-bias", action="store_true", default=None)
 
 
 def _add_span_args(parser: argparse.ArgumentParser, method_flag: str) -> None:
@@ -84,7 +89,8 @@ def _add_span_args(parser: argparse.ArgumentParser, method_flag: str) -> None:
 def _model(args: argparse.Namespace) -> ModelConfig | None:
     dims = {name: getattr(args, name) for name in
             ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-             "vocab_size", "num_query_groups")}
+             "vocab_size", "num_query_groups", "swiglu", "normalization",
+             "disable_bias_linear", "add_qkv_bias")}
     given = {name: value for name, value in dims.items() if value is not None}
     if args.model:
         if given:
@@ -97,6 +103,8 @@ def _model(args: argparse.Namespace) -> ModelConfig | None:
                if name not in given]
     if missing:
         raise UsageError(f"--{missing[0].replace('_', '-')} is required without --model")
+    if given.pop("disable_bias_linear", False):
+        given["add_bias_linear"] = False
     return ModelConfig(**given)
 
 

@@ -206,6 +206,11 @@ def softmax_stats_bytes(model: ModelConfig, span_length: int, batch: int = 1,
     return 4 * model.num_attention_heads * span_length * batch / tp
 
 
+def _rms_norm_extra(model: ModelConfig) -> int:
+    """Hidden-sized tensors a norm keeps beyond its input: 1 for torch's composite RMSNorm."""
+    return int(model.normalization == "RMSNorm")
+
+
 def activation_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: int = 1,
                      sequence_parallel: bool = False, bytes_per_element: int = 2,
                      dropout: bool = False) -> float:
@@ -221,8 +226,11 @@ def activation_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: i
         with sequence parallelism, else replicated;
       - Q (n*d), attention output = input of the output projection (n*d), softmax statistics,
         FC1 output = GeLU input (f), GeLU output = FC2 input (f): split over TP. With SwiGLU
-        (megatron's unfused gated unit) FC1's output is 2f, the SiLU of its gate half (f) and
-        the product = FC2 input (f) are kept as well: 4f instead of 2f.
+        (megatron's unfused gated unit, the one that runs here) 5f: FC1's output (2f), the SiLU
+        of its gate half (f), the up half plus `glu_linear_offset` (a new tensor, f) and their
+        product = FC2 input (f); megatron's fused bias-SwiGLU kernel would keep 3f.
+      - RMSNorm (torch's composite `rms_norm`, measured on torch 2.13) keeps the normalised input
+        before the weight as well as the input: 2h per norm instead of LayerNorm's h.
       - RoPE's cos and sin of the span, once for Q and once for K (4*d): megatron's unfused
         rotary embedding (its default) computes them in each layer and the products save them;
         broadcast over heads, so not split by TP. Assumes RoPE, as the paper's models.
@@ -233,14 +241,14 @@ def activation_bytes(model: ModelConfig, span_length: int, batch: int = 1, tp: i
     """
     n, d, f = model.num_attention_heads, model.kv_channels, model.ffn_hidden_size
     tokens = span_length * batch
-    gemm_and_norm_inputs = 4 * layer_input_bytes(model, span_length, batch, tp,
-                                                  sequence_parallel, bytes_per_element)
+    norm_and_gemm_inputs = (4 + 2 * _rms_norm_extra(model)) * layer_input_bytes(
+        model, span_length, batch, tp, sequence_parallel, bytes_per_element)
     masks = (2 * tokens * model.hidden_size / (tp if sequence_parallel else 1)
              if dropout else 0.0)
-    mlp = 4 * f if model.swiglu else 2 * f
+    mlp = 5 * f if model.swiglu else 2 * f
     sharded = tokens * (2 * n * d + mlp) * bytes_per_element / tp
     rope = tokens * 4 * d * bytes_per_element
-    return gemm_and_norm_inputs + masks + sharded + rope + softmax_stats_bytes(
+    return norm_and_gemm_inputs + masks + sharded + rope + softmax_stats_bytes(
         model, span_length, batch, tp)
 
 
@@ -379,9 +387,11 @@ def output_layer_input_bytes(model: ModelConfig, span_length: int, batch: int = 
                              sequence_parallel: bool = False,
                              bytes_per_element: int = 2) -> float:
     """Bytes the last stage keeps for the backward of its head on one span: the final norm's
-    input and the output layer's input (the norm's output), 2*s*b*h elements, split over TP only
-    with sequence parallelism (the output GEMM saves its sharded input and gathers it again)."""
-    return 2 * span_length * batch * model.hidden_size * bytes_per_element \
+    input and the output layer's input (the norm's output), 2*s*b*h elements (3 with RMSNorm, see
+    `activation_bytes`), split over TP only with sequence parallelism (the output GEMM saves its
+    sharded input and gathers it again)."""
+    tensors = 2 + _rms_norm_extra(model)
+    return tensors * span_length * batch * model.hidden_size * bytes_per_element \
         / (tp if sequence_parallel else 1)
 
 

@@ -3,7 +3,9 @@ single-process model in fp32 (loss rel. diff <= 1e-6, max_rel_grad_diff <= 1e-5)
 
 One torchrun launch per world size runs all of that size's cases. The matrix covers PP 1-4, TP 1-2
 with and without sequence parallelism, DP 2, k 1-5 (k not dividing P too), even / compute /
-explicit uneven spans, V=2 with k=3, RoPE and learned positions, every registered schedule, and
+explicit uneven spans, V=2 with k=3, RoPE and learned positions, Llama-class layers (GQA with
+1 and 2 K/V heads, SwiGLU, RMSNorm, no bias, QKV bias, large RoPE bases, Llama 3 scaling, partial
+and interpolated RoPE), every registered schedule, and
 megatron-core's own 1F1B and interleaved schedules run on the same models and data; the `against`
 cases compare our executor with megatron's schedule directly (same chunks, same data). Activation
 recompute (full, selective) is exact against the unsplit model with dropout 0, and with dropout > 0
@@ -18,6 +20,14 @@ L8 = {"num_layers": 8}
 FULL = {"recompute_granularity": "full"}
 SELECTIVE = {"recompute_granularity": "selective"}
 DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1, "against_no_recompute": True}
+# Llama-class layers: GQA (2 K/V heads for 4 query heads), SwiGLU, RMSNorm, no biases, a large
+# RoPE base, untied output layer. QWEN2: one K/V head (groups = 1), QKV bias without the other
+# biases, Llama 3 frequency scaling (the base puts low frequencies past its 8192-token wavelength).
+LLAMA = {"num_query_groups": 2, "swiglu": True, "normalization": "RMSNorm",
+         "disable_bias_linear": True, "rotary_base": 500000, "untie_embeddings": True}
+QWEN2 = {"num_query_groups": 1, "swiglu": True, "normalization": "RMSNorm",
+         "disable_bias_linear": True, "add_qkv_bias": True, "rotary_base": 1000000,
+         "use_rope_scaling": True}
 CASES: dict[int, list[dict]] = {
     1: [
         {"schedule": "seq1f1b", "splits": 1},
@@ -27,6 +37,8 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "gpipe", "splits": 2},
         {"schedule": "1f1b", "splits": 1, "untie_embeddings": True},
         {"schedule": "megatron-1f1b"},
+        {"schedule": "seq1f1b", "splits": 3, **LLAMA},
+        {"schedule": "seq1f1b", "splits": 4, "span_lengths": [3, 9, 5, 7], **QWEN2},
     ],
     2: [
         {"schedule": "1f1b", "pp": 2},
@@ -56,6 +68,8 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b-zb-h1", "tp": 2, "splits": 2, "sequence_parallel": True},
         {"schedule": "1f1b", "pp": 2, "against": "megatron-1f1b"},
         {"schedule": "seq1f1b", "pp": 2, "splits": 3, "against": "megatron-1f1b"},
+        {"schedule": "seq1f1b", "pp": 2, "splits": 3, **LLAMA},
+        {"schedule": "seq1f1b-zb-h1", "tp": 2, "splits": 2, "sequence_parallel": True, **LLAMA},
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},
@@ -97,6 +111,13 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "megatron-interleaved-1f1b", "pp": 4, "chunks": 2, **L8},
         {"schedule": "interleaved-1f1b", "pp": 4, "chunks": 2, "against":
          "megatron-interleaved-1f1b", **L8},
+        {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 3, "sequence_parallel": True,
+         **LLAMA},
+        {"schedule": "seq1f1b-zb-h1", "pp": 4, "splits": 3, **QWEN2},
+        {"schedule": "seq1f1b-interleaved", "pp": 2, "chunks": 2, "splits": 3, **LLAMA,
+         **SELECTIVE},
+        {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 4, "rotary_percent": 0.5,
+         "rotary_seq_len_interpolation_factor": 4, "swiglu": True, **FULL},
     ],
 }
 

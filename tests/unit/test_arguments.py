@@ -121,6 +121,17 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
     ({"save": None, "save_interval": 5}, WORLD, "--save-interval"),
     ({"tensorboard_dir": "{tmp}/a_file"}, WORLD, "--tensorboard-dir"),
     ({"make_vocab_size_divisible_by": 0}, WORLD, "--make-vocab-size-divisible-by"),
+    ({"group_query_attention": True}, WORLD, "--group-query-attention"),
+    ({"group_query_attention": True, "num_query_groups": 3}, WORLD, "--num-query-groups"),
+    ({"group_query_attention": True, "num_query_groups": 1}, WORLD, "--num-query-groups"),  # TP 2
+    ({"num_query_groups": 2}, WORLD, "--num-query-groups"),
+    ({"position_embedding_type": "learned_absolute", "rotary_base": 500000}, WORLD,
+     "--rotary-base"),
+    ({"position_embedding_type": "learned_absolute", "use_rope_scaling": True}, WORLD,
+     "--use-rope-scaling"),
+    ({"rotary_percent": 1.5}, WORLD, "--rotary-percent"),
+    ({"norm_epsilon": 0}, WORLD, "--norm-epsilon"),
+    ({"swiglu": True, "hidden_size": 32}, WORLD, "--swiglu"),
 ]
 
 
@@ -159,6 +170,18 @@ def test_base_is_valid_and_derives_megatrons_values(tmp_path):
     assert ScheduleConfig.from_args(args) == ScheduleConfig(
         name="seq1f1b", pipeline_parallel_size=2, num_micro_batches=2, splits=4, chunks=1,
         partition="even", span_lengths=None, seq_length=64)
+
+
+def test_llama_flags_derive_megatrons_values(tmp_path):
+    flags = _with(tmp_path, hidden_size=4096, num_attention_heads=32, swiglu=True,
+                  group_query_attention=True, num_query_groups=8, normalization="RMSNorm",
+                  disable_bias_linear=True, position_embedding_type="rope", rotary_base=500000)
+    args = validate_args(parse_args(_argv(flags)), WORLD)
+    assert args.ffn_hidden_size == 10880          # Megatron-LM's SwiGLU default for h = 4096
+    from seq1f1b.megatron_adapter import Architecture
+    assert Architecture.from_args(args) == Architecture(
+        num_query_groups=8, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+        rotary_base=500000)
 
 
 def test_interleaving_and_global_batch_default(tmp_path):

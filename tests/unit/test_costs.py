@@ -1,4 +1,5 @@
 """The one cost formula: FLOPs telescope over spans, bytes match Korthikanti et al., presets."""
+import functools
 import random
 
 import pytest
@@ -127,6 +128,35 @@ def test_parameter_counts_match_the_model_names(name, billions):
     model = preset(name)
     whole = stage_parameters(model, model.num_layers, first=True, last=True)
     assert abs(whole / 1e9 - billions) / billions < 0.1
+
+
+LLAMA = dict(normalization="RMSNorm", add_bias_linear=False, swiglu=True)
+
+
+@pytest.mark.parametrize("shape, published", [
+    # Llama-2-7B and Llama-3-8B: the parameter counts their model cards and HF checkpoints give.
+    (dict(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008,
+          vocab_size=32000), 6_738_415_616),
+    (dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+          ffn_hidden_size=14336, vocab_size=128256), 8_030_261_248),
+])
+def test_llama_parameter_counts_are_exact(shape, published):
+    model = ModelConfig(**shape, **LLAMA)
+    assert stage_parameters(model, model.num_layers, first=True, last=True) == published
+
+
+def test_swiglu_adds_a_third_mlp_gemm_and_qkv_bias_stays_without_linear_biases():
+    gelu = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96)
+    swiglu = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
+                         swiglu=True)
+    s, h, f = 10, 64, 96
+    assert layer_flops(swiglu, s, s).linear - layer_flops(gelu, s, s).linear == 2 * s * h * f
+    no_bias = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                          add_bias_linear=False)
+    qkv_bias = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                           add_bias_linear=False, add_qkv_bias=True)
+    count = functools.partial(stage_parameters, num_layers=1, first=False, last=False)
+    assert count(qkv_bias) - count(no_bias) == 3 * h
 
 
 def test_stage_parameters_add_up_and_shard():
