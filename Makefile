@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-unit test-distributed test-slurm clean
+.PHONY: setup test test-unit test-distributed test-slurm device-wheel clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,12 @@ test-slurm: setup
 # 4 CPU processes (TP=2 x PP=2), a checkpoint and a timeline picture, all under runs/quickstart/.
 quickstart: setup
 	PY=$(PY) bash examples/quickstart.sh
+
+# megatron-core as a cp312 wheel for the lent GPU machine (Python 3.12, nothing to fetch from
+# there), kept out of git in .device/: tools/gpu_suite.sh installs it on that machine.
+device-wheel: setup
+	$(PY) -m pip download -q --disable-pip-version-check --only-binary=:all: \
+		--python-version 3.12 --no-deps -d .device megatron-core==0.16.1
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -3,9 +3,16 @@
 
     device_check.py OUTDIR            on a GPU (about 3-6 minutes on one H200)
     device_check.py OUTDIR --tiny     small shapes, runs on a CPU in seconds (CI smoke test)
+    device_check.py OUTDIR --suite gpu [--tiny]   the first GPU run's evidence (issue 19)
 
-Writes OUTDIR/device_check.json with these parts (the stage first; parts that would start after
---budget-s are skipped and say so):
+--suite gpu writes four parts, each with its own budget (SUITE_BUDGETS_S, 8.5 minutes in all) and
+its failure kept to itself: numerics (device_numerics.py: bf16 span attention with a cached
+prefix against an fp32 reference, per backend), training (device_training.py: pretrain_gpt.py,
+bf16, the 1.3B shape at 16K, 20 iterations with seq1f1b k=1 and k=4), memory (the stage run at
+32K and held_microbatches below) and attention (the comparison and span_kernels below).
+
+The default suite writes OUTDIR/device_check.json with these parts (the stage first; parts that
+would start after --budget-s are skipped and say so):
 - attention: per kernel backend of `SpanAttention` (eager, sdpa, flex, flash, te; the ones that
   cannot run here are listed with the reason), the forward and forward+backward time of a query
   span of L/4 tokens at the end of a sequence of L, attending to its cached prefix, against full
@@ -42,7 +49,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -61,6 +68,9 @@ class Deadline:
 
     def passed(self) -> bool:
         return time.perf_counter() > self.end
+
+    def remaining(self) -> float:
+        return max(0.0, self.end - time.perf_counter())
 
 
 @dataclass(frozen=True)
@@ -81,16 +91,19 @@ class Shapes:
     held_microbatches: int
     kernel_length: int             # L of the span kernels part (flex in k spans, TE's layouts)
     kernel_splits: int
+    numerics_length: int           # L of the numerics part (--suite gpu), its query span L/4
+    numerics_heads: int
 
 
 GPU = Shapes(attention_length=16384, heads=32, head_dim=128, eager_max_score_bytes=24e9,
              hidden_size=4096, num_layers=8, vocab_size=50304,
              stage_lengths=(32768, 65536), splits=4, repeats=2, held_length=16384,
-             held_microbatches=4, kernel_length=32768, kernel_splits=8)
+             held_microbatches=4, kernel_length=32768, kernel_splits=8,
+             numerics_length=32768, numerics_heads=8)
 TINY = Shapes(attention_length=256, heads=4, head_dim=16, eager_max_score_bytes=1e9,
               hidden_size=64, num_layers=2, vocab_size=128, stage_lengths=(128, 256), splits=4,
               repeats=2, held_length=128, held_microbatches=4, kernel_length=2048,
-              kernel_splits=8)
+              kernel_splits=8, numerics_length=256, numerics_heads=4)
 KERNELS_BUDGET_S = 180.0
 """The span kernels part's own budget (flex's first compilation of forward and backward takes
 about a minute on a GPU); it runs last, whatever the other parts left."""
@@ -340,7 +353,7 @@ def _guarded(check: Callable[[], dict], deadline: Deadline) -> dict:
     import torch
 
     if deadline.passed():
-        return {"skipped": "the span kernels part's time budget ran out"}
+        return {"skipped": "the part's time budget ran out"}
     try:
         return check()
     except Exception as err:            # noqa: BLE001 -- reported in the JSON, not fatal
@@ -558,16 +571,56 @@ def _environment() -> dict:
     return info
 
 
+SUITE_BUDGETS_S = {"numerics": 60.0, "training": 180.0, "memory": 120.0, "attention": 150.0}
+"""--suite gpu: each part's own budget, 8.5 minutes in all (the session's device time is 15)."""
+
+
+def run_gpu_suite(shapes: Shapes, tiny: bool) -> dict:
+    """The parts of --suite gpu, each with its own budget and its failures kept to itself."""
+    from device_numerics import check_numerics
+    from device_training import GPU_TRAINING, TINY_TRAINING, check_training
+
+    memory_shapes = replace(shapes, stage_lengths=shapes.stage_lengths[:1])
+    parts = {
+        "numerics": lambda deadline: check_numerics(
+            shapes.numerics_length, shapes.numerics_heads, shapes.head_dim,
+            shapes.eager_max_score_bytes, deadline),
+        "training": lambda deadline: check_training(TINY_TRAINING if tiny else GPU_TRAINING,
+                                                    deadline),
+        "memory": lambda deadline: {
+            "stage": check_stage(memory_shapes, deadline),
+            "held_microbatches": check_held_microbatches(memory_shapes, deadline)},
+        "attention": lambda deadline: {
+            "comparison": check_attention(shapes, deadline),
+            "span_kernels": check_span_kernels(shapes, deadline)},
+    }
+    result = {}
+    for name, part in parts.items():
+        deadline = Deadline(SUITE_BUDGETS_S[name])
+        started = time.perf_counter()
+        result[name] = {**_guarded(functools.partial(part, deadline), deadline),
+                        "wall_s": time.perf_counter() - started}
+        print(f"{PROG}: {name} done in {result[name]['wall_s']:.0f} s", flush=True)
+    return result
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("outdir", help="folder for device_check.json (created)")
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--skip-stage", action="store_true",
                         help="only the attention comparison and the span kernels")
+    parser.add_argument("--suite", choices=["stage", "gpu"], default="stage",
+                        help="stage (default): the calibration parts above; gpu: the first GPU "
+                             "run's evidence under the keys numerics, training, memory and "
+                             "attention, each part with its own budget (under 9 minutes)")
     parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="skip the parts that would start after this many seconds "
-                             "(default 420)")
+                        help="--suite stage: skip the parts that would start after this many "
+                             "seconds (default 420)")
     args = parser.parse_args(argv)
+    if args.suite == "gpu" and args.skip_stage:
+        parser.error("--skip-stage belongs to --suite stage (the gpu suite's parts have their "
+                     "own budgets)")
     import torch
 
     if not args.tiny and not torch.cuda.is_available():
@@ -581,11 +634,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = time.perf_counter()
     deadline = Deadline(args.budget_s)
     result = {"environment": _environment(), "shapes": asdict(shapes)}
-    if not args.skip_stage:                 # first: it calibrates the cost model
-        result["stage"] = check_stage(shapes, deadline)
-        result["held_microbatches"] = check_held_microbatches(shapes, deadline)
-    result["attention"] = check_attention(shapes, deadline)
-    result["span_kernels"] = check_span_kernels(shapes, Deadline(KERNELS_BUDGET_S))
+    if args.suite == "gpu":
+        result.update(run_gpu_suite(shapes, args.tiny))
+    else:
+        if not args.skip_stage:                 # first: it calibrates the cost model
+            result["stage"] = check_stage(shapes, deadline)
+            result["held_microbatches"] = check_held_microbatches(shapes, deadline)
+        result["attention"] = check_attention(shapes, deadline)
+        result["span_kernels"] = check_span_kernels(shapes, Deadline(KERNELS_BUDGET_S))
     result["wall_s"] = time.perf_counter() - started
     path = outdir / "device_check.json"
     path.write_text(json.dumps(result, indent=1))

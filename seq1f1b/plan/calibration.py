@@ -97,6 +97,8 @@ def read_device_check(path: str | Path) -> Calibration:
     try:
         result = json.loads(path.read_text())
         environment = result["environment"]
+        if "memory" in result:          # --suite gpu keeps the stage runs in its memory part
+            result = {**result, **result["memory"]}
         runs = [run for run in result.get("stage", []) if "spans" in run]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CalibrationError(f"{path}: not a device_check.json ({err})") from None

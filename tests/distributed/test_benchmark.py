@@ -109,3 +109,27 @@ def test_device_check_tiny_runs_on_cpu(tmp_path):
     assert held["memory"]["saved_over_estimated"] == pytest.approx(1, abs=0.1)   # 4 held
     with pytest.raises(CalibrationError, match="without a GPU"):
         read_device_check(tmp_path / "device_check.json")
+
+
+def test_device_check_gpu_suite_tiny_runs_every_part_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "device_check.py"),
+                           str(tmp_path), "--tiny", "--suite", "gpu"], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads((tmp_path / "device_check.json").read_text())
+    assert {"numerics", "training", "memory", "attention"} <= set(data)
+    backends = data["numerics"]["backends"]
+    for name in ("sdpa", "eager", "flex"):                   # flex: forward only on a CPU
+        assert backends[name]["within_bound"], backends[name]
+    assert set(backends["sdpa"]["span_errors"]) == {"output", "dq", "prefix_dk", "prefix_dv"}
+    assert "skipped" in backends["flash"] and "skipped" in backends["te"]
+    training = data["training"]
+    assert training["losses_agree"], training
+    for run in training["runs"].values():
+        assert len(run["losses"]) == training["shape"]["iterations"]
+        assert run["tokens_per_s"] > 0 and "lm loss" in run["last_log_line"]
+    stage = data["memory"]["stage"][0]
+    assert stage["memory"]["saved_over_estimated"] == pytest.approx(1, abs=0.1)
+    assert "sdpa" in data["attention"]["comparison"]["backends"]
+    with pytest.raises(CalibrationError, match="without a GPU"):   # reads the suite's layout
+        read_device_check(tmp_path / "device_check.json")

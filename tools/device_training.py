@@ -1,0 +1,106 @@
+"""device_check's training part: pretrain_gpt.py on one device, seq1f1b with k=1 and k=4.
+
+Both runs train the same model from the same seed on the same mock data with dropout off, so
+they differ only in how each sequence is cut into spans: in fp32 their losses would be equal to
+~1e-6 (tests/distributed/test_training.py); in bf16 each run rounds differently and the
+trajectories drift apart by rounding noise. The part reports both runs' per-iteration losses,
+their largest relative difference, and the last log line as printed (tokens/s and TFLOPS/GPU
+from the trainer's own figures), and calls the losses in agreement when that difference stays
+under `BF16_LOSS_TOLERANCE`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16_LOSS_TOLERANCE = 0.02
+"""2% relative: five times bf16's unit roundoff (2^-8), for losses that are means over the
+batch's tokens after up to 20 updates whose gradients were rounded differently."""
+SPLITS = (1, 4)
+_LOSS = re.compile(r"\blm loss: ([0-9.E+-]+)")
+_TOKENS = re.compile(r"\btokens/s: ([0-9.]+)")
+_TFLOPS = re.compile(r"\bTFLOPS/GPU: ([0-9.]+)")
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """The model and run of the training part."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    iterations: int
+    bf16: bool
+
+
+GPU_TRAINING = TrainingShape(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                             seq_length=16384, vocab_size=50257, iterations=20, bf16=True)
+"""The paper's 1.3B configuration (PAPER.md) at 16K tokens."""
+TINY_TRAINING = TrainingShape(num_layers=2, hidden_size=64, num_attention_heads=4,
+                              seq_length=128, vocab_size=128, iterations=4, bf16=True)
+
+
+def command(shape: TrainingShape, splits: int) -> list[str]:
+    """The pretrain_gpt.py command line of one run (one process, PP = 1)."""
+    flags = [
+        "--num-layers", shape.num_layers, "--hidden-size", shape.hidden_size,
+        "--num-attention-heads", shape.num_attention_heads, "--seq-length", shape.seq_length,
+        "--max-position-embeddings", shape.seq_length, "--position-embedding-type", "rope",
+        "--micro-batch-size", 1, "--global-batch-size", 1, "--train-iters", shape.iterations,
+        "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
+        "--hidden-dropout", 0, "--attention-dropout", 0, "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", shape.vocab_size,
+        "--pipeline-schedule", "seq1f1b", "--seq1f1b-splits", splits,
+        "--seq1f1b-partition", "compute", "--log-interval", 1, "--eval-iters", 0,
+    ] + (["--bf16"] if shape.bf16 else [])
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+            "--master-addr", "127.0.0.1", "--master-port", str(29600 + splits),
+            str(ROOT / "pretrain_gpt.py")] + [str(flag) for flag in flags]
+
+
+def _run(shape: TrainingShape, splits: int, timeout_s: float) -> dict:
+    argv = command(shape, splits)
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
+                              timeout=max(timeout_s, 1),
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired:
+        return {"command": " ".join(argv[3:]), "error": f"timed out after {timeout_s:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if _LOSS.search(line)
+             and "iteration" in line and "validation" not in line]
+    result = {"command": " ".join(argv[3:]), "returncode": proc.returncode,
+              "losses": [float(_LOSS.search(line).group(1)) for line in lines]}
+    if proc.returncode != 0 or not lines:
+        result["error"] = (proc.stderr.strip().splitlines() or ["no log line"])[-1]
+        return result
+    last = lines[-1]
+    result.update(last_log_line=last.strip(),
+                  tokens_per_s=float(_TOKENS.search(last).group(1)) if _TOKENS.search(last)
+                  else None,
+                  tflops_per_gpu=float(_TFLOPS.search(last).group(1)) if _TFLOPS.search(last)
+                  else None)
+    return result
+
+
+def check_training(shape: TrainingShape, deadline) -> dict:
+    """Both runs, each given half of what is left of the part's budget, and their comparison."""
+    runs = {}
+    for index, splits in enumerate(SPLITS):
+        left = deadline.remaining() / (len(SPLITS) - index)
+        runs[f"k{splits}"] = _run(shape, splits, left)
+    result = {"shape": vars(shape), "runs": runs}
+    losses = [run.get("losses", []) for run in runs.values()]
+    if all(losses) and len(losses[0]) == len(losses[1]) == shape.iterations:
+        diff = max(abs(a - b) / abs(b) for a, b in zip(*losses))
+        result.update(max_rel_loss_diff=diff, tolerance=BF16_LOSS_TOLERANCE,
+                      losses_agree=diff <= BF16_LOSS_TOLERANCE)
+    else:
+        result["losses_agree"] = None       # a run failed or was cut short: see its entry
+    return result
