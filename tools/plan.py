@@ -32,7 +32,8 @@ from seq1f1b.plan.communication import SEND, communication_plan  # noqa: E402
 from seq1f1b.plan.memory import (FRAMEWORK_OVERHEAD_GIB, GIB, MEGATRON_PLANS,  # noqa: E402
                                  PRECISIONS, MemoryEstimate, TrainingSetup, estimate_memory)
 from seq1f1b.plan.nccl import MODES, validate_modes  # noqa: E402
-from seq1f1b.plan.partition import imbalance, partition, span_flops  # noqa: E402
+from seq1f1b.plan.partition import imbalance, partition, span_bounds, span_flops  # noqa: E402
+from seq1f1b.plan.span_fit import SpanTimeFit, fit_span_times, read_span_timings  # noqa: E402
 from seq1f1b.plan.projection import A100  # noqa: E402
 from seq1f1b.plan.simulate import (SimulationReport, model_costs, simulate,  # noqa: E402
                                    uniform_costs)
@@ -78,8 +79,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 def _add_span_args(parser: argparse.ArgumentParser, method_flag: str) -> None:
     parser.add_argument("--seq-length", type=int, required=method_flag == "--method")
     parser.add_argument(method_flag, dest="method", default="even",
-                        choices=["even", "compute", "explicit"])
+                        choices=["even", "compute", "fit", "explicit"],
+                        help="even lengths, equal FLOPs, equal measured time (fit: with "
+                             "--calibration), or --span-lengths")
     parser.add_argument("--span-lengths", type=int, nargs="+", help="with the explicit method")
+    parser.add_argument("--calibration", metavar="FILE.json",
+                        help="measured span times for the fit method: device_check.py's "
+                             "device_check.json or benchmark.py --json output")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="spans must then be multiples of --tp")
@@ -108,10 +114,20 @@ def _model(args: argparse.Namespace) -> ModelConfig | None:
     return ModelConfig(**given)
 
 
+def _time_fit(args: argparse.Namespace) -> SpanTimeFit | None:
+    if args.calibration is not None and args.method != "fit":
+        raise UsageError(f"--calibration is read by the fit method, not {args.method!r}")
+    if args.method != "fit":
+        return None
+    if args.calibration is None:
+        raise UsageError("the fit method needs --calibration FILE (measured span times)")
+    return fit_span_times(read_span_timings(args.calibration))
+
+
 def _spans(args: argparse.Namespace, model: ModelConfig | None, splits: int) -> list[int]:
     return partition(args.seq_length, splits, args.method, model, tp=args.tp,
                      sequence_parallel=args.sequence_parallel, align=args.align,
-                     lengths=args.span_lengths)
+                     lengths=args.span_lengths, fit=_time_fit(args))
 
 
 def _schedule(args: argparse.Namespace):
@@ -136,6 +152,10 @@ def cmd_partition(args: argparse.Namespace) -> None:
     if model is not None:
         flops = span_flops(model, spans)
         out.update(flops=flops, imbalance=imbalance(flops))
+    fit = _time_fit(args)
+    if fit is not None:
+        seconds = [sum(fit.span_seconds(start, end)) for start, end in span_bounds(spans)]
+        out.update(fit=fit.describe(), fitted_seconds=seconds, time_imbalance=imbalance(seconds))
     if args.json:
         print(json.dumps(out))
         return
@@ -144,6 +164,10 @@ def cmd_partition(args: argparse.Namespace) -> None:
         total = sum(out["flops"])
         print("FLOP shares: " + " ".join(f"{f / total:.3f}" for f in out["flops"]))
         print(f"imbalance (max/mean): {out['imbalance']:.4f}")
+    if fit is not None:
+        print(f"fit: {out['fit']}")
+        print("fitted F+B seconds: " + " ".join(f"{t:.4g}" for t in seconds))
+        print(f"time imbalance (max/mean): {out['time_imbalance']:.4f}")
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -207,8 +231,11 @@ def cmd_memory(args: argparse.Namespace) -> None:
         microbatches=args.microbatches, splits=args.splits, chunks=args.chunks, tp=args.tp,
         dp=args.dp, micro_batch_size=args.micro_batch_size,
         sequence_parallel=args.sequence_parallel,
-        distributed_optimizer=args.distributed_optimizer, partition=args.method,
-        span_lengths=tuple(args.span_lengths) if args.span_lengths else None,
+        distributed_optimizer=args.distributed_optimizer,
+        # fit: the measured cut, handed over as explicit lengths
+        partition="explicit" if args.method == "fit" else args.method,
+        span_lengths=(tuple(_spans(args, model, args.splits)) if args.method == "fit"
+                      else tuple(args.span_lengths) if args.span_lengths else None),
         precision=args.precision, overhead_gib=args.overhead_gb,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,

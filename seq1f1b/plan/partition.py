@@ -7,6 +7,8 @@
   from the end of the sequence backwards: the last k-1 spans each get C(L)/k, the first span takes
   the remainder. Each boundary is rounded to the nearest alignment multiple on its own, so rounding
   errors do not accumulate into the first span. Spans shrink towards the end of the sequence.
+- "fit": balanced in measured time (span_fit.py): the same closed form with the per-token and
+  per-pair seconds of F + B fitted to a calibration run instead of FLOPs.
 - "explicit": lengths given by the user, checked.
 
 Alignment: every span is a multiple of `unit = lcm(align, tp)` when sequence parallelism is on
@@ -20,8 +22,9 @@ from itertools import accumulate
 
 from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.costs import ModelConfig, model_forward_flops
+from seq1f1b.plan.span_fit import SpanTimeFit
 
-METHODS = ("even", "compute", "explicit")
+METHODS = ("even", "compute", "fit", "explicit")
 
 
 def alignment_unit(tp: int = 1, sequence_parallel: bool = False, align: int = 1) -> int:
@@ -50,8 +53,9 @@ def imbalance(values: list[float]) -> float:
 
 def partition(seq_length: int, splits: int, method: str, model: ModelConfig | None = None,
               tp: int = 1, sequence_parallel: bool = False, align: int = 1,
-              lengths: list[int] | None = None) -> list[int]:
-    """Span lengths for a sequence of `seq_length` tokens cut into `splits` spans by `method`."""
+              lengths: list[int] | None = None, fit: SpanTimeFit | None = None) -> list[int]:
+    """Span lengths for a sequence of `seq_length` tokens cut into `splits` spans by `method`
+    ("fit" needs `fit`, the span costs fitted to measured time)."""
     unit = alignment_unit(tp, sequence_parallel, align)
     if not isinstance(seq_length, int) or seq_length < 1:
         raise ScheduleError(f"--seq-length must be a positive integer, got {seq_length!r}")
@@ -73,7 +77,13 @@ def partition(seq_length: int, splits: int, method: str, model: ModelConfig | No
     if method == "compute":
         if model is None:
             raise ScheduleError("--method compute needs a model (--model or its dimensions)")
-        return _compute(seq_length, splits, unit, model)
+        # C(x) = a*x + b*x^2/2: a the per-token FLOPs (GEMMs and logits), b per causal pair.
+        b = model_forward_flops(model, 2, 2) - 2 * model_forward_flops(model, 1, 1)
+        return _balanced(seq_length, splits, unit, model_forward_flops(model, 1, 1) - b / 2, b)
+    if method == "fit":
+        if fit is None:
+            raise ScheduleError("--method fit needs measured span times (--calibration FILE)")
+        return _balanced(seq_length, splits, unit, fit.per_token, fit.per_pair)
     raise ScheduleError(f"--method: unknown partition method {method!r}; "
                         f"choose from {', '.join(METHODS)}")
 
@@ -90,10 +100,8 @@ def _even(units: int, splits: int, unit: int) -> list[int]:
     return [(base + (j < extra)) * unit for j in range(splits)]
 
 
-def _compute(seq_length: int, splits: int, unit: int, model: ModelConfig) -> list[int]:
-    # C(x) = a*x + b*x^2/2: a the per-token cost (GEMMs and logits), b the attention coefficient.
-    b = model_forward_flops(model, 2, 2) - 2 * model_forward_flops(model, 1, 1)
-    a = model_forward_flops(model, 1, 1) - b / 2
+def _balanced(seq_length: int, splits: int, unit: int, a: float, b: float) -> list[int]:
+    """Spans of equal cost under C(x) = a*x + b*x^2/2, the cost of the prefix [0, x)."""
     total = a * seq_length + b * seq_length ** 2 / 2
     target = total / splits
 
