@@ -76,9 +76,11 @@ class EquivalenceCase:
     grad_tolerance: float = 1e-5
 
 
-def add_model_flags(parser, **defaults) -> None:
+def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "explicit"),
+                    **defaults) -> None:
     """The model and layout flags of EquivalenceCase (shared by check_equivalence.py and
-    benchmark.py); `defaults` overrides a flag's default by its dest, e.g. hidden_size=256."""
+    benchmark.py); `partitions` the --partition choices, `defaults` overrides a flag's default
+    by its dest, e.g. hidden_size=256."""
     def add(flag: str, **kwargs) -> None:
         dest = flag[2:].replace("-", "_")
         if dest in defaults:
@@ -109,7 +111,7 @@ def add_model_flags(parser, **defaults) -> None:
     add("--pp", type=int, default=1, help="pipeline-parallel size")
     add("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedules)")
     add("--splits", type=int, default=1, help="spans per micro-batch (k)")
-    add("--partition", choices=["even", "compute", "explicit"], default="even")
+    add("--partition", choices=list(partitions), default="even")
     add("--span-lengths", type=int, nargs="+", default=None,
         help="explicit span lengths (implies --partition explicit)")
     add("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")

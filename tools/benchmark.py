@@ -18,7 +18,14 @@ the measured ones (median F and B per stage and span), what uniform span costs w
 and per rank the measured peak bytes held for backward beside the memory estimator's figure.
 
 A schedule takes --splits when its name starts with "seq1f1b" and k=1 otherwise; "NAME:K" sets k
-for one entry (e.g. `--schedules megatron-1f1b seq1f1b:1`). megatron-core's own schedules
+for one entry (e.g. `--schedules megatron-1f1b seq1f1b:1`), and "NAME[:K]@PARTITION" its span
+boundaries (even, compute or fit; default --partition), so one run can set cuts side by side:
+`--schedules 1f1b seq1f1b@even seq1f1b@compute seq1f1b@fit`. A fit entry calibrates from its own
+warm-up iterations (at least one): they run with the compute cut and the trace on, every span's
+median F and B summed over the pipeline stages are fitted (seq1f1b/plan/span_fit.py), and the
+timed iterations run the cut balanced in that measured time, which the output reports. Each
+traced entry's JSON carries its measured spans (`spans`: start, end, forward_s, backward_s), so
+the output is itself a calibration file for `plan.py partition --method fit --calibration`. megatron-core's own schedules
 (megatron-*) run without a trace: they are timed as a whole.
 Output: a markdown table on rank 0; --json prints JSON instead; --output FILE also writes it.
 """
@@ -54,6 +61,11 @@ class Run:
     schedule: str
     splits: int
     chunks: int
+    partition: str = "even"        # even | compute | explicit (--span-lengths) | fit
+
+    @property
+    def label(self) -> str:
+        return self.schedule if self.splits == 1 else f"{self.schedule}@{self.partition}"
 
 
 def build_parser() -> Parser:
@@ -61,10 +73,11 @@ def build_parser() -> Parser:
 
     parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--schedules", nargs="+", required=True, metavar="NAME[:K]",
+    add("--schedules", nargs="+", required=True, metavar="NAME[:K][@PARTITION]",
         help="schedules to compare; the first is the baseline of the ratios")
-    add_model_flags(parser, hidden_size=256, vocab_size=1024, seq_length=512,
-                    micro_batch_size=1, num_microbatches=2, chunks=2)
+    add_model_flags(parser, partitions=("even", "compute", "fit", "explicit"), hidden_size=256,
+                    vocab_size=1024, seq_length=512, micro_batch_size=1, num_microbatches=2,
+                    chunks=2)
     add("--seed", type=int, default=1234)
     add("--warmup", type=int, default=1, help="untimed iterations per schedule")
     add("--iterations", type=int, default=3, help="timed iterations per schedule")
@@ -93,7 +106,13 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
         raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pp {args.pp}")
     runs = []
     for entry in args.schedules:
-        name, _, k_text = entry.partition(":")
+        spec, _, cut = entry.partition("@")
+        name, _, k_text = spec.partition(":")
+        if cut and cut not in ("even", "compute", "fit"):
+            raise UsageError(f"--schedules {entry}: PARTITION must be even, compute or fit")
+        if cut and args.span_lengths:
+            raise UsageError(f"--schedules {entry}: @{cut} and --span-lengths both set the "
+                             "span boundaries")
         if name not in schedule_names():
             raise UsageError(f"--schedules: unknown schedule {name!r}; choose from "
                              f"{', '.join(schedule_names())}")
@@ -112,7 +131,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
                              f"{args.num_layers} layers over --pp {args.pp}")
         if k > args.seq_length:
             raise UsageError(f"--schedules {entry}: k = {k} exceeds --seq-length")
-        runs.append(Run(name, k, chunks))
+        runs.append(Run(name, k, chunks, cut or args.partition))
+    if any(run.partition == "fit" for run in runs) and args.warmup < 1:
+        raise UsageError("a fit partition calibrates from the warm-up: --warmup must be >= 1")
     return args, runs
 
 
@@ -140,6 +161,49 @@ class Measured:
     traces: list[list[tuple[str, float, float]]]     # per timed iteration, this rank's actions
     peak_saved_bytes: Optional[int]
     peak_device_bytes: Optional[int]
+    span_bounds: tuple[tuple[int, int], ...] = ()     # the cut the timed iterations ran
+    fit: Optional[str] = None                         # a fit entry: the fit it was cut by
+
+
+def span_timings(schedule, rank_traces: list[list[list[tuple[str, float, float]]]],
+                 bounds) -> list:
+    """Each span's median F and B (B + W when the backward is split) summed over the virtual
+    stages, from `rank_traces[pp_rank][iteration]` of every pipeline rank: the records a time
+    fit takes (seq1f1b/plan/span_fit.py)."""
+    from seq1f1b.plan.simulate import calibrated_costs, measured_report
+    from seq1f1b.plan.span_fit import SpanTiming
+
+    reports = [measured_report(schedule, [ranks[n] for ranks in rank_traces])
+               for n in range(len(rank_traces[0]))]
+    costs = calibrated_costs(schedule, reports)
+    stages = range(schedule.num_stages)
+    return [SpanTiming(start, end, sum(costs.forward[v][j] for v in stages),
+                       sum(costs.backward[v][j] + (costs.weight[v][j] if costs.weight else 0.0)
+                           for v in stages))
+            for j, (start, end) in enumerate(bounds)]
+
+
+def _fitted_cut(args: argparse.Namespace, run: Run, traces: list, representative: bool,
+                pp_rank: int) -> tuple[tuple[int, ...], str]:
+    """The fit partition from a fit entry's traced warm-up iterations on every rank (the same
+    result on all ranks: every rank fits the same gathered times)."""
+    import torch.distributed as dist
+
+    from seq1f1b.plan import registry
+    from seq1f1b.plan.partition import partition
+    from seq1f1b.plan.span_fit import fit_span_times
+
+    mine = (pp_rank, representative, [[(a.action, a.start, a.end) for a in t.actions]
+                                      for t in traces])
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    ranks = [actions for _, rep, actions in sorted(g for g in gathered if g[1])]
+    schedule = registry.build(run.schedule, args.pp, args.num_microbatches, run.splits,
+                              run.chunks)
+    fit = fit_span_times(span_timings(schedule, ranks, traces[0].span_bounds))
+    lengths = partition(args.seq_length, run.splits, "fit", tp=args.tp,
+                        sequence_parallel=args.sequence_parallel, fit=fit)
+    return tuple(lengths), fit.describe()
 
 
 def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
@@ -168,10 +232,19 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
     representative = dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
     mine = batches[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
 
-    def iteration(run: Run, trace: Optional[ExecutionTrace]) -> float:
-        settings = SpanSettings(run.splits, case.partition,
-                                tuple(case.span_lengths) if case.span_lengths else None,
+    cuts: dict[Run, tuple[tuple[int, ...], str]] = {}     # fit entries, after the warm-up
+
+    def settings_of(run: Run, trace: Optional[ExecutionTrace]) -> SpanSettings:
+        if run.partition == "fit":          # compute until the warm-up has been fitted
+            lengths = cuts[run][0] if run in cuts else None
+            return SpanSettings(run.splits, "explicit" if lengths else "compute", lengths,
                                 trace=trace)
+        return SpanSettings(run.splits, run.partition,
+                            tuple(case.span_lengths) if case.span_lengths else None,
+                            trace=trace)
+
+    def iteration(run: Run, trace: Optional[ExecutionTrace]) -> float:
+        settings = settings_of(run, trace)
         for model in layout.chunks:
             model.zero_grad_buffer()
         iterators = [iter(mine) for _ in layout.chunks]
@@ -190,15 +263,24 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
         return float(elapsed)
 
     measured = [Measured(pp_rank, representative, [], [], None, None) for _ in runs]
+    warm: dict[Run, list[ExecutionTrace]] = {run: [] for run in runs if run.partition == "fit"}
     for _ in range(args.warmup):
         for run in runs:
-            iteration(run, None)
+            trace = ExecutionTrace() if run in warm else None
+            iteration(run, trace)
+            if trace is not None:
+                warm[run].append(trace)
+    for run, traces in warm.items():
+        cuts[run] = _fitted_cut(args, run, traces, representative, pp_rank)
     for _ in range(args.iterations):
         for run, result in zip(runs, measured):
             trace = None if run.schedule in MEGATRON_SCHEDULES else ExecutionTrace()
             result.seconds.append(iteration(run, trace))
             if trace is not None:
                 result.traces.append([(a.action, a.start, a.end) for a in trace.actions])
+                result.span_bounds = trace.span_bounds
+            if run in cuts:
+                result.fit = cuts[run][1]
     for run, result in zip(runs, measured):
         if run.schedule not in MEGATRON_SCHEDULES:
             trace = ExecutionTrace(measure_memory=True)
@@ -216,7 +298,8 @@ def _plan_name(schedule: str) -> str:
     return MEGATRON_PLANS.get(schedule, schedule)
 
 
-def _memory_estimate(args: argparse.Namespace, run: Run, dp: int):
+def _memory_estimate(args: argparse.Namespace, run: Run, dp: int, lengths: tuple[int, ...]):
+    """The estimator's figures for `run` with the spans it ran (`lengths`)."""
     from seq1f1b.plan.costs import ModelConfig
     from seq1f1b.plan.memory import TrainingSetup, estimate_memory
 
@@ -231,8 +314,8 @@ def _memory_estimate(args: argparse.Namespace, run: Run, dp: int):
         model=model, seq_length=args.seq_length, schedule=run.schedule, pp=args.pp,
         microbatches=args.num_microbatches, splits=run.splits, chunks=run.chunks, tp=args.tp,
         dp=dp, micro_batch_size=args.micro_batch_size,
-        sequence_parallel=args.sequence_parallel, partition=args.partition,
-        span_lengths=tuple(args.span_lengths) if args.span_lengths else None,
+        sequence_parallel=args.sequence_parallel, partition="explicit",
+        span_lengths=lengths,
         precision="fp32", make_vocab_size_divisible_by=1,   # the benchmark's model: unpadded
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers)
@@ -270,6 +353,7 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
         seconds = ranks[0].seconds
         median = statistics.median(seconds)
         row = {"schedule": run.schedule, "splits": run.splits, "chunks": run.chunks,
+               "partition": run.partition, "label": run.label,
                "iteration_s": median, "iterations_s": seconds, "tokens_per_s": tokens / median,
                "best_iteration_s": min(seconds),
                "uniform_cost_makespan": _uniform_makespan(schedule)}
@@ -279,7 +363,8 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
             costs = calibrated_costs(schedule, reports)
             predicted = simulate(schedule, costs)
             bubble = statistics.median(r.bubble_ratio for r in reports)
-            estimate = _memory_estimate(args, run, dp)
+            estimate = _memory_estimate(args, run, dp, tuple(
+                end - start for start, end in ranks[0].span_bounds))
             peaks = [r.peak_saved_bytes for r in ranks]
             held = [s.metered_bytes for s in estimate.stages]
             row.update(
@@ -292,7 +377,12 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
                 calibrated_backward_s=[list(r) for r in costs.backward],
                 peak_saved_bytes=peaks, peak_device_bytes=[r.peak_device_bytes for r in ranks],
                 estimated_held_bytes=held,
-                measured_over_estimated=[p / e if e else None for p, e in zip(peaks, held)])
+                measured_over_estimated=[p / e if e else None for p, e in zip(peaks, held)],
+                span_lengths=[end - start for start, end in ranks[0].span_bounds],
+                spans=[vars(t) for t in span_timings(schedule, [r.traces for r in ranks],
+                                                     ranks[0].span_bounds)])
+            if ranks[0].fit is not None:
+                row["fit"] = ranks[0].fit
             pairs.append((reports[len(reports) // 2], predicted))
         rows.append(row)
     base = rows[0]
@@ -342,7 +432,7 @@ def markdown(result: dict) -> str:
         makespans = (f"{r['measured_makespan_s'] * 1e3:.0f}/{r['simulated_makespan_s'] * 1e3:.0f}"
                      if "measured_makespan_s" in r else "-")
         lines.append(
-            f"| {r['schedule']} | {r['splits']} | {r['chunks']} | {r['iteration_s'] * 1e3:.1f} | "
+            f"| {r['label']} | {r['splits']} | {r['chunks']} | {r['iteration_s'] * 1e3:.1f} | "
             f"{r['tokens_per_s']:.0f} | {r['ratio_to_first']:.3f} | "
             f"{r['best_ratio_to_first']:.3f} | {ratio(r.get('simulated_ratio_to_first'))} | "
             f"{r['uniform_cost_ratio']:.3f} | "

@@ -261,7 +261,8 @@ class Executor:
         trace = self.inp.trace
         if trace is not None:
             trace.begin(self.held_tensors,
-                        [p for m in self.inp.model_chunks for p in m.parameters()])
+                        [p for m in self.inp.model_chunks for p in m.parameters()],
+                        span_bounds=tuple(self.inp.spans))
         show_chunk = self.schedule.chunks > 1
         self.channels.start()
         for n, action in enumerate(self.program):

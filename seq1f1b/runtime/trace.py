@@ -54,6 +54,7 @@ class ExecutionTrace:
     peak_saved_bytes: int = 0
     peak_device_bytes: Optional[int] = None          # torch.cuda.max_memory_allocated
     peak_device_reserved_bytes: Optional[int] = None  # max_memory_reserved: allocator's share
+    span_bounds: tuple[tuple[int, int], ...] = ()     # the [start, end) of each span it ran
     _on_cuda: bool = False                            # the clock, chosen once per iteration
     _origin: Mark = 0.0
     _marks: list[tuple[str, Mark, Mark]] = field(default_factory=list)
@@ -80,10 +81,13 @@ class ExecutionTrace:
         return _mark(self._on_cuda)
 
     def begin(self, held_tensors: Callable[[], Iterable[torch.Tensor]],
-              parameters: Iterable[torch.Tensor] = ()) -> None:
+              parameters: Iterable[torch.Tensor] = (),
+              span_bounds: tuple[tuple[int, int], ...] = ()) -> None:
         """Start of the iteration; `held_tensors` lists what the executor holds outside autograd,
-        `parameters` the model's (held whatever the schedule: not counted)."""
+        `parameters` the model's (held whatever the schedule: not counted), `span_bounds` the
+        tokens of each span (what a time fit of the spans needs)."""
         self._marks, self._actions = [], []
+        self.span_bounds = tuple(span_bounds)
         self._on_cuda = torch.cuda.is_available()
         self._origin = _mark(self._on_cuda)
         self._stack = ExitStack()

@@ -14,7 +14,7 @@ from seq1f1b.plan.calibration import CalibrationError, read_device_check
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-SCHEDULES = ["1f1b", "seq1f1b", "megatron-1f1b", "seq1f1b-interleaved"]
+SCHEDULES = ["1f1b", "seq1f1b", "megatron-1f1b", "seq1f1b-interleaved", "seq1f1b@fit"]
 
 
 def _free_port() -> int:
@@ -30,7 +30,7 @@ def benchmark(tmp_path_factory):
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
            str(ROOT / "tools" / "benchmark.py"), "--pp", "2", "--num-layers", "4",
            "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-           "--vocab-size", "64", "--num-microbatches", "2", "--splits", "2", "--warmup", "0",
+           "--vocab-size", "64", "--num-microbatches", "2", "--splits", "2", "--warmup", "1",
            "--iterations", "1", "--schedules", *SCHEDULES, "--output", str(out / "result.json"),
            "--plot", str(out / "timelines.png")]
     proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -41,8 +41,9 @@ def benchmark(tmp_path_factory):
 def test_every_schedule_is_reported_in_order(benchmark):
     stdout, result, _ = benchmark
     runs = result["runs"]
-    assert [r["schedule"] for r in runs] == SCHEDULES
-    assert [(r["splits"], r["chunks"]) for r in runs] == [(1, 1), (2, 1), (1, 1), (2, 2)]
+    assert [r["schedule"] for r in runs] == [entry.split("@")[0] for entry in SCHEDULES]
+    assert [(r["splits"], r["chunks"]) for r in runs] == [(1, 1), (2, 1), (1, 1), (2, 2), (2, 1)]
+    assert [r["partition"] for r in runs[1:]] == ["even", "even", "even", "fit"]
     assert runs[0]["ratio_to_first"] == 1.0
     tokens = result["config"]["tokens_per_iteration"]
     assert tokens == 2 * 32
@@ -65,6 +66,21 @@ def test_traced_schedules_have_bubbles_predictions_and_memory(benchmark):
         assert all(len(row) == run["splits"] for row in run["calibrated_backward_s"])
         assert len(run["peak_saved_bytes"]) == 2 and min(run["peak_saved_bytes"]) > 0
         assert len(run["estimated_held_bytes"]) == 2 and min(run["estimated_held_bytes"]) > 0
+
+
+def test_a_fit_entry_is_cut_by_its_warm_up_and_the_output_calibrates_plan_py(benchmark):
+    _, result, out = benchmark
+    fitted = result["runs"][-1]
+    assert fitted["label"] == "seq1f1b@fit" and "fitted to 2 spans" in fitted["fit"]
+    assert sum(fitted["span_lengths"]) == 32 and len(fitted["spans"]) == 2
+    for span in fitted["spans"]:
+        assert span["forward_s"] > 0 and span["backward_s"] > 0
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), "partition",
+                           "--seq-length", "32", "--splits", "2", "--method", "fit",
+                           "--calibration", str(out / "result.json"), "--json"],
+                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sum(json.loads(proc.stdout)["spans"]) == 32
 
 
 def test_plot_is_written(benchmark):
