@@ -29,7 +29,7 @@ def _configs() -> dict:
                                  "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8192}),
-        "mistral": MistralConfig(**common, num_key_value_heads=1, sliding_window=64,
+        "mistral": MistralConfig(**common, num_key_value_heads=2, sliding_window=64,
                                  rope_theta=20000.0),
         "qwen2": Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True,
                              rope_theta=1000000.0),

@@ -20,6 +20,7 @@ from seq1f1b.hf import ConversionError
 from seq1f1b.hf.config import ModelSpec
 
 RELEASE_FORMAT = "seq1f1b-hf-release-1"
+RELEASE_HF_SUBDIR = "huggingface"     # config.json and tokenizer files of the source folder
 
 
 def transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
@@ -98,6 +99,30 @@ def load_whole_model(spec: ModelSpec, folder: str):
     return model
 
 
-def release_metadata(hf_dir: str) -> dict:
-    """What the release checkpoint records about its origin."""
-    return {"hf_dir": os.path.abspath(hf_dir)}
+def write_release(spec: ModelSpec, mg_tensors: dict[str, torch.Tensor], hf_dir: str,
+                  save_dir: str) -> str:
+    """Publish the whole model's tensors as `<save_dir>/release` (tracker `release`), with
+    config.json and the tokenizer files of `hf_dir` in its `huggingface/` folder; collective,
+    parallel_state at TP = PP = 1. Staged in a hidden folder, renamed when complete."""
+    import torch.distributed as dist
+
+    from megatron.training import checkpoint_layout
+    from seq1f1b.hf.folder import copy_companions
+
+    model = whole_model(spec)
+    load_megatron_tensors(model, mg_tensors)
+    staging = os.path.join(save_dir, f".release.incomplete-{os.getpid()}")
+    if dist.get_rank() == 0:
+        os.makedirs(staging)
+    names = [staging]
+    dist.broadcast_object_list(names)      # rank 0's process id names the folder
+    dist.barrier()
+    save_release(model, names[0], {"hf_dir": os.path.abspath(hf_dir)})
+    dist.barrier()
+    if dist.get_rank() == 0:
+        companions = os.path.join(names[0], RELEASE_HF_SUBDIR)
+        os.makedirs(companions)
+        copy_companions(hf_dir, companions, with_config=True)
+        checkpoint_layout.publish_release(save_dir, names[0])
+    dist.barrier()
+    return checkpoint_layout.release_dir(save_dir)

@@ -234,6 +234,8 @@ def check_layout(spec: ModelSpec, layout: Layout, config_path: str) -> None:
         if count % layout.tp:
             raise ConversionError(f"--tp {layout.tp} does not divide {config_path} "
                                   f"{what} {count}")
+    if layout.vpp > 1 and layout.pp < 2:
+        raise ConversionError(f"--vpp {layout.vpp} needs --pp >= 2 (interleaved pipelines)")
     chunks = layout.pp * layout.vpp
     if spec.num_layers % chunks:
         raise ConversionError(f"--pp {layout.pp} x --vpp {layout.vpp} does not divide "

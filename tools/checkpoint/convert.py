@@ -29,8 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from seq1f1b.hf import ConversionError  # noqa: E402
 
-RELEASE_HF_SUBDIR = "huggingface"
-
 
 def parse_args(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -82,7 +80,7 @@ def hf_to_megatron(args: argparse.Namespace) -> str:
     """Validate everything, write the release checkpoint; returns the text to print."""
     from megatron.training import checkpoint_layout
     from seq1f1b.hf import config as hf_config
-    from seq1f1b.hf.folder import copy_companions, read_hf_weights
+    from seq1f1b.hf.folder import read_hf_weights
 
     raw, spec = hf_config.read_spec(args.hf_dir)
     config_path = os.path.join(args.hf_dir, hf_config.CONFIG_FILE)
@@ -98,29 +96,13 @@ def hf_to_megatron(args: argparse.Namespace) -> str:
         raise ConversionError(f"--save: {args.save} already holds a checkpoint")
     tensors = read_hf_weights(args.hf_dir, spec)
 
-    import torch.distributed as dist
-
     from seq1f1b.hf import checkpoint, weights
 
     _single_process_world()
-    model = checkpoint.whole_model(spec)
-    checkpoint.load_megatron_tensors(model, weights.hf_to_megatron(spec, tensors))
-    del tensors
-    staging = os.path.join(args.save, f".release.incomplete-{os.getpid()}")
-    if dist.get_rank() == 0:
-        os.makedirs(staging)
-    dist.barrier()
-    checkpoint.save_release(model, staging, checkpoint.release_metadata(args.hf_dir))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        companions = os.path.join(staging, RELEASE_HF_SUBDIR)
-        os.makedirs(companions)
-        copy_companions(args.hf_dir, companions, with_config=True)
-        checkpoint_layout.publish_release(args.save, staging)
-    dist.barrier()
+    release = checkpoint.write_release(spec, weights.hf_to_megatron(spec, tensors), args.hf_dir,
+                                       args.save)
     lines = [f"converted {spec.family} ({spec.num_layers} layers, hidden {spec.hidden_size}, "
-             f"vocabulary {spec.vocab_size}) from {args.hf_dir} to "
-             f"{checkpoint_layout.release_dir(args.save)}",
+             f"vocabulary {spec.vocab_size}) from {args.hf_dir} to {release}",
              "pretrain_gpt.py flags for it (add --seq-length and your data and optimizer flags; "
              f"the model was trained at {spec.max_position_embeddings} tokens):",
              "  " + shlex.join(flags)]
@@ -139,6 +121,8 @@ def _template_dir(args: argparse.Namespace) -> str:
 
     if args.hf_dir is not None:
         return args.hf_dir
+    from seq1f1b.hf.checkpoint import RELEASE_HF_SUBDIR
+
     copy = os.path.join(checkpoint_layout.release_dir(args.load), RELEASE_HF_SUBDIR)
     if not os.path.isdir(copy):
         raise ConversionError(f"--hf-dir is required: {args.load} holds no converted release "
