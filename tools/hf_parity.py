@@ -6,7 +6,8 @@
 Converts D (Llama / Mistral / Qwen2: config.json + safetensors) to a release checkpoint in a
 temporary folder, loads it at --tp x --pp (x --vpp) on the torchrun world (which must be TP x
 PP), runs one forward pass of random tokens through --schedule with --splits spans, and compares
-the logits and the loss with transformers' forward (eager attention) on the same tokens. Prints
+the logits and the loss with transformers' forward (eager attention) on the same tokens
+(PP micro-batches of --micro-batch-size sequences). Prints
 {"max_abs_logit_diff", "loss", "hf_loss", "passed", ...} with --json (a sentence without); exit
 code 0 when passed, 1 when not, 2 for bad input (one line naming the flag or file). The
 threshold is seq1f1b.hf.parity's docstring: 1e-4 of the logits' scale, fp32.
@@ -31,14 +32,16 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--splits", type=int, default=1, help="Seq1F1B spans per sequence (k)")
     parser.add_argument("--schedule", default="seq1f1b", help="pipeline schedule (registry name)")
     parser.add_argument("--seq-length", type=int, default=32, help="tokens per sequence")
-    parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences")
+    parser.add_argument("--micro-batch-size", type=int, default=2,
+                        help="sequences per micro-batch (PP micro-batches are run)")
     parser.add_argument("--seed", type=int, default=1234, help="draws the tokens")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser.parse_args(argv)
 
 
 def _world() -> None:
-    """torchrun's process group, or a gloo world of one."""
+    """torchrun's process group, or a world of one (NCCL on a GPU, gloo with the CPU platform
+    layer otherwise)."""
     import torch
     import torch.distributed as dist
 
@@ -48,6 +51,8 @@ def _world() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if "RANK" in os.environ:
         init_distributed()
+    elif torch.cuda.is_available():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     else:
         platform.activate()
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -24,15 +24,16 @@ RELEASE_HF_SUBDIR = "huggingface"     # config.json and tokenizer files of the s
 
 
 def transformer_config(spec: ModelSpec, tp: int = 1, pp: int = 1, vpp: Optional[int] = None,
-                       initialize: bool = True):
-    """megatron's TransformerConfig of `spec` (fp32, no dropout) at a TP x PP (x V) layout."""
+                       initialize: bool = True, **overrides):
+    """megatron's TransformerConfig of `spec` (fp32, no dropout) at a TP x PP (x V) layout;
+    `overrides` go to TransformerConfig."""
     return megatron_adapter.make_transformer_config(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads, ffn_hidden_size=spec.ffn_hidden_size,
         architecture=spec.architecture(), tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
-        perform_initialization=initialize)
+        perform_initialization=initialize, **overrides)
 
 
 def build_chunk(spec: ModelSpec, config, *, pre_process: bool = True, post_process: bool = True,
@@ -46,9 +47,10 @@ def build_chunk(spec: ModelSpec, config, *, pre_process: bool = True, post_proce
 
 
 def whole_model(spec: ModelSpec):
-    """The whole model (parallel_state must be TP = PP = 1), left uninitialised: its weights
-    come from a checkpoint."""
-    return build_chunk(spec, transformer_config(spec, initialize=False))
+    """The whole model (parallel_state must be TP = PP = 1) in host memory, also on a GPU
+    machine, left uninitialised: its weights come from a checkpoint."""
+    return build_chunk(spec, transformer_config(spec, initialize=False,
+                                                use_cpu_initialization=True))
 
 
 def load_megatron_tensors(model, tensors: dict[str, torch.Tensor]) -> None:

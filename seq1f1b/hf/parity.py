@@ -2,8 +2,8 @@
 
 The Hugging Face folder is converted to a release checkpoint (the converter's own path), loaded
 into this rank's chunks at TP x PP (x V) with the trainer's loader, and run forward-only through
-the asked pipeline schedule with its spans: the loss is what the schedule reports, the logits are
-kept by the last stage's loss function, span by span, gathered over TP (megatron's
+the asked pipeline schedule with its spans: the loss is what the schedule reports over PP micro-batches, the
+logits are kept by the last stage's loss function, span by span, gathered over TP (megatron's
 gather_from_tensor_model_parallel_region) and sent to rank 0. Rank 0 runs transformers' forward
 (eager attention, fp32) on the same tokens and compares.
 
@@ -84,10 +84,27 @@ def check_case(case: ParityCase, world_size: int):
 
 
 def _tokens(case: ParityCase, spec) -> torch.Tensor:
-    """[b, s + 1] random token ids of the model's vocabulary, the same on every rank."""
+    """[m x b, s + 1] random token ids of the model's vocabulary, the same on every rank: m =
+    PP micro-batches (an interleaved schedule needs at least PP)."""
     gen = torch.Generator().manual_seed(case.seed)
-    return torch.randint(0, spec.vocab_size, (case.micro_batch_size, case.seq_length + 1),
-                         generator=gen)
+    return torch.randint(0, spec.vocab_size,
+                         (case.pp * case.micro_batch_size, case.seq_length + 1), generator=gen)
+
+
+def _micro_batches(case: ParityCase, tokens: torch.Tensor) -> list[dict]:
+    """The micro-batches of `tokens` on the device, each carrying its index (a [b] tensor,
+    which the span cutter leaves whole)."""
+    from seq1f1b import platform
+
+    device, b = platform.compute_device(), case.micro_batch_size
+    batches = []
+    for index in range(tokens.shape[0] // b):
+        rows = tokens[index * b:(index + 1) * b]
+        batch = {"tokens": rows[:, :-1], "labels": rows[:, 1:],
+                 "position_ids": torch.arange(case.seq_length).expand(b, -1),
+                 "microbatch": torch.full((b,), index)}
+        batches.append({key: value.to(device).contiguous() for key, value in batch.items()})
+    return batches
 
 
 def _convert(case: ParityCase, spec, folder: str) -> str:
@@ -108,32 +125,39 @@ def _convert(case: ParityCase, spec, folder: str) -> str:
 
 class _LogitKeeper:
     """The last stage's loss function: per-token loss from the TP-gathered logits of a span,
-    which it keeps with the span's first position."""
+    which it keeps with the span's micro-batch and first position."""
 
     def __init__(self) -> None:
-        self.spans: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.spans: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def forward_step(self, data_iterator, model):
         import functools
 
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None)
-        return output, functools.partial(self.loss, batch["labels"], batch["position_ids"])
+        return output, functools.partial(self.loss, batch["labels"], batch["microbatch"],
+                                         batch["position_ids"])
 
-    def loss(self, labels: torch.Tensor, positions: torch.Tensor, logits: torch.Tensor):
+    def loss(self, labels: torch.Tensor, microbatch: torch.Tensor, positions: torch.Tensor,
+             logits: torch.Tensor):
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        full = gather_from_tensor_model_parallel_region(logits.contiguous())
-        self.spans.append((positions[0, 0].detach(), full.detach().float()))
-        losses = torch.nn.functional.cross_entropy(
-            full.float().reshape(-1, full.shape[-1]), labels.reshape(-1), reduction="none")
+        full = gather_from_tensor_model_parallel_region(logits.contiguous()).float()
+        self.spans.append((microbatch[0].detach(), positions[0, 0].detach(), full.detach()))
+        losses = torch.nn.functional.cross_entropy(full.reshape(-1, full.shape[-1]),
+                                                   labels.reshape(-1), reduction="none")
         count = torch.tensor(labels.numel(), dtype=torch.int, device=losses.device)
         total = losses.sum()
         return total, count, {"lm loss": torch.stack([total.detach(), count.float()])}
 
     def logits(self) -> torch.Tensor:
-        ordered = sorted(self.spans, key=lambda item: int(item[0]))
-        return torch.cat([full for _, full in ordered], dim=1)
+        """[micro-batches x b, s, vocabulary]: spans joined along the sequence, micro-batches
+        stacked in order."""
+        ordered = sorted(self.spans, key=lambda item: (int(item[0]), int(item[1])))
+        rows: dict[int, list[torch.Tensor]] = {}
+        for microbatch, _, full in ordered:
+            rows.setdefault(int(microbatch), []).append(full)
+        return torch.cat([torch.cat(spans, dim=1) for _, spans in sorted(rows.items())])
 
 
 def _pipelined(case: ParityCase, spec, release: str, tokens: torch.Tensor
@@ -166,23 +190,21 @@ def _pipelined(case: ParityCase, spec, release: str, tokens: torch.Tensor
                                                                    vp_stage=vp),
             ).to(platform.compute_device()).eval())
         load_model_weights(release, chunks)
-        device = platform.compute_device()
-        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                 "position_ids": torch.arange(case.seq_length).expand(case.micro_batch_size, -1)}
-        batch = {key: value.to(device).contiguous() for key, value in batch.items()}
+        batches = _micro_batches(case, tokens)
         keeper = _LogitKeeper()
         with torch.no_grad():
             losses = get_forward_backward_func(case.schedule, SpanSettings(case.splits))(
                 forward_step_func=keeper.forward_step,
-                data_iterator=[iter([batch]) for _ in chunks] if chunked else iter([batch]),
-                model=chunks if chunked else chunks[0], num_microbatches=1,
+                data_iterator=[iter(batches) for _ in chunks] if chunked else iter(batches),
+                model=chunks if chunked else chunks[0], num_microbatches=len(batches),
                 seq_length=case.seq_length, micro_batch_size=case.micro_batch_size,
                 forward_only=True)
-        shape = (case.micro_batch_size, case.seq_length, spec.vocab_size)
+        device = platform.compute_device()
+        shape = (tokens.shape[0], case.seq_length, spec.vocab_size)
         result = torch.zeros(shape[0] * shape[1] * shape[2] + 2, device=device)
         holds = bool(keeper.spans) and parallel_state.get_tensor_model_parallel_rank() == 0
         if holds:
-            report = losses[0]["lm loss"].float()
+            report = torch.stack([entry["lm loss"].float() for entry in losses]).sum(dim=0)
             result.copy_(torch.cat([keeper.logits().reshape(-1), report.reshape(-1)]))
         source = torch.tensor(dist.get_rank() if holds else -1, device=device)
         dist.all_reduce(source, op=dist.ReduceOp.MAX)     # the last stage's TP rank 0

@@ -2,7 +2,7 @@
 
 - parity: Llama (GQA, Llama 3 RoPE scaling), Mistral and Qwen2 (QKV bias, tied embeddings),
   converted and run at TP2 x PP2 with seq1f1b k=3, give transformers' logits and loss (fp32,
-  seq1f1b.hf.parity's threshold);
+  seq1f1b.hf.parity's threshold); Llama also with seq1f1b-interleaved at V=2, k=2;
 - training: the converter's printed flags resume its release checkpoint in pretrain_gpt.py at
   TP2 x PP2 (bf16, data preprocessed with --tokenizer-model <the HF folder>) as iteration 0 with a
   fresh optimizer; at --lr 0 the checkpoint it saves, exported with megatron-to-hf, holds the
@@ -56,15 +56,17 @@ def results(tmp_path_factory):
         "--global-batch-size", "4", "--train-iters", "2", "--lr", "0", "--bf16",
         "--pipeline-schedule", "seq1f1b", "--seq1f1b-splits", "2", "--log-interval", "1"]
     cases = [{"parity": {"hf_dir": str(models[family]), "tp": 2, "pp": 2, "splits": 3}}
-             for family in FAMILIES] + [{"argv": training}]
+             for family in FAMILIES] + [{"argv": training}, {"parity": {
+                 "hf_dir": str(models["llama"]), "tp": 2, "pp": 2, "vpp": 2, "splits": 2,
+                 "schedule": "seq1f1b-interleaved"}}]
     out = run_cases(WORLD, "hf_worker.py", cases)
     for case, result in zip(cases, out):
         assert "error" not in result, f"{case}: {result.get('traceback', result.get('error'))}"
     print("seconds per case:", [r["seconds"] for r in out])
     _tool(ROOT / "tools" / "checkpoint" / "convert.py", "megatron-to-hf", "--load",
           root / "ckpt", "--save", root / "trained")
-    return {"parity": dict(zip(FAMILIES, out)), "training": out[-1], "root": root,
-            "models": models}
+    return {"parity": dict(zip(FAMILIES, out)), "training": out[3], "interleaved": out[4],
+            "root": root, "models": models}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -77,6 +79,13 @@ def test_parity_with_transformers_at_tp2_pp2_k3(results, family):
     assert result["loss"] == pytest.approx(result["hf_loss"], rel=1e-5)
     assert result["case"]["tp"] == 2 and result["case"]["pp"] == 2 \
         and result["case"]["splits"] == 3
+
+
+def test_parity_interleaved_at_tp2_pp2_v2(results):
+    result = results["interleaved"]
+    print(f"llama, seq1f1b-interleaved V=2 k=2: max_abs_logit_diff "
+          f"{result['max_abs_logit_diff']:.3e}")
+    assert result["passed"] and result["case"]["vpp"] == 2
 
 
 def test_release_checkpoint_resumes_at_iteration_0_and_keeps_the_weights(results):
