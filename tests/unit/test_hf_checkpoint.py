@@ -85,6 +85,22 @@ def test_round_trip_is_bit_identical_and_transformers_loads_it(models, family, t
         "architectures"][0]
 
 
+def test_export_records_a_context_extension(models, tmp_path, capsys):
+    assert _run(capsys, "hf-to-megatron", "--hf-dir", models["qwen2"], "--save",
+                tmp_path / "ckpt")[0] == 0
+    code, out, err = _run(capsys, "megatron-to-hf", "--load", tmp_path / "ckpt", "--save",
+                          tmp_path / "back", "--rotary-base", 4000000,
+                          "--max-position-embeddings", 256)
+    assert code == 0, err
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    original = json.loads((models["qwen2"] / "config.json").read_text())
+    assert (written.pop("rope_theta"), written.pop("max_position_embeddings")) == (4000000.0, 256)
+    assert written == {k: v for k, v in original.items()
+                       if k not in ("rope_theta", "max_position_embeddings")}
+    _refused(capsys, tmp_path, ["megatron-to-hf", "--load", tmp_path / "ckpt", "--save",
+                                tmp_path / "out", "--rotary-base", 0], ["--rotary-base"])
+
+
 def test_sharded_safetensors_index_converts_the_same(models, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 

@@ -12,7 +12,8 @@ tokenizer files travel along in `DIR/release/huggingface`.
 megatron-to-hf writes the newest checkpoint under DIR (release or a training iteration, any
 layout) as a folder `transformers` loads: config.json, model.safetensors and the tokenizer files.
 The model's description comes from --hf-dir, or from `DIR/release/huggingface` when DIR holds
-the converted release checkpoint.
+the converted release checkpoint; --rotary-base and --max-position-embeddings record a context
+extension the training made (rope_theta, max_position_embeddings of the written config.json).
 
 Bad input (an unsupported architecture, a missing or corrupt file, a layout the model does not
 divide into) is refused in one line naming the file or flag, exit code 2, before anything is
@@ -44,6 +45,12 @@ def parse_args(argv) -> argparse.Namespace:
     to_hf.add_argument("--save", required=True, help="Hugging Face folder to create")
     to_hf.add_argument("--hf-dir", help="the folder the model came from (config.json, tokenizer); "
                                         "default: the release checkpoint's copy")
+    to_hf.add_argument("--rotary-base", type=int,
+                       help="the --rotary-base the checkpoint was trained with, when it differs "
+                            "from config.json's rope_theta (a context extension): written there")
+    to_hf.add_argument("--max-position-embeddings", type=int,
+                       help="the context the checkpoint was trained at, when longer than "
+                            "config.json's max_position_embeddings: written there")
     return parser.parse_args(argv)
 
 
@@ -146,7 +153,15 @@ def megatron_to_hf(args: argparse.Namespace) -> str:
         raise ConversionError(f"--load: {args.load} holds no checkpoint "
                               f"({checkpoint_layout.TRACKER_NAME} is missing)")
     template = _template_dir(args)
-    raw, spec = hf_config.read_spec(template)
+    raw, _ = hf_config.read_spec(template)
+    for flag, field, value in (("--rotary-base", "rope_theta", args.rotary_base),
+                               ("--max-position-embeddings", "max_position_embeddings",
+                                args.max_position_embeddings)):
+        if value is not None:
+            if value < 1:
+                raise ConversionError(f"{flag} must be >= 1, got {value}")
+            raw[field] = float(value) if field == "rope_theta" else value
+    spec = hf_config.spec_from_config(raw, os.path.join(template, hf_config.CONFIG_FILE))
     check_new_folder(args.save, "--save")
 
     from seq1f1b.hf import checkpoint, weights
