@@ -9,6 +9,9 @@ optimizer reshard and the RNG states, which belong to ranks, are left as seeded.
 
 Atomicity is `checkpoint_layout`'s: the state is written to a staging folder, and only after every
 rank finished is it renamed and the tracker updated, by rank 0.
+
+A release checkpoint (a converted model, tools/checkpoint/convert.py) holds the model only: it is
+loaded as Megatron-LM loads one, as iteration 0 with the optimizer, scheduler and RNGs as built.
 """
 from __future__ import annotations
 
@@ -165,13 +168,30 @@ def save_checkpoint(save_dir: str, model: list, optimizer: MegatronOptimizer,
     return final
 
 
+def load_model_weights(folder: str, model: list) -> None:
+    """Load only the model chunks' weights from the checkpoint `folder` (any TP x PP x V layout:
+    sharded tensors are keyed by global tensor and layer); collective."""
+    request = {_model_key(i, len(model)): unwrap(chunk).sharded_state_dict()
+               for i, chunk in enumerate(model)}
+    state = dist_checkpointing.load(request, folder)
+    with torch.no_grad():
+        for i, chunk in enumerate(model):
+            unwrap(chunk).load_state_dict(state[_model_key(i, len(model))], strict=True)
+
+
 def load_checkpoint(load_dir: str, model: list, optimizer: MegatronOptimizer,
                     scheduler: OptimizerParamScheduler) -> Optional[RunPosition]:
     """Restore the newest complete checkpoint under `load_dir` into model, optimizer, scheduler
-    and the RNGs; returns its position, or None when `load_dir` holds no checkpoint yet."""
+    and the RNGs; returns its position, or None when `load_dir` holds no checkpoint yet.
+
+    A release checkpoint restores the weights only and returns iteration 0."""
     iteration = checkpoint_layout.read_tracker(load_dir)
     if iteration is None:
         return None
+    if checkpoint_layout.is_release(load_dir):
+        load_model_weights(checkpoint_layout.release_dir(load_dir), model)
+        optimizer.reload_model_params()     # main (fp32) copies of bf16/fp16 params follow
+        return RunPosition()
     folder = checkpoint_layout.iteration_dir(load_dir, iteration)
     common = dist_checkpointing.load_common_state_dict(folder)
     same_layout = list(common["parallel_layout"]) == _layout()

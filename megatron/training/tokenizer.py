@@ -10,6 +10,7 @@ vocabulary has no pad token of its own; byte-level has one.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ def add_tokenizer_args(group) -> None:
     group.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
-    group.add_argument("--tokenizer-model", help="HuggingFaceTokenizer: a tokenizers JSON file")
+    group.add_argument("--tokenizer-model",
+                       help="HuggingFaceTokenizer: a tokenizers JSON file, or a Hugging Face model "
+                            "folder holding tokenizer.json")
     group.add_argument("--vocab-size", type=int,
                        help="NullTokenizer: token ids 0 .. N-1 (EOD is N)")
 NO_PAD = -1
@@ -162,27 +165,55 @@ class GPT2BPETokenizer(_TokenizersLibraryTokenizer):
 
 
 class HuggingFaceTokenizer(_TokenizersLibraryTokenizer):
-    """Any tokenizer saved by the `tokenizers` library as one JSON file (--tokenizer-model).
+    """Any tokenizer saved by the `tokenizers` library (--tokenizer-model): its JSON file, or a
+    Hugging Face model folder holding `tokenizer.json` (what `save_pretrained` writes).
 
-    EOD is the first of `_EOD_CANDIDATES` the vocabulary has; pad likewise from `_PAD_CANDIDATES`.
+    EOD: in a folder, the `eos_token` of its `tokenizer_config.json` (the model's own end of
+    text); otherwise, or when that token is absent, the first of `_EOD_CANDIDATES` the vocabulary
+    has. Pad likewise from `_PAD_CANDIDATES`.
     """
 
     def __init__(self, tokenizer_model: str) -> None:
         from tokenizers import Tokenizer
 
         kind = type(self).__name__
-        _require_readable("--tokenizer-model", tokenizer_model, kind)
+        folder = tokenizer_model if tokenizer_model and os.path.isdir(tokenizer_model) else None
+        path = os.path.join(folder, HF_TOKENIZER_FILE) if folder else tokenizer_model
+        _require_readable("--tokenizer-model", path, kind)
         try:
-            tok = Tokenizer.from_file(tokenizer_model)
+            tok = Tokenizer.from_file(path)
         except Exception as err:  # the library raises plain Exception for unparsable files
-            raise ValueError(f"--tokenizer-model: cannot read tokenizer file {tokenizer_model}: "
+            raise ValueError(f"--tokenizer-model: cannot read tokenizer file {path}: "
                              f"{_one_line(err)}") from None
-        eod = _first_known(tok, _EOD_CANDIDATES)
+        eos = _folder_eos_token(folder) if folder else None
+        eod = tok.token_to_id(eos) if eos is not None else None
         if eod is None:
-            raise ValueError(f"--tokenizer-model: {tokenizer_model} has none of the "
-                             f"end-of-document tokens {', '.join(_EOD_CANDIDATES)}")
+            eod = _first_known(tok, _EOD_CANDIDATES)
+        if eod is None:
+            raise ValueError(f"--tokenizer-model: {path} has none of the end-of-document tokens "
+                             f"{', '.join(((eos,) if eos else ()) + _EOD_CANDIDATES)}")
         super().__init__(tok, eod, _pad_id(tok, eod),
-                         _identifiers(kind, tokenizer_model=tokenizer_model))
+                         _identifiers(kind, tokenizer_model=path))
+
+
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def _folder_eos_token(folder: str) -> Optional[str]:
+    """The `eos_token` of a Hugging Face folder's tokenizer_config.json (a string or an
+    AddedToken dict), or None when the file or the entry is missing."""
+    path = os.path.join(folder, HF_TOKENIZER_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as stream:
+            eos = json.load(stream).get("eos_token")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f"--tokenizer-model: cannot read {path}: {_one_line(err)}") from None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None
 
 
 class NullTokenizer:

@@ -119,3 +119,20 @@ def test_bad_tokenizer_files_name_the_flag(bpe_files):
                           (50257, 128, 1, 50304), (258, 1, 1, 258), (258, 8, 4, 288)])
 def test_padded_vocab_size_is_megatrons_rule(vocab, divisible_by, tp, expected):
     assert padded_vocab_size(vocab, divisible_by, tp) == expected
+
+
+def test_hugging_face_folder_is_accepted_as_tokenizer_model(bpe_files, tmp_path):
+    """--tokenizer-model D reads D/tokenizer.json; its tokenizer_config.json's eos_token is EOD."""
+    by_folder = HuggingFaceTokenizer(str(bpe_files.dir))
+    by_file = HuggingFaceTokenizer(bpe_files.json)
+    assert (by_folder.eod, by_folder.pad, by_folder.vocab_size) == \
+        (by_file.eod, by_file.pad, by_file.vocab_size)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(open(bpe_files.json, "rb").read())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<pad>"}}))
+    assert HuggingFaceTokenizer(str(folder)).eod == by_file.pad
+    with pytest.raises(ValueError, match=f"--tokenizer-model: tokenizer file "
+                                         f"{tmp_path / 'empty' / 'tokenizer.json'} does not exist"):
+        (tmp_path / "empty").mkdir()
+        HuggingFaceTokenizer(str(tmp_path / "empty"))

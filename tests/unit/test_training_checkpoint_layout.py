@@ -59,7 +59,7 @@ def test_saving_an_existing_iteration_again_replaces_it(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000010", layout.TRACKER_NAME]
 
 
-@pytest.mark.parametrize("text", ["release\n", "", "-3", "1e3"])
+@pytest.mark.parametrize("text", ["", "-3", "1e3", "releases"])
 def test_tracker_without_an_iteration_number_is_rejected(tmp_path, text):
     (tmp_path / layout.TRACKER_NAME).write_text(text)
     with pytest.raises(ValueError, match="^--load: .* should hold an iteration number"):
@@ -70,3 +70,22 @@ def test_tracker_naming_a_missing_folder_is_rejected(tmp_path):
     (tmp_path / layout.TRACKER_NAME).write_text("7\n")
     with pytest.raises(ValueError, match="^--load: .*iteration 7.*does not exist"):
         layout.read_tracker(str(tmp_path))
+
+
+def test_release_checkpoint_is_iteration_0_in_its_own_folder(tmp_path):
+    """A converted model: tracker `release`, folder `release/` (Megatron's convention)."""
+    (tmp_path / layout.TRACKER_NAME).write_text("release\n")
+    with pytest.raises(ValueError, match="^--load: .*release checkpoint.*does not exist"):
+        layout.read_tracker(str(tmp_path))
+    (tmp_path / layout.TRACKER_NAME).unlink()
+    staged = tmp_path / ".release.incomplete-1"
+    staged.mkdir()
+    (staged / "shard").write_text("weights")
+    assert layout.publish_release(str(tmp_path), str(staged)) == layout.release_dir(str(tmp_path))
+    assert layout.read_tracker(str(tmp_path)) == 0 and layout.is_release(str(tmp_path))
+    assert layout.latest_dir(str(tmp_path)) == str(tmp_path / "release")
+    assert (tmp_path / "release" / "shard").read_text() == "weights"
+    _stage(tmp_path, 3)
+    layout.publish(str(tmp_path), 3)     # training saves next to it: the iteration wins
+    assert not layout.is_release(str(tmp_path))
+    assert layout.latest_dir(str(tmp_path)) == layout.iteration_dir(str(tmp_path), 3)

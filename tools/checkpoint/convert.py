@@ -1,0 +1,200 @@
+"""Hugging Face <-> Megatron checkpoints for Llama, Mistral and Qwen2 models.
+
+    python tools/checkpoint/convert.py hf-to-megatron --hf-dir D --save DIR --tp T --pp P [--vpp V]
+    python tools/checkpoint/convert.py megatron-to-hf --load DIR --save HF_DIR [--hf-dir D]
+
+hf-to-megatron reads config.json and the safetensors of D and writes Megatron's release
+checkpoint (`DIR/release`, tracker `release`), which `pretrain_gpt.py --load DIR` resumes as
+iteration 0 with a fresh optimizer at any TP x PP x V; it prints the flags that run needs for
+the layout --tp/--pp/--vpp (model, tokenizer and vocabulary padding flags). config.json and the
+tokenizer files travel along in `DIR/release/huggingface`.
+
+megatron-to-hf writes the newest checkpoint under DIR (release or a training iteration, any
+layout) as a folder `transformers` loads: config.json, model.safetensors and the tokenizer files.
+The model's description comes from --hf-dir, or from `DIR/release/huggingface` when DIR holds
+the converted release checkpoint; --rotary-base and --max-position-embeddings record a context
+extension the training made (rope_theta, max_position_embeddings of the written config.json).
+
+Bad input (an unsupported architecture, a missing or corrupt file, a layout the model does not
+divide into) is refused in one line naming the file or flag, exit code 2, before anything is
+written. Runs in one process on the CPU; the whole model is held in memory in fp32.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from seq1f1b.hf import ConversionError  # noqa: E402
+
+
+def parse_args(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_mg = sub.add_parser("hf-to-megatron", help="a Hugging Face folder to a release checkpoint")
+    to_mg.add_argument("--hf-dir", required=True, help="folder with config.json and safetensors")
+    to_mg.add_argument("--save", required=True, help="checkpoint directory to create")
+    to_mg.add_argument("--tp", type=int, default=1, help="tensor-parallel size to train at")
+    to_mg.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to train at")
+    to_mg.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline rank")
+    to_hf = sub.add_parser("megatron-to-hf", help="a checkpoint to a Hugging Face folder")
+    to_hf.add_argument("--load", required=True, help="checkpoint directory (its newest checkpoint)")
+    to_hf.add_argument("--save", required=True, help="Hugging Face folder to create")
+    to_hf.add_argument("--hf-dir", help="the folder the model came from (config.json, tokenizer); "
+                                        "default: the release checkpoint's copy")
+    to_hf.add_argument("--rotary-base", type=int,
+                       help="the --rotary-base the checkpoint was trained with, when it differs "
+                            "from config.json's rope_theta (a context extension): written there")
+    to_hf.add_argument("--max-position-embeddings", type=int,
+                       help="the context the checkpoint was trained at, when longer than "
+                            "config.json's max_position_embeddings: written there")
+    return parser.parse_args(argv)
+
+
+def _single_process_world() -> None:
+    """A gloo world of one (or torchrun's) and TP = PP = 1, for the whole model."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from seq1f1b import platform
+
+    platform.activate()
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def _tokenizer_vocab(hf_dir: str):
+    """(the --tokenizer-model to print, its vocabulary size) or (None, None) without one."""
+    from megatron.training.tokenizer import HF_TOKENIZER_FILE, HuggingFaceTokenizer
+
+    if not os.path.isfile(os.path.join(hf_dir, HF_TOKENIZER_FILE)):
+        return None, None
+    try:
+        return os.path.abspath(hf_dir), HuggingFaceTokenizer(hf_dir).vocab_size
+    except ValueError as err:
+        raise ConversionError(str(err).replace("--tokenizer-model: ", "")) from None
+
+
+def hf_to_megatron(args: argparse.Namespace) -> str:
+    """Validate everything, write the release checkpoint; returns the text to print."""
+    from megatron.training import checkpoint_layout
+    from seq1f1b.hf import config as hf_config
+    from seq1f1b.hf.folder import read_hf_weights
+
+    raw, spec = hf_config.read_spec(args.hf_dir)
+    config_path = os.path.join(args.hf_dir, hf_config.CONFIG_FILE)
+    layout = hf_config.Layout(args.tp, args.pp, args.vpp)
+    hf_config.check_layout(spec, layout, config_path)
+    tokenizer_model, tokenizer_vocab = _tokenizer_vocab(args.hf_dir)
+    flags = hf_config.training_flags(spec, layout, load_dir=os.path.abspath(args.save),
+                                     tokenizer_model=tokenizer_model,
+                                     tokenizer_vocab=tokenizer_vocab)
+    if os.path.exists(args.save) and not os.path.isdir(args.save):
+        raise ConversionError(f"--save: {args.save} exists and is not a directory")
+    if os.path.exists(checkpoint_layout.tracker_path(args.save)):
+        raise ConversionError(f"--save: {args.save} already holds a checkpoint")
+    tensors = read_hf_weights(args.hf_dir, spec)
+
+    from seq1f1b.hf import checkpoint, weights
+
+    _single_process_world()
+    release = checkpoint.write_release(spec, weights.hf_to_megatron(spec, tensors), args.hf_dir,
+                                       args.save)
+    lines = [f"converted {spec.family} ({spec.num_layers} layers, hidden {spec.hidden_size}, "
+             f"vocabulary {spec.vocab_size}) from {args.hf_dir} to {release}",
+             "pretrain_gpt.py flags for it (add --seq-length and your data and optimizer flags; "
+             f"the model was trained at {spec.max_position_embeddings} tokens):",
+             "  " + shlex.join(flags)]
+    if spec.sliding_window is not None:
+        lines.append(f"warning: {config_path} sliding_window {spec.sliding_window}: Seq1F1B "
+                     f"attends over the whole sequence, so the model is unchanged only with "
+                     f"--seq-length <= {spec.sliding_window}")
+    if tokenizer_model is None:
+        lines.append(f"note: {args.hf_dir} has no tokenizer.json; the flags assume token ids "
+                     f"0 .. {spec.vocab_size - 1} (NullTokenizer)")
+    return "\n".join(lines)
+
+
+def _template_dir(args: argparse.Namespace) -> str:
+    from megatron.training import checkpoint_layout
+
+    if args.hf_dir is not None:
+        return args.hf_dir
+    from seq1f1b.hf.checkpoint import RELEASE_HF_SUBDIR
+
+    copy = os.path.join(checkpoint_layout.release_dir(args.load), RELEASE_HF_SUBDIR)
+    if not os.path.isdir(copy):
+        raise ConversionError(f"--hf-dir is required: {args.load} holds no converted release "
+                              f"checkpoint that records the model's config.json")
+    return copy
+
+
+def megatron_to_hf(args: argparse.Namespace) -> str:
+    """Validate everything, write the Hugging Face folder; returns the text to print."""
+    from megatron.training import checkpoint_layout
+    from seq1f1b.hf import config as hf_config
+    from seq1f1b.hf.folder import check_new_folder
+
+    if not os.path.isdir(args.load):
+        raise ConversionError(f"--load: {args.load} is not a directory")
+    try:
+        folder = checkpoint_layout.latest_dir(args.load)
+    except ValueError as err:
+        raise ConversionError(str(err)) from None
+    if folder is None:
+        raise ConversionError(f"--load: {args.load} holds no checkpoint "
+                              f"({checkpoint_layout.TRACKER_NAME} is missing)")
+    template = _template_dir(args)
+    raw, _ = hf_config.read_spec(template)
+    for flag, field, value in (("--rotary-base", "rope_theta", args.rotary_base),
+                               ("--max-position-embeddings", "max_position_embeddings",
+                                args.max_position_embeddings)):
+        if value is not None:
+            if value < 1:
+                raise ConversionError(f"{flag} must be >= 1, got {value}")
+            raw[field] = float(value) if field == "rope_theta" else value
+    spec = hf_config.spec_from_config(raw, os.path.join(template, hf_config.CONFIG_FILE))
+    check_new_folder(args.save, "--save")
+
+    from seq1f1b.hf import checkpoint, weights
+    from seq1f1b.hf.folder import TORCH_DTYPES, write_hf_folder
+
+    _single_process_world()
+    model = checkpoint.load_whole_model(spec, folder)
+    dtype = TORCH_DTYPES[spec.dtype]
+    tensors = {name: tensor.to(dtype) for name, tensor in
+               weights.megatron_to_hf(spec, model.state_dict()).items()}
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        write_hf_folder(args.save, raw, tensors, companions_from=template)
+    dist.barrier()
+    return f"wrote {args.save} ({spec.family}, {spec.dtype}) from {folder}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        text = hf_to_megatron(args) if args.direction == "hf-to-megatron" else megatron_to_hf(args)
+    except ConversionError as err:
+        print(f"convert.py: error: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"(?s).*(Transformer Engine|Apex).*not installed")
+    warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron's own default
+    warnings.filterwarnings("ignore", category=FutureWarning)   # torch's DCP API in megatron-core
+    sys.exit(main())
