@@ -121,6 +121,7 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
     ({"save": None, "save_interval": 5}, WORLD, "--save-interval"),
     ({"tensorboard_dir": "{tmp}/a_file"}, WORLD, "--tensorboard-dir"),
     ({"make_vocab_size_divisible_by": 0}, WORLD, "--make-vocab-size-divisible-by"),
+    ({"reset_attention_mask": True, "attention_backend": "te"}, WORLD, "--reset-attention-mask"),
 ]
 
 

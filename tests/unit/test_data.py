@@ -252,3 +252,31 @@ def test_iterators_from_validated_flags_with_mock_data():
     batch = next(train)
     assert tuple(batch["tokens"].shape) == (3, 24) and train.consumed_samples == 18
     assert tuple(next(valid)["labels"].shape) == (3, 24) and test.consumed_samples == 0
+
+
+def test_packed_documents_reach_the_batch_as_megatron_defines_them(corpus):
+    """--reset-position-ids / --reset-attention-mask / --eod-mask-loss go to megatron-core's
+    GPTDatasetConfig (its positions and loss mask), and the collated attention mask is the
+    document ids whose per-span masks are megatron's [s, s] mask, which is never built."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    from seq1f1b.runtime.documents import span_document_mask
+
+    _, prefix = corpus
+    seq, tokenizer = 64, ByteLevelTokenizer()
+    config = data.DataConfig(seq_length=seq, data_path=(prefix,), split="1,0,0",
+                             eod_mask_loss=True, reset_position_ids=True,
+                             reset_attention_mask=True)
+    train = data.build_datasets(config, tokenizer, (8, 0, 0))[0]
+    assert "attention_mask" not in train[0]
+    batch = next(iter(data.MicroBatchIterator(train, 4, document_eod=tokenizer.eod)))
+    assert batch["attention_mask"].shape == (4, 1, 1, seq)
+    assert int((batch["tokens"] == tokenizer.eod).sum()) > 0          # documents do end here
+    for row in range(4):
+        tokens = batch["tokens"][row]
+        mask, loss_mask, positions = _get_ltor_masks_and_position_ids(
+            tokens, tokenizer.eod, True, True, True, True)
+        assert torch.equal(batch["position_ids"][row], positions)
+        assert torch.equal(batch["loss_mask"][row], loss_mask)
+        ids = batch["attention_mask"][row:row + 1]
+        assert torch.equal(span_document_mask(ids, 16, 48)[0], mask[:, 16:48, :48])

@@ -13,8 +13,10 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,3 +263,25 @@ def test_no_leak_across_documents(backend, lengths):
     assert torch.equal(before[keep], after[keep])
     assert not torch.equal(before[0, 3:9], after[0, 3:9])
     assert not torch.equal(leaky_before[0, 10:], leaky_after[0, 10:])
+
+
+_spec = importlib.util.spec_from_file_location(
+    "check_equivalence_cli", Path(__file__).resolve().parents[2] / "tools" / "check_equivalence.py")
+check_equivalence = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_equivalence)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reset-attention-mask", "--document-lengths", "5", "9"],
+     "--document-lengths sum to 14, not --seq-length 24"),
+    (["--reset-position-ids"], "need --document-lengths"),
+    (["--document-lengths", "24", "0"], "--document-lengths must all be >= 1"),
+    (["--reset-attention-mask", "--document-lengths", "24", "--attention-backend", "te"],
+     "--attention-backend te cannot mask documents"),
+])
+def test_check_equivalence_refuses_bad_document_flags_in_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        check_equivalence.parse_args(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2
+    assert message in err and "\n" not in err, err
