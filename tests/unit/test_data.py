@@ -252,6 +252,27 @@ def test_iterators_from_validated_flags_with_mock_data():
     batch = next(train)
     assert tuple(batch["tokens"].shape) == (3, 24) and train.consumed_samples == 18
     assert tuple(next(valid)["labels"].shape) == (3, 24) and test.consumed_samples == 0
+    assert batch["attention_mask"] is None
+
+
+def test_mock_data_with_packed_document_flags():
+    """--mock-data's documents (random lengths, each closed by the tokenizer's EOD) get the
+    document ids and the restarting positions from the flags, in training and validation."""
+    from seq1f1b.runtime.documents import document_ids, document_positions
+
+    argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 4096 "
+            "--micro-batch-size 2 --global-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data "
+            "--eval-interval 1 --eval-iters 1 --reset-attention-mask --reset-position-ids "
+            "--eod-mask-loss").split()
+    args = validate_args(parse_args(argv), world_size=1)
+    tokenizer = ByteLevelTokenizer()
+    for iterator in data.build_data_iterators(args, tokenizer, 0, 1)[:2]:
+        batch = next(iterator)
+        ids = batch["attention_mask"]
+        assert torch.equal(ids, document_ids(batch["tokens"], tokenizer.eod))
+        assert int(ids.max()) > 0                         # a sample of 4096 holds documents
+        assert torch.equal(batch["position_ids"], document_positions(ids))
+        assert not batch["loss_mask"][batch["tokens"] == tokenizer.eod].any()
 
 
 def test_packed_documents_reach_the_batch_as_megatron_defines_them(corpus):
