@@ -127,9 +127,10 @@ def varlen_layout(ids: Tensor, start: int, end: int) -> VarlenLayout:
     rows = ids[:, 0, 0, :end].cpu()
     cu_q, cu_k, keys = [0], [0], []
     max_q = max_k = 0
-    for r, row in enumerate(rows.tolist()):
-        first = row.index(row[start])               # start of the span's first document
-        bounds = [first] + [u for u in range(start + 1, end) if row[u] != row[u - 1]] + [end]
+    for r, row in enumerate(rows):
+        first = int((row < row[start]).sum())       # ids never decrease: the document's start
+        inside = torch.nonzero(row[start + 1:] != row[start:-1]).flatten() + start + 1
+        bounds = [first, *inside.tolist(), end]
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             q_len, k_len = hi - max(lo, start), hi - lo
             cu_q.append(cu_q[-1] + q_len)
