@@ -37,31 +37,38 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         position_embedding_type=args.position_embedding_type, pre_process=pre_process,
         post_process=post_process, vp_stage=vp_stage, attention_backend=args.attention_backend,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        architecture=Architecture.from_args(args), split_backward=splits_backward(args.pipeline_schedule))
+        architecture=Architecture.from_args(args),
+        split_backward=splits_backward(args.pipeline_schedule),
+        reset_position_ids=args.reset_position_ids)
 
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
-def get_batch(data_iterator, pre_process: bool = True, post_process: bool = True):
+def get_batch(data_iterator, pre_process: bool = True, post_process: bool = True,
+              positions_on_every_stage: bool = False):
     """(tokens, labels, loss_mask, attention_mask, position_ids) of the next micro-batch (or the
     span of it the schedule runs); Nones on stages that read no data.
 
     The data loader collates on the host; the model computes on the device. As Megatron's
     get_batch_on_this_tp_rank, a stage moves only what it uses: the first stage
     (`pre_process`) its inputs, tokens and position_ids, the last stage (`post_process`) the
-    loss's labels and loss_mask, either of them the attention mask when there is one.
+    loss's labels and loss_mask, any stage the attention mask when there is one (with packed
+    documents every stage reads data: each attention needs the document ids), and every stage
+    the position_ids when `positions_on_every_stage` (per-token RoPE, --reset-position-ids).
     """
     if data_iterator is None:
         return None, None, None, None, None
     from seq1f1b import platform
 
     batch = next(data_iterator)
-    used = set()
+    used = {"attention_mask"}
+    if pre_process or positions_on_every_stage:
+        used.add("position_ids")
     if pre_process:
-        used |= {"tokens", "position_ids", "attention_mask"}
+        used.add("tokens")
     if post_process:
-        used |= {"labels", "loss_mask", "attention_mask"}
+        used |= {"labels", "loss_mask"}
     device = platform.compute_device()
     return tuple(batch[key].to(device, non_blocking=True)
                  if key in used and batch.get(key) is not None else batch.get(key)
@@ -90,7 +97,7 @@ def forward_step(data_iterator, model):
 
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
         data_iterator, get_attr_wrapped_model(model, "pre_process"),
-        get_attr_wrapped_model(model, "post_process"))
+        get_attr_wrapped_model(model, "post_process"), get_args().reset_position_ids)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
     return output_tensor, functools.partial(loss_func, loss_mask)
 

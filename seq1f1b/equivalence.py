@@ -6,7 +6,11 @@ TP x PP x DP x V layout, copies the reference weights into them through megatron
 dict (which knows each shard's place in the global tensor), runs one iteration of the asked
 schedule through megatron DDP and `finalize_model_grads`, and compares the loss and every gradient
 shard with the matching slice of the reference. Data: random tokens and a loss mask with holes, so
-uneven spans hold different numbers of loss tokens and a biased normalisation shows.
+uneven spans hold different numbers of loss tokens and a biased normalisation shows. With
+`document_lengths` every sample packs documents of those lengths, each closed by an EOD token
+(the last id of the vocabulary); `reset_attention_mask` / `reset_position_ids` then mask them
+(document ids as the attention mask) and restart their positions, in the reference as in the
+pipelined run.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.distributed import release_model_parallel
 from seq1f1b.plan import registry
+from seq1f1b.runtime.attention import DOCUMENT_BACKENDS
+from seq1f1b.runtime.documents import document_ids, document_positions
 from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
                                               get_forward_backward_func, splits_backward)
 
@@ -74,6 +80,9 @@ class EquivalenceCase:
     against_no_recompute: bool = False  # baseline: this case with activation recompute off
     loss_tolerance: float = 1e-6
     grad_tolerance: float = 1e-5
+    document_lengths: Optional[list[int]] = None   # the packing of every sample (EOD ends each)
+    reset_attention_mask: bool = False             # document masking
+    reset_position_ids: bool = False               # positions restart with each document
 
 
 def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "explicit"),
@@ -125,6 +134,31 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
              "--recompute-num-layers layers of each chunk (block); default uniform")
     add("--recompute-num-layers", type=int, default=None,
         help="full recompute: layers per group (uniform) or recomputed layers (block); default 1")
+    add("--document-lengths", type=int, nargs="+", default=None,
+        help="pack every sample with documents of these lengths (EOD ends each; they must sum "
+             "to --seq-length)")
+    add("--reset-attention-mask", action="store_true",
+        help="document masking: a token attends only to its own document")
+    add("--reset-position-ids", action="store_true",
+        help="positions restart at 0 with each document")
+
+
+def check_documents(case: "EquivalenceCase") -> None:
+    """The document flags of a case, checked before any work; raises ValueError (one line)."""
+    lengths = case.document_lengths
+    if lengths is None:
+        if case.reset_attention_mask or case.reset_position_ids:
+            raise ValueError("--reset-attention-mask/--reset-position-ids need "
+                             "--document-lengths (the packing of every sample)")
+        return
+    if min(lengths) < 1:
+        raise ValueError(f"--document-lengths must all be >= 1, got {' '.join(map(str, lengths))}")
+    if sum(lengths) != case.seq_length:
+        raise ValueError(f"--document-lengths sum to {sum(lengths)}, not --seq-length "
+                         f"{case.seq_length}")
+    if case.reset_attention_mask and case.attention_backend not in ("auto", *DOCUMENT_BACKENDS):
+        raise ValueError(f"--reset-attention-mask: --attention-backend {case.attention_backend} "
+                         f"cannot mask documents; use {', '.join(DOCUMENT_BACKENDS)}")
 
 
 def case_fields(args) -> dict:
@@ -182,24 +216,35 @@ def _build(case: EquivalenceCase, config, *, pre_process: bool, post_process: bo
         share_embeddings_and_output_weights=not case.untie_embeddings,
         attention_backend=case.attention_backend,
         architecture=megatron_adapter.Architecture.from_args(case),
-        split_backward=splits_backward(case.schedule)).to(platform.compute_device())
+        split_backward=splits_backward(case.schedule),
+        reset_position_ids=case.reset_position_ids).to(platform.compute_device())
 
 
 def global_batch(case: EquivalenceCase, dp: int) -> list[dict]:
     """DP x m micro-batches of random tokens, next-token labels and a loss mask with holes, on
-    the device the model computes on (drawn on the CPU, so every device draws the same)."""
+    the device the model computes on (drawn on the CPU, so every device draws the same); with
+    `document_lengths`, the documents' EOD tokens, and the document ids / reset positions the
+    case asks for."""
     gen = torch.Generator().manual_seed(case.seed + 1)
     shape = (case.micro_batch_size, case.seq_length)
     device = platform.compute_device()
+    eod = case.vocab_size - 1
     batches = []
     for _ in range(dp * case.num_microbatches):
-        tokens = torch.randint(0, case.vocab_size, (shape[0], shape[1] + 1), generator=gen)
+        vocab = case.vocab_size if case.document_lengths is None else eod
+        tokens = torch.randint(0, vocab, (shape[0], shape[1] + 1), generator=gen)
+        if case.document_lengths is not None:
+            tokens[:, torch.tensor(case.document_lengths).cumsum(0) - 1] = eod
         batch = {
             "tokens": tokens[:, :-1],
             "labels": tokens[:, 1:],
             "loss_mask": (torch.rand(shape, generator=gen) > 0.25).float(),
             "position_ids": torch.arange(shape[1]).unsqueeze(0).expand(shape),
         }
+        if case.reset_position_ids:
+            batch["position_ids"] = document_positions(document_ids(batch["tokens"], eod))
+        if case.reset_attention_mask:
+            batch["attention_mask"] = document_ids(batch["tokens"], eod)
         batches.append({key: value.to(device).contiguous() for key, value in batch.items()})
     return batches
 
@@ -216,7 +261,8 @@ def forward_step(data_iterator, model):
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is None:
         return model(None, None, None), None
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"])
     return output, functools.partial(_loss_func, batch["loss_mask"])
 
 
@@ -291,7 +337,8 @@ def _reference(case: EquivalenceCase, batches: list[dict]) -> tuple[float, dict,
     model = _whole_model(case)
     total = 0.0
     for batch in batches:
-        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                       labels=batch["labels"])
         loss, tokens, _ = _loss_func(batch["loss_mask"], output)
         scaled = loss / max(int(tokens), 1) / len(batches)
         scaled.backward()
@@ -400,6 +447,7 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
     With `case.against` set, the baseline is that schedule run on the same chunks and data
     (e.g. our `1f1b` against megatron-core's own `megatron-1f1b`) instead of the unsplit model.
     """
+    check_documents(case)
     world = dist.get_world_size()
     if world % (case.tp * case.pp):
         raise ValueError(f"world size {world} is not divisible by --tp {case.tp} x --pp {case.pp}")

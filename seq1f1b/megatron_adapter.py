@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from seq1f1b.runtime.attention import SpanAttention, SpanSelfAttention
-from seq1f1b.runtime.positions import make_span_aware
+from seq1f1b.runtime.positions import make_span_aware, use_position_ids
 from seq1f1b.runtime.wgrad import (
     SplitBackwardColumnParallelLinear,
     SplitBackwardRowParallelLinear,
@@ -172,13 +172,15 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
                       parallel_output: bool = True,
                       architecture: Architecture = Architecture(),
                       pg_collection: Optional[ProcessGroupCollection] = None,
-                      split_backward: bool = False) -> GPTModel:
+                      split_backward: bool = False,
+                      reset_position_ids: bool = False) -> GPTModel:
     """One GPTModel chunk (the layers of `vp_stage` on this pipeline rank) that can run spans.
 
     `config` must come from `architecture.transformer_fields()` (make_transformer_config does
     that); the architecture's rotary settings go to GPTModel here. `split_backward`: the layers'
     linears (span_layer_spec) and the output layer defer their weight gradients to W actions
-    (runtime/wgrad.py)."""
+    (runtime/wgrad.py). `reset_position_ids`: RoPE rows from the per-token position_ids (packed
+    documents whose positions restart; runtime/positions.py)."""
     if position_embedding_type not in POSITION_EMBEDDINGS:
         raise ValueError(f"--position-embedding-type {position_embedding_type!r}: Seq1F1B spans "
                          f"support {', '.join(POSITION_EMBEDDINGS)}")
@@ -196,6 +198,8 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
         pg_collection=pg_collection, vp_stage=vp_stage)
     if position_embedding_type == "rope":
         make_span_aware(model.rotary_pos_emb)
+    if reset_position_ids and position_embedding_type == "rope":
+        use_position_ids(model)
     if split_backward and post_process:
         make_split_backward(model.output_layer)
     return model

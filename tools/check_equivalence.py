@@ -3,6 +3,8 @@
 
     torchrun --nproc-per-node 4 tools/check_equivalence.py --pp 2 --tp 2 --schedule seq1f1b \
         --splits 3 --partition compute
+    torchrun --nproc-per-node 2 tools/check_equivalence.py --pp 2 --splits 3 \
+        --reset-attention-mask --reset-position-ids --document-lengths 5 9 10
 
 prints JSON {"loss", "ref_loss", "max_rel_grad_diff", "params_compared", "passed", ...} on rank 0
 and exits 1 when the loss or any gradient differs beyond the tolerances. DP = world / (TP x PP).
@@ -43,6 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.span_lengths:
         args.partition = "explicit"
+    from seq1f1b.equivalence import check_documents
+
+    try:
+        check_documents(case_from_args(args))
+    except ValueError as err:      # one line, before any process group exists
+        print(f"check_equivalence.py: error: {err}", file=sys.stderr)
+        sys.exit(2)
     return args
 
 

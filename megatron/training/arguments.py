@@ -189,6 +189,11 @@ def _add_data_args(parser: ArgumentParser) -> None:
     g.add_argument("--mock-data", action="store_true", help="synthetic data, no files")
     g.add_argument("--data-cache-path", help="where megatron-core caches sample indices")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD tokens")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="packed documents: positions restart at 0 after each EOD")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="packed documents: a token attends only to its own document (exact "
+                        "across spans; every pipeline stage then reads the data)")
     add_tokenizer_args(g)
 
 
@@ -484,6 +489,9 @@ def _validate_data(args: argparse.Namespace) -> None:
         if getattr(args, flag) is not None and args.tokenizer_type != tokenizer_type:
             _fail(f"--{flag.replace('_', '-')} is only read by --tokenizer-type {tokenizer_type}, "
                   f"not {args.tokenizer_type}")
+    if args.reset_attention_mask and args.attention_backend in ("te", "fused"):
+        _fail(f"--reset-attention-mask: --attention-backend {args.attention_backend} cannot mask "
+              f"documents; use eager, sdpa, flex or flash")
     try:
         parse_split(args.split)
         check_data_config(DataConfig.from_args(args))

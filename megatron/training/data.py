@@ -191,13 +191,17 @@ class DataConfig:
     mock_data: bool = False
     data_cache_path: Optional[str] = None
     eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
 
     @classmethod
     def from_args(cls, args: object) -> "DataConfig":
         return cls(seq_length=args.seq_length, seed=args.seed,
                    data_path=tuple(args.data_path or ()), split=args.split,
                    mock_data=args.mock_data, data_cache_path=args.data_cache_path,
-                   eod_mask_loss=args.eod_mask_loss)
+                   eod_mask_loss=args.eod_mask_loss,
+                   reset_position_ids=args.reset_position_ids,
+                   reset_attention_mask=args.reset_attention_mask)
 
 
 def check_data_config(config: DataConfig) -> list[IndexedDatasetInfo]:
@@ -218,8 +222,10 @@ def build_datasets(config: DataConfig, tokenizer: object, num_samples: Sequence[
                    is_built_on_rank: Callable[[], bool] = _every_rank) -> list:
     """[train, valid, test] megatron-core datasets (None for a split with fraction 0).
 
-    Each item is a dict of 1-D tensors: tokens, labels, loss_mask, position_ids (no attention
-    mask: attention is causal). Call on every rank when torch.distributed is initialised.
+    Each item is a dict of 1-D tensors: tokens, labels, loss_mask, position_ids (restarting
+    after each EOD with --reset-position-ids); never megatron's [s, s] attention mask: with
+    --reset-attention-mask `collate` derives the compact document ids instead. Call on every rank
+    when torch.distributed is initialised.
     """
     check_data_config(config)
     import torch
@@ -239,8 +245,8 @@ def build_datasets(config: DataConfig, tokenizer: object, num_samples: Sequence[
         split=None if config.mock_data else config.split,
         path_to_cache=config.data_cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
+        reset_position_ids=config.reset_position_ids,
+        reset_attention_mask=config.reset_attention_mask,
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=False,
     )
@@ -251,7 +257,8 @@ def build_datasets(config: DataConfig, tokenizer: object, num_samples: Sequence[
 
 Batch = "dict[str, Optional[torch.Tensor]]"
 """tokens, labels (int64), loss_mask (float32), position_ids (int64): [micro, seq];
-attention_mask: None (causal)."""
+attention_mask: None (causal), or with --reset-attention-mask the document ids (int32
+[micro, 1, 1, seq], seq1f1b/runtime/documents.py)."""
 
 
 class MicroBatchIterator:
@@ -261,11 +268,12 @@ class MicroBatchIterator:
     slice [c + r x micro, c + (r+1) x micro). `consumed_samples` counts samples taken by all DP
     ranks together, so it is the same on every rank and is what a checkpoint stores; a new iterator
     built with it continues exactly where the old one stopped. Stops when a full step no longer
-    fits.
+    fits. `document_eod`: the EOD token when documents are masked (--reset-attention-mask).
     """
 
     def __init__(self, dataset: object, micro_batch_size: int, data_parallel_rank: int = 0,
-                 data_parallel_size: int = 1, consumed_samples: int = 0) -> None:
+                 data_parallel_size: int = 1, consumed_samples: int = 0,
+                 document_eod: Optional[int] = None) -> None:
         if micro_batch_size < 1 or data_parallel_size < 1:
             raise ValueError("micro_batch_size and data_parallel_size must be positive")
         if not 0 <= data_parallel_rank < data_parallel_size:
@@ -282,6 +290,7 @@ class MicroBatchIterator:
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
+        self.document_eod = document_eod
         self._consumed = consumed_samples
 
     @property
@@ -298,17 +307,21 @@ class MicroBatchIterator:
         first = self._consumed + self.data_parallel_rank * self.micro_batch_size
         samples = [self.dataset[i] for i in range(first, first + self.micro_batch_size)]
         self._consumed += step
-        return collate(samples)
+        return collate(samples, self.document_eod)
 
 
-def collate(samples: Sequence[dict]) -> Batch:
+def collate(samples: Sequence[dict], document_eod: Optional[int] = None) -> Batch:
     """Stack megatron-core dataset samples into a [micro, seq] batch; attention_mask is None
-    (causal)."""
+    (causal), or the tokens' document ids when `document_eod` is given (megatron-core's
+    reset-attention-mask rule: the EOD closes its document)."""
     import torch
+
+    from seq1f1b.runtime.documents import document_ids
 
     batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
              for key in ("tokens", "labels", "loss_mask", "position_ids")}
-    batch["attention_mask"] = None
+    batch["attention_mask"] = (None if document_eod is None else
+                               document_ids(batch["tokens"], document_eod))
     return batch
 
 
@@ -329,5 +342,6 @@ def build_data_iterators(args: object, tokenizer: object, data_parallel_rank: in
     return tuple(
         None if dataset is None else
         MicroBatchIterator(dataset, args.micro_batch_size, data_parallel_rank,
-                           data_parallel_size, start)
+                           data_parallel_size, start,
+                           tokenizer.eod if args.reset_attention_mask else None)
         for dataset, start in zip(datasets, starts))

@@ -115,6 +115,11 @@ def build_lr_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer
         wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
 
 
+def reads_data_on_every_stage(args: object) -> bool:
+    """Whether every pipeline stage reads the micro-batches: with packed documents."""
+    return bool(args.reset_attention_mask or args.reset_position_ids)
+
+
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     """The user's model under the DDP and Float16Module wrappers (whose state dict keys it
     owns: checkpoints name parameters as the model does, without `module.` prefixes)."""
@@ -123,11 +128,14 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def chunks_reading_data() -> list[bool]:
+def chunks_reading_data(every_stage: bool = False) -> list[bool]:
     """For each model chunk of this rank, whether it reads data: the first pipeline stage (tokens)
-    and the last (labels, loss mask); the chunks in between only receive activations."""
+    and the last (labels, loss mask); the chunks in between only receive activations, unless
+    `every_stage` (packed documents: each stage's attention needs the document ids, its RoPE
+    the reset position ids; Megatron-LM's middle stages would get neither)."""
     chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     stages = [vp if chunks > 1 else None for vp in range(chunks)]
-    return [parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+    return [every_stage
+            or parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
             or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
             for vp in stages]

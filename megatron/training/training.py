@@ -25,7 +25,7 @@ from megatron.core.utils import get_model_config
 
 from megatron.training import checkpointing, model_setup, numerics
 from megatron.training.data import MicroBatchIterator, train_valid_test_num_samples
-from megatron.training.global_vars import set_global_variables
+from megatron.training.global_vars import get_args, get_tokenizer, set_global_variables
 from megatron.training.initialize import finish_megatron, initialize_megatron
 from megatron.training.logging_utils import (IntervalReport, PeakMemory, TensorBoard, throughput,
                                              validation_lines)
@@ -77,8 +77,9 @@ def print_rank_last(message: str) -> None:
 
 
 def is_dataset_built_on_rank() -> bool:
-    """Whether this rank feeds data to any of its model chunks (first or last pipeline stage)."""
-    return any(model_setup.chunks_reading_data())
+    """Whether this rank feeds data to any of its model chunks (first or last pipeline stage;
+    every stage with packed documents)."""
+    return any(model_setup.chunks_reading_data(model_setup.reads_data_on_every_stage(get_args())))
 
 
 class _Run:
@@ -110,11 +111,14 @@ class _Run:
     # -- data --------------------------------------------------------------------------------
     def iterators(self, dataset: Optional[object], consumed_samples: int) -> list:
         """One MicroBatchIterator per model chunk that reads data, None for the others."""
-        return [MicroBatchIterator(dataset, self.args.micro_batch_size,
+        args = self.args
+        eod = get_tokenizer().eod if args.reset_attention_mask else None
+        return [MicroBatchIterator(dataset, args.micro_batch_size,
                                    parallel_state.get_data_parallel_rank(),
                                    parallel_state.get_data_parallel_world_size(),
-                                   consumed_samples) if reads else None
-                for reads in model_setup.chunks_reading_data()]
+                                   consumed_samples, eod) if reads else None
+                for reads in model_setup.chunks_reading_data(
+                    model_setup.reads_data_on_every_stage(args))]
 
     # -- one iteration -----------------------------------------------------------------------
     def _run_schedule(self, iterators: list, forward_only: bool) -> list:

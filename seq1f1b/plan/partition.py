@@ -14,6 +14,13 @@
 Alignment: every span is a multiple of `unit = lcm(align, tp)` when sequence parallelism is on
 (each span is scattered over the TP ranks along the sequence) and of `align` otherwise. `align`
 defaults to 1; kernels prefer 64 or 128 on GPUs, which the caller may ask for.
+
+Packed documents (--reset-attention-mask): these costs, and the simulator's, are those of full
+causal attention over the whole prefix. That is what eager and sdpa compute (a masked entry costs
+as much as a seen one), so for them "compute" stays balanced. flash and flex skip the masked
+blocks: a span then costs its tokens times their own documents' prefixes, so "compute" gives the
+later spans too little, the more so the shorter the documents; with documents much shorter than a
+span every token costs about the same and "even" is the balanced cut.
 """
 from __future__ import annotations
 

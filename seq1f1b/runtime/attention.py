@@ -33,6 +33,16 @@ An explicit `attention_mask` (megatron's convention: bool, True = masked out) re
 mask, as in `DotProductAttention`. Its shape is [b or 1, 1, sq, sk] with sk = the number of keys
 seen: inside span [start, end) that is the full-sequence mask sliced to [..., start:end, :end].
 Only eager and sdpa take one (auto falls back to sdpa for such calls).
+
+Document masking (`--reset-attention-mask`, runtime/documents.py): the attention mask may instead be
+the micro-batch's document ids (integer [b, 1, 1, s], the whole sample's). Span [start, end)'s
+queries then see only the keys of their own document, in the cache and in the span: eager gets a
+(span x prefix) bool mask, sdpa the same as an additive float mask, flex a document BlockMask,
+flash its varlen kernel over the span's documents (`flash_attn_varlen_func`, cu_seqlens per
+(row, document) over the cached prefix: untested without a GPU), each built once per span and
+shared by the layers. TE refuses them (auto falls back to sdpa). The cache keeps the keys of
+documents that ended before the span (its buffers are the whole sequence's); only flash skips
+them in compute.
 """
 from __future__ import annotations
 
@@ -55,17 +65,29 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from packaging.version import Version
 from torch import Tensor
 
+from seq1f1b.runtime.documents import (
+    additive_mask,
+    check_document_ids,
+    document_block_mask,
+    is_document_ids,
+    memoised,
+    span_document_mask,
+    varlen_layout,
+)
 from seq1f1b.runtime.kv_cache import SpanContext, current_span
 
 BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te")
 _MEGATRON_BACKEND_NAMES = {"local": "eager", "unfused": "eager", "fused": "te"}
 _AUTO_ORDER = ("flash", "te", "sdpa")
 _MASKED_BACKENDS = ("eager", "sdpa")
+DOCUMENT_BACKENDS = ("eager", "sdpa", "flex", "flash")
+"""The backends that mask documents (--reset-attention-mask); TE is refused."""
 _MIN_FLASH_ATTN = Version("2.1")
 
 # A kernel: (q, k, v as [s, b, heads, d]; mask or None = bottom-right causal; scale; dropout)
-# -> [sq, b, heads * d]. Differentiable with plain autograd.
-Kernel = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], float, float], Tensor]
+# -> [sq, b, heads * d]. Differentiable with plain autograd. The mask is the backend's own form:
+# bool True = masked (eager), bool or additive float (sdpa), BlockMask (flex), VarlenLayout (flash).
+Kernel = Callable[[Tensor, Tensor, Tensor, Optional[object], float, float], Tensor]
 
 
 # ----------------------------------------------------------------------------- backend choice
@@ -165,7 +187,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
     gqa = q.size(2) != k.size(2)
     q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
     if mask is not None:
-        allowed = ~mask
+        allowed = mask if mask.is_floating_point() else ~mask
     elif sq == sk:      # square: bottom-right and top-left alignment agree
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                              scale=scale, enable_gqa=gqa)
@@ -187,6 +209,25 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float
     out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                           dropout_p=dropout_p, softmax_scale=scale, causal=True)
     return out.transpose(0, 1).reshape(sq, b, -1)
+
+
+def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, layout, scale: float,
+                  dropout_p: float) -> Tensor:
+    """flash-attn's varlen kernel over the (row, document) segments of a span (documents.py's
+    VarlenLayout): queries of all rows packed, each row's keys from its first document on."""
+    from flash_attn import flash_attn_varlen_func
+
+    sq, b, heads, d = q.shape
+    sk = k.size(0)
+
+    def packed_keys(t: Tensor) -> Tensor:
+        return t.transpose(0, 1).reshape(b * sk, *t.shape[2:]).index_select(0, layout.key_index)
+
+    out = flash_attn_varlen_func(
+        q.transpose(0, 1).reshape(b * sq, heads, d), packed_keys(k), packed_keys(v),
+        layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q, layout.max_seqlen_k,
+        dropout_p=dropout_p, softmax_scale=scale, causal=True)
+    return out.reshape(b, sq, heads * d).transpose(0, 1).contiguous()
 
 
 _FLEX_BLOCK = 128
@@ -251,16 +292,33 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=True)
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
-          dropout_p: float) -> Tensor:
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask, scale: float, dropout_p: float) -> Tensor:
     q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
-    block_mask = _flex_block_mask(q.size(2), k.size(2), q.device)
-    out = _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale,
-                                     enable_gqa=q.size(1) != k.size(1))
+    block_mask = mask if mask is not None else _flex_block_mask(q.size(2), k.size(2), q.device)
+    attend = _compiled_flex_attention()
+    if mask is not None and q.device.type == "cpu":
+        # A document mask reads the ids tensor, and inductor's CPU flex template miscompiles such
+        # mask functions (torch 2.13: C++ errors, or wrong rows); the CPU runs flex forward only
+        # anyway, so it takes flex's reference path here (span x prefix scores).
+        from torch.nn.attention.flex_attention import flex_attention as attend
+    out = attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
     return _merge_heads(out)
 
 
 _KERNELS: dict[str, Kernel] = {"eager": _eager, "sdpa": _sdpa, "flash": _flash, "flex": _flex}
+_DOCUMENT_KERNELS: dict[str, Kernel] = {**_KERNELS, "flash": _flash_varlen}
+
+
+def _document_form(backend: str, ids: Tensor, start: int, end: int, dtype: torch.dtype):
+    """Span [start, end)'s document mask in `backend`'s form, once per span (documents.py)."""
+    if backend == "eager":
+        return memoised(("eager", start, end), lambda: span_document_mask(ids, start, end))
+    if backend == "sdpa":
+        return memoised(("sdpa", start, end, dtype),
+                        lambda: additive_mask(span_document_mask(ids, start, end), dtype))
+    if backend == "flex":
+        return memoised(("flex", start, end), lambda: document_block_mask(ids, start, end))
+    return memoised(("flash", start, end), lambda: varlen_layout(ids, start, end))
 
 
 def _build_te_attention(config: TransformerConfig, layer_number: int, dropout_p: float,
@@ -464,14 +522,16 @@ class SpanAttention(MegatronModule):
     def _attend_fn(self, mask: Optional[Tensor], query: Tensor,
                    num_keys: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
         """(q, K, V) -> attention output, with this call's mask, kernel and dropout RNG."""
-        backend = self.backend
-        if mask is not None:
+        backend, kernels = self.backend, _KERNELS
+        if is_document_ids(mask):
+            check_document_ids(mask, num_keys)
+            backend = self._backend_among(DOCUMENT_BACKENDS, "cannot mask documents "
+                                                             "(--reset-attention-mask)")
+            mask = _document_form(backend, mask, num_keys - query.size(0), num_keys, query.dtype)
+            kernels = _DOCUMENT_KERNELS
+        elif mask is not None:
             _check_mask(mask, query.size(0), num_keys)
-            if backend not in _MASKED_BACKENDS:
-                if self.requested_backend != "auto":
-                    raise ValueError(f"--attention-backend {backend} takes no explicit attention "
-                                     f"mask; use {' or '.join(_MASKED_BACKENDS)}")
-                backend = "sdpa"
+            backend = self._backend_among(_MASKED_BACKENDS, "takes no explicit attention mask")
         if backend == "flex" and query.device.type == "cpu" and torch.is_grad_enabled() \
                 and query.requires_grad:
             raise RuntimeError("--attention-backend flex trains on GPUs only (torch's "
@@ -479,13 +539,23 @@ class SpanAttention(MegatronModule):
         dropout_p = self._dropout_p()
         if backend == "te":  # TE applies dropout itself, forking megatron's RNG tracker
             return lambda q, k, v: self.te_attention(q, k, v, attn_mask_type="causal_bottom_right")
-        kernel = _KERNELS[backend]
+        kernel = kernels[backend]
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             with self._dropout_rng(dropout_p):
                 return kernel(q, k, v, mask, self.softmax_scale, dropout_p)
 
         return attend
+
+    def _backend_among(self, supported: tuple[str, ...], refusal: str) -> str:
+        """This layer's backend if it is one of `supported`, else sdpa under auto; a backend the
+        user named that cannot do it is refused in one line."""
+        if self.backend in supported:
+            return self.backend
+        if self.requested_backend != "auto":
+            raise ValueError(f"--attention-backend {self.backend} {refusal}; use "
+                             f"{', '.join(supported)}")
+        return "sdpa"
 
     def _dropout_rng(self, dropout_p: float):
         # As DotProductAttention: the tensor-parallel RNG stream unless sequence parallel is on.

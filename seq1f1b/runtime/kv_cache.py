@@ -99,6 +99,9 @@ class MicrobatchKVCache:
     chunk: int = 0
     requires_grad: bool = True       # False for forward-only (evaluation) iterations
     _layers: dict = field(default_factory=dict)
+    # What every layer of a span derives alike from the micro-batch's attention mask (a span's
+    # document mask, block mask or varlen layout, runtime/documents.py), built once per span.
+    derived: dict = field(default_factory=dict)
 
     def layer(self, layer: object, key: torch.Tensor, value: torch.Tensor) -> LayerKV:
         """`layer`'s buffers, allocated on first use with `key`/`value`'s per-token shape."""
@@ -114,8 +117,9 @@ class MicrobatchKVCache:
         return len(self._layers)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every buffer and gradient accumulator the cache holds."""
-        return [t for entry in self._layers.values() for t in entry.tensors()]
+        """Every buffer, gradient accumulator and derived mask the cache holds."""
+        derived = [t for t in self.derived.values() if isinstance(t, torch.Tensor)]
+        return [t for entry in self._layers.values() for t in entry.tensors()] + derived
 
 
 @dataclass(frozen=True)

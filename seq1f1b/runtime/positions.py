@@ -6,6 +6,13 @@ if it began at position 0. `RotaryEmbedding.forward(max_seq_len, offset)` return
 positions `offset .. offset + max_seq_len - 1`, so inside a span it suffices to add `start` to the
 offset. Learned absolute positions need nothing here: the data slicer passes the span's absolute
 `position_ids`, which index the embedding table directly.
+
+With `--reset-position-ids` (packed documents, positions restarting with each document) the rows
+come from the per-token `position_ids` instead of a span offset: `use_position_ids` makes a
+GPTModel gather its RoPE rows per token into a [s, b, 1, dim] table, which megatron's unfused
+`apply_rotary_pos_emb` broadcasts over heads as it does [s, 1, 1, dim] (its mRoPE tables have
+this shape too); batch rows may differ. Inside a span the slicer already cut position_ids to the
+span's tokens, so no offset is added.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from typing import Optional
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt import GPTModel
 
 from seq1f1b.runtime.kv_cache import current_span
 
@@ -47,3 +55,41 @@ def make_span_aware(rotary: RotaryEmbedding) -> SpanRotaryEmbedding:
                         f"{type(rotary).__name__}")
     rotary.__class__ = SpanRotaryEmbedding
     return rotary
+
+
+def per_token_rotary(rotary: RotaryEmbedding, position_ids: torch.Tensor,
+                     max_positions: int) -> torch.Tensor:
+    """[b, s] positions (< max_positions) -> the RoPE table's rows per token, [s, b, 1, dim].
+
+    Gathered from the table of positions 0 .. max_positions - 1 (megatron's own, cached), so a
+    token gets bit for bit the row the offset table would give it at that position."""
+    table = RotaryEmbedding.forward(rotary, max_positions)        # [max, 1, 1, dim]
+    return table[:, 0, 0][position_ids.t()].unsqueeze(2)
+
+
+class PositionIdsGPTModel(GPTModel):
+    """GPTModel whose RoPE rows are the per-token `position_ids` (--reset-position-ids): every
+    stage's forward needs them, not only the first stage's."""
+
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        output = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        if self.position_embedding_type != "rope":
+            return output
+        if position_ids is None:
+            raise RuntimeError("--reset-position-ids: this model chunk got no position_ids; "
+                               "with per-token RoPE every pipeline stage must read them")
+        rotary = per_token_rotary(self.rotary_pos_emb, position_ids, self.max_sequence_length)
+        return (output[0], rotary, *output[2:])
+
+
+def use_position_ids(model: GPTModel) -> PositionIdsGPTModel:
+    """Turn a built GPTModel into a PositionIdsGPTModel in place (a subclass without state of
+    its own, as make_span_aware does for the rotary module)."""
+    if model.config.apply_rope_fusion:
+        raise ValueError("--reset-position-ids needs per-token RoPE tables, which the fused RoPE "
+                         "kernel does not take: drop --apply-rope-fusion")
+    if type(model) is not GPTModel and not isinstance(model, PositionIdsGPTModel):
+        raise TypeError(f"per-token positions support megatron's GPTModel, got "
+                        f"{type(model).__name__}")
+    model.__class__ = PositionIdsGPTModel
+    return model

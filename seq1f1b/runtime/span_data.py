@@ -6,7 +6,8 @@ span's tokens, so users' forward steps run unchanged. Slicing rule (batch-first 
 a tensor whose dim 1 is the sequence length is cut to [start, end) on dim 1 (tokens, labels,
 loss_mask, position_ids — absolute positions, so learned position embeddings need nothing else); a
 [b, 1, L, L] attention mask becomes its rows [start, end) and columns [0, end) (the span's queries
-against every key up to its end); anything else passes through unchanged.
+against every key up to its end); document ids (integer [b, 1, 1, L], runtime/documents.py) pass
+whole, since a span's attention needs its keys' ids too; anything else passes through unchanged.
 """
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from seq1f1b.runtime.documents import is_document_ids
+
 
 def slice_span(item: Any, seq_length: int, start: int, end: int) -> Any:
     """`item` (tensor, dict, list, tuple or other) cut to tokens [start, end)."""
     if isinstance(item, torch.Tensor):
+        if is_document_ids(item):
+            return item
         if item.dim() == 4 and item.shape[-1] == seq_length and item.shape[-2] == seq_length:
             return item[:, :, start:end, :end]
         if item.dim() >= 2 and item.shape[1] == seq_length:

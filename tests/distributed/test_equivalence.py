@@ -9,7 +9,11 @@ and interpolated RoPE), every registered schedule, and
 megatron-core's own 1F1B and interleaved schedules run on the same models and data; the `against`
 cases compare our executor with megatron's schedule directly (same chunks, same data). Activation
 recompute (full, selective) is exact against the unsplit model with dropout 0, and with dropout > 0
-identical to the same run without recompute (same masks).
+identical to the same run without recompute (same masks). Packed documents (`DOCS`: document
+masking and reset positions over the packing `document_lengths`, the reference masked alike):
+documents crossing one and several span boundaries, starting exactly at one, shorter than a span,
+and one document per sample, across PP 1-4 (middle stages), TP with SP, k, V=2, GQA, the
+zero-bubble schedule and both recomputes.
 """
 import pytest
 
@@ -28,6 +32,7 @@ LLAMA = {"num_query_groups": 2, "swiglu": True, "normalization": "RMSNorm",
 QWEN2 = {"num_query_groups": 1, "swiglu": True, "normalization": "RMSNorm",
          "disable_bias_linear": True, "add_qkv_bias": True, "rotary_base": 1000000,
          "use_rope_scaling": True}
+DOCS = {"reset_attention_mask": True, "reset_position_ids": True}
 CASES: dict[int, list[dict]] = {
     1: [
         {"schedule": "seq1f1b", "splits": 1},
@@ -39,6 +44,12 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "megatron-1f1b"},
         {"schedule": "seq1f1b", "splits": 3, **LLAMA},
         {"schedule": "seq1f1b", "splits": 4, "span_lengths": [3, 9, 5, 7], **QWEN2},
+        # spans [0,3) [3,12) [12,17) [17,24): [2,19) crosses three boundaries
+        {"schedule": "seq1f1b", "splits": 4, "span_lengths": [3, 9, 5, 7], **DOCS,
+         "document_lengths": [2, 17, 5]},
+        # spans [0,8) [8,16) [16,24): [8,12) starts at a boundary, shorter than a span; GQA
+        {"schedule": "seq1f1b", "splits": 3, **DOCS, "document_lengths": [8, 4, 12],
+         "num_query_groups": 2, "attention_backend": "eager"},
     ],
     2: [
         {"schedule": "1f1b", "pp": 2},
@@ -70,6 +81,14 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b", "pp": 2, "splits": 3, "against": "megatron-1f1b"},
         {"schedule": "seq1f1b", "pp": 2, "splits": 3, **LLAMA},
         {"schedule": "seq1f1b-zb-h1", "tp": 2, "splits": 2, "sequence_parallel": True, **LLAMA},
+        {"schedule": "seq1f1b", "pp": 2, "splits": 3, **DOCS, "document_lengths": [5, 9, 10]},
+        {"schedule": "seq1f1b", "tp": 2, "splits": 3, "sequence_parallel": True,
+         "span_lengths": [6, 10, 8], **DOCS, "document_lengths": [6, 11, 7]},
+        {"schedule": "seq1f1b-zb-h1", "pp": 2, "splits": 4, **DOCS, "document_lengths": [24]},
+        {"schedule": "seq1f1b-interleaved", "pp": 2, "chunks": 2, "splits": 3, **SELECTIVE,
+         **DOCS, "document_lengths": [3, 3, 14, 4]},
+        {"schedule": "seq1f1b", "pp": 2, "splits": 4, **FULL, **DOCS,
+         "document_lengths": [1, 12, 11], "num_query_groups": 2},
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},
@@ -118,6 +137,9 @@ CASES: dict[int, list[dict]] = {
          **SELECTIVE},
         {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 4, "rotary_percent": 0.5,
          "rotary_seq_len_interpolation_factor": 4, "swiglu": True, **FULL},
+        {"schedule": "seq1f1b", "pp": 4, "splits": 4, **DOCS, "document_lengths": [7, 10, 7]},
+        {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 4, "sequence_parallel": True,
+         **DOCS, "document_lengths": [13, 2, 9]},
     ],
 }
 
@@ -127,8 +149,9 @@ PARAMS = [(world, n) for world, cases in CASES.items() for n in range(len(cases)
 def _case_id(param):
     world, n = param
     spec = CASES[world][n]
-    return f"w{world}-{n}-" + "-".join(f"{k}{v}" for k, v in spec.items()
-                                       if k not in ("span_lengths", "num_layers"))
+    return f"w{world}-{n}-" + "-".join(
+        "docs" if k == "document_lengths" else f"{k}{v}" for k, v in spec.items()
+        if k not in ("span_lengths", "num_layers", *DOCS))
 
 
 @pytest.fixture(scope="module")

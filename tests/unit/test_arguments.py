@@ -132,6 +132,7 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
     ({"rotary_percent": 1.5}, WORLD, "--rotary-percent"),
     ({"norm_epsilon": 0}, WORLD, "--norm-epsilon"),
     ({"swiglu": True, "hidden_size": 32}, WORLD, "--swiglu"),
+    ({"reset_attention_mask": True, "attention_backend": "te"}, WORLD, "--reset-attention-mask"),
 ]
 
 

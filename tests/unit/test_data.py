@@ -252,3 +252,52 @@ def test_iterators_from_validated_flags_with_mock_data():
     batch = next(train)
     assert tuple(batch["tokens"].shape) == (3, 24) and train.consumed_samples == 18
     assert tuple(next(valid)["labels"].shape) == (3, 24) and test.consumed_samples == 0
+    assert batch["attention_mask"] is None
+
+
+def test_mock_data_with_packed_document_flags():
+    """--mock-data's documents (random lengths, each closed by the tokenizer's EOD) get the
+    document ids and the restarting positions from the flags, in training and validation."""
+    from seq1f1b.runtime.documents import document_ids, document_positions
+
+    argv = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 4096 "
+            "--micro-batch-size 2 --global-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data "
+            "--eval-interval 1 --eval-iters 1 --reset-attention-mask --reset-position-ids "
+            "--eod-mask-loss").split()
+    args = validate_args(parse_args(argv), world_size=1)
+    tokenizer = ByteLevelTokenizer()
+    for iterator in data.build_data_iterators(args, tokenizer, 0, 1)[:2]:
+        batch = next(iterator)
+        ids = batch["attention_mask"]
+        assert torch.equal(ids, document_ids(batch["tokens"], tokenizer.eod))
+        assert int(ids.max()) > 0                         # a sample of 4096 holds documents
+        assert torch.equal(batch["position_ids"], document_positions(ids))
+        assert not batch["loss_mask"][batch["tokens"] == tokenizer.eod].any()
+
+
+def test_packed_documents_reach_the_batch_as_megatron_defines_them(corpus):
+    """--reset-position-ids / --reset-attention-mask / --eod-mask-loss go to megatron-core's
+    GPTDatasetConfig (its positions and loss mask), and the collated attention mask is the
+    document ids whose per-span masks are megatron's [s, s] mask, which is never built."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    from seq1f1b.runtime.documents import span_document_mask
+
+    _, prefix = corpus
+    seq, tokenizer = 64, ByteLevelTokenizer()
+    config = data.DataConfig(seq_length=seq, data_path=(prefix,), split="1,0,0",
+                             eod_mask_loss=True, reset_position_ids=True,
+                             reset_attention_mask=True)
+    train = data.build_datasets(config, tokenizer, (8, 0, 0))[0]
+    assert "attention_mask" not in train[0]
+    batch = next(iter(data.MicroBatchIterator(train, 4, document_eod=tokenizer.eod)))
+    assert batch["attention_mask"].shape == (4, 1, 1, seq)
+    assert int((batch["tokens"] == tokenizer.eod).sum()) > 0          # documents do end here
+    for row in range(4):
+        tokens = batch["tokens"][row]
+        mask, loss_mask, positions = _get_ltor_masks_and_position_ids(
+            tokens, tokenizer.eod, True, True, True, True)
+        assert torch.equal(batch["position_ids"][row], positions)
+        assert torch.equal(batch["loss_mask"][row], loss_mask)
+        ids = batch["attention_mask"][row:row + 1]
+        assert torch.equal(span_document_mask(ids, 16, 48)[0], mask[:, 16:48, :48])
