@@ -8,6 +8,12 @@ schedule by one global batch. Around it: log every --log-interval, evaluate ever
 (forward only, same schedule and spans), save every --save-interval and at the end, stop at
 --exit-interval. The flow follows Megatron-LM's `pretrain()`; the user supplies the same three
 functions a Megatron `pretrain_gpt.py` does.
+
+Observability, as in Megatron-LM: the log line (logging_utils) and, after it with
+--timing-log-level 1 or 2, megatron's timers (min/max over ranks, ms per iteration); the same
+scalars to TensorBoard and W&B (writers); torch.profiler traces and CUDA memory snapshots
+(profiling). With --overlap-param-gather, evaluation and checkpoint saving first gather the
+parameters the optimizer step left sharded (model_setup.parameters_gathered).
 """
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ class GradSync:
         self._param_sync = _per_chunk(getattr(config, "param_sync_func", None), chunks)
         no_sync = config.no_sync_func
         # (no_sync function, the chunks it covers): one per chunk, or one for all of them
-        groups = ([(func, [c]) for c, func in enumerate(no_sync)]
+        groups = ([(func, [c]) for c, func in enumerate(no_sync) if func is not None]
                   if isinstance(no_sync, (list, tuple)) else
                   [] if no_sync is None else [(no_sync, list(range(chunks)))])
         last_b = {a.chunk: n for n, a in enumerate(program) if a.op == "B"}
@@ -63,7 +63,7 @@ class GradSync:
         self._no_sync = [func for func, _ in groups]
         # A group's window opens at the earliest last-B of its chunks (earlier only counts more
         # contributions, never fewer).
-        self._opens = {}
+        self._opens: dict[int, list[int]] = {}
         for index, (_, covered) in enumerate(groups):
             positions = [last_b[c] for c in covered if c in last_b]
             if positions:
