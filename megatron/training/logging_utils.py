@@ -12,7 +12,8 @@ logs keep working) and appends the paper's metrics:
      mem per stage (MB held for backward): 12.5, 9.8 | ETA 0:01:13 |
 
 (one line in the log; the timestamp is when the line was written, as in Megatron 0.16). A nan
-iteration is, as in Megatron, a skipped iteration (no update) whose loss was NaN or infinite. Peak memory: on a GPU, `torch.cuda.max_memory_reserved` (what the paper's
+iteration is, as in Megatron, a skipped iteration (no update) whose loss was NaN or infinite.
+Peak memory: on a GPU, `torch.cuda.max_memory_reserved` (what the paper's
 reference logged); on the CPU, the bytes autograd holds for backward (activations and the weights
 their graphs reference), measured by `seq1f1b.runtime.memory.SavedTensorMeter`, since a CPU has no
 allocator statistics and the process RSS is dominated by imports. Each stage reports the maximum

@@ -25,7 +25,9 @@ linear (`register_wgrad_accumulation_and_reduce_hooks`) instead of the weight's 
 accumulator. The linear runs that hook after each accumulation that brought a gradient: at W
 (and at an ordinary backward outside `begin`), never at B, whose accumulation brings none. The
 hook adds the gradient to `main_grad` (and clears `.grad`), as after any backward, so
-`finalize_model_grads` sees it. (With `gradient_accumulation_fusion` megatron would add into
+`finalize_model_grads` sees it. (A DDP built without `delay_wgrad_compute` ignores the mark and
+keeps its hook on the accumulator: the same sum, with a gradient-less call at B that only
+`overlap_grad_reduce` refuses. With `gradient_accumulation_fusion` megatron would add into
 `main_grad` inside the GEMM; the deferred GEMM takes the hook path instead, same sum.)
 
 Under sequence parallelism the layer input is a sequence shard; the deferred GEMM needs the

@@ -89,8 +89,8 @@ def _overlap_flags(data_prefix: str, layout: str, overlapped: bool) -> list[str]
         "--eval-interval", "5", "--eval-iters", "1"]
 
 
-FAKE_WANDB = '''"""A stand-in for wandb's public API (the package is not installed in CI): every call
-is appended, as JSON, to fake_wandb.jsonl in the run's dir."""
+FAKE_WANDB = '''"""A stand-in for wandb's public API (the package is not installed in CI):
+every call is appended, as JSON, to fake_wandb.jsonl in the run's dir."""
 import json
 import os
 
