@@ -12,6 +12,7 @@ This module does not import megatron-core (~4 s), so a bad flag is reported at o
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -212,10 +213,58 @@ def _add_run_args(parser: ArgumentParser) -> None:
                    help="save (with --save) and stop once the iteration is a multiple of this")
 
 
+def _add_overlap_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("data-parallel communication overlap")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce each gradient bucket over data parallelism as soon as its last "
+                        "gradient of the iteration is in (at W for the zero-bubble schedules' "
+                        "weights), overlapped with the rest of the backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="gather the updated parameters (--use-distributed-optimizer) during "
+                        "the next forward instead of after the optimizer step")
+    g.add_argument("--no-align-param-gather", dest="align_param_gather", action="store_false",
+                   help="with --overlap-param-gather: each bucket's gather starts at its first "
+                        "forward, not the whole chunk's ahead of it")
+
+
+def _add_observability_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("observability")
+    g.add_argument("--wandb-project", help="log the TensorBoard scalars to this W&B project "
+                   "(needs the wandb package)")
+    g.add_argument("--wandb-exp-name", help="the W&B run's name (required with --wandb-project)")
+    g.add_argument("--wandb-save-dir", help="W&B's local folder (default: <--save>/wandb)")
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler chrome traces of iterations [--profile-step-start, "
+                        "--profile-step-end) into --tensorboard-dir, one per profiled rank, "
+                        "with the executor's actions named")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="accepted for Megatron-LM command lines: --profile always uses "
+                        "torch.profiler here")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="first profiled iteration, counted from this run's start")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="iteration where profiling stops (exclusive)")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], metavar="RANK",
+                   help="global ranks to profile (default: 0)")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="record the CUDA caching allocator's history; the last rank dumps a "
+                        "snapshot to --memory-snapshot-path at each log line (GPU only)")
+    g.add_argument("--memory-snapshot-path", default="snapshot.pickle",
+                   help="where --record-memory-history dumps (default: snapshot.pickle)")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="megatron timers printed after each log line: 0 none, 1 forward-"
+                        "backward, grad sync and optimizer, 2 also each op's compute")
+    g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"],
+                   help="the timers across ranks: the maximum, min and max, or every rank")
+    g.add_argument("--no-barrier-with-level-1-timing", dest="barrier_with_L1_time",
+                   action="store_false",
+                   help="level-1 timers start and stop without a barrier across ranks")
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description="Megatron-style GPT pretraining with Seq1F1B schedules")
     for add in (_add_model_args, _add_parallel_args, _add_schedule_args, _add_training_args,
-                _add_data_args, _add_run_args):
+                _add_data_args, _add_run_args, _add_overlap_args, _add_observability_args):
         add(parser)
     return parser
 
@@ -524,6 +573,44 @@ def _validate_run(args: argparse.Namespace) -> None:
         _fail("--save-interval needs --save")
 
 
+def _validate_overlap(args: argparse.Namespace) -> None:
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        _fail("--overlap-param-gather needs --use-distributed-optimizer (the parameters are "
+              "gathered from its shards)")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        _fail("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
+
+
+def _validate_observability(args: argparse.Namespace) -> None:
+    if args.wandb_project:
+        if importlib.util.find_spec("wandb") is None:
+            _fail("--wandb-project needs the wandb package, which is not installed "
+                  "(pip install wandb)")
+        if not args.wandb_exp_name:
+            _fail("--wandb-exp-name is required with --wandb-project")
+    elif args.wandb_exp_name or args.wandb_save_dir:
+        _fail("--wandb-exp-name / --wandb-save-dir need --wandb-project")
+    if args.wandb_save_dir and os.path.exists(args.wandb_save_dir) and \
+            not os.path.isdir(args.wandb_save_dir):
+        _fail(f"--wandb-save-dir: {args.wandb_save_dir} exists and is not a directory")
+    if args.profile:
+        if not args.tensorboard_dir:
+            _fail("--profile writes its traces to --tensorboard-dir; give one")
+        _check_range(args, "profile_step_start", 0)
+        if args.profile_step_end <= args.profile_step_start:
+            _fail(f"--profile-step-end {args.profile_step_end} must exceed "
+                  f"--profile-step-start {args.profile_step_start}")
+        outside = [r for r in args.profile_ranks if not 0 <= r < args.world_size]
+        if outside:
+            _fail(f"--profile-ranks {' '.join(map(str, outside))}: ranks are 0 to "
+                  f"{args.world_size - 1}")
+    if args.record_memory_history:
+        import torch
+        if not torch.cuda.is_available():
+            _fail("--record-memory-history records the CUDA caching allocator: GPU only "
+                  "(no CUDA device here)")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check every flag and combination, fill in Megatron's derived values; write nothing.
 
@@ -542,6 +629,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_optimisation(args)
     _validate_data(args)
     _validate_run(args)
+    _validate_overlap(args)
+    _validate_observability(args)
     return args
 
 

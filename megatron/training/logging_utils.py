@@ -1,15 +1,19 @@
 """What a run reports: Megatron's log line, throughput as the paper counts it, peak memory per
-pipeline stage, an ETA, and TensorBoard scalars.
+pipeline stage and an ETA (the same figures go to TensorBoard and W&B: megatron/training/
+writers.py).
 
 The log line keeps Megatron-LM's fields, order and number formats (so tools that parse Megatron
 logs keep working) and appends the paper's metrics:
 
-     iteration       10/     100 | consumed samples:          320 | elapsed time per iteration
-     (ms): 812.4 | learning rate: 3.000000E-04 | global batch size:    32 | lm loss: 4.123456E+00 |
-     loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 | tokens/s: 5042 |
-     TFLOPS/GPU: 0.01 | peak mem per stage (MB held for backward): 12.5, 9.8 | ETA 0:01:13 |
+     [2026-01-31 12:00:00] iteration       10/     100 | consumed samples:          320 |
+     elapsed time per iteration (ms): 812.4 | learning rate: 3.000000E-04 | global batch size:
+     32 | lm loss: 4.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped
+     iterations:   0 | number of nan iterations:   0 | tokens/s: 5042 | TFLOPS/GPU: 0.01 | peak
+     mem per stage (MB held for backward): 12.5, 9.8 | ETA 0:01:13 |
 
-(one line in the log). Peak memory: on a GPU, `torch.cuda.max_memory_reserved` (what the paper's
+(one line in the log; the timestamp is when the line was written, as in Megatron 0.16). A nan
+iteration is, as in Megatron, a skipped iteration (no update) whose loss was NaN or infinite.
+Peak memory: on a GPU, `torch.cuda.max_memory_reserved` (what the paper's
 reference logged); on the CPU, the bytes autograd holds for backward (activations and the weights
 their graphs reference), measured by `seq1f1b.runtime.memory.SavedTensorMeter`, since a CPU has no
 allocator statistics and the process RSS is dominated by imports. Each stage reports the maximum
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -68,9 +73,12 @@ class IntervalReport:
     throughput: Throughput
     peak_memory_mb: Sequence[float]     # one per pipeline stage
     memory_source: str
+    nan_iterations: int = 0
+    time: Optional[datetime] = None     # when the line is written (None: now)
 
     def line(self) -> str:
-        fields = [f" iteration {self.iteration:8d}/{self.train_iters:8d}",
+        stamp = (self.time or datetime.now()).strftime("%Y-%m-%d %H:%M:%S")
+        fields = [f" [{stamp}] iteration {self.iteration:8d}/{self.train_iters:8d}",
                   f" consumed samples: {self.consumed_samples:12d}",
                   f" elapsed time per iteration (ms): {self.seconds_per_iteration * 1000:.1f}",
                   f" learning rate: {self.learning_rate:.6E}",
@@ -82,6 +90,7 @@ class IntervalReport:
             fields.append(f" grad norm: {self.grad_norm:.3f}")
         remaining = (self.train_iters - self.iteration) * self.seconds_per_iteration
         fields += [f" number of skipped iterations: {self.skipped_iterations:3d}",
+                   f" number of nan iterations: {self.nan_iterations:3d}",
                    f" tokens/s: {self.throughput.tokens_per_second:.0f}",
                    f" TFLOPS/GPU: {self.throughput.tflops_per_gpu:.4g}",
                    f" peak mem per stage ({self.memory_source}): "
@@ -124,44 +133,3 @@ class PeakMemory:
         if self.on_gpu:
             torch.cuda.reset_peak_memory_stats()
         return peak
-
-
-class TensorBoard:
-    """Scalars under Megatron's tag names, written by the logging rank only (no-op without a
-    directory)."""
-
-    def __init__(self, directory: Optional[str], enabled: bool) -> None:
-        self._writer = None
-        if directory and enabled:
-            from torch.utils.tensorboard import SummaryWriter
-            self._writer = SummaryWriter(log_dir=directory, max_queue=1000)
-
-    def training(self, report: IntervalReport) -> None:
-        if self._writer is None:
-            return
-        step = report.iteration
-        scalars = {"learning-rate": report.learning_rate,
-                   "batch-size": report.global_batch_size,
-                   "loss-scale": report.loss_scale,
-                   "iteration-time": report.seconds_per_iteration,
-                   "tokens-per-second": report.throughput.tokens_per_second,
-                   "tflops-per-gpu": report.throughput.tflops_per_gpu}
-        if report.lm_loss is not None:
-            scalars["lm loss"] = report.lm_loss
-        if report.grad_norm is not None:
-            scalars["grad-norm"] = report.grad_norm
-        for stage, mb in enumerate(report.peak_memory_mb):
-            scalars[f"peak-memory-mb/stage-{stage}"] = mb
-        for tag, value in scalars.items():
-            self._writer.add_scalar(tag, value, step)
-
-    def evaluation(self, split: str, iteration: int, lm_loss: float) -> None:
-        """`lm loss validation` / `lm loss test` and their perplexities (Megatron's tags)."""
-        if self._writer is None:
-            return
-        self._writer.add_scalar(f"lm loss {split}", lm_loss, iteration)
-        self._writer.add_scalar(f"lm loss {split} ppl", math.exp(min(20.0, lm_loss)), iteration)
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()

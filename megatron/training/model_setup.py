@@ -10,7 +10,8 @@ samples, as Megatron does.
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -22,6 +23,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from seq1f1b import megatron_adapter, platform
+from seq1f1b.runtime.wgrad import has_split_backward
 
 ModelProvider = Callable[..., torch.nn.Module]
 """`model_provider(pre_process, post_process, vp_stage, config) -> one model chunk`."""
@@ -63,8 +65,11 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
                 model_provider: ModelProvider) -> list[DistributedDataParallel]:
     """This rank's model chunks (one, or V with interleaving), cast and wrapped in megatron DDP.
 
-    Also installs the hooks megatron's schedules call on `config`: no_sync (one per chunk when
-    interleaving) and finalize_model_grads.
+    Also installs the hooks megatron's schedules call on `config`, as Megatron-LM does: no_sync
+    (one per chunk when interleaving), finalize_model_grads and, with --overlap-param-gather
+    (aligned, Megatron's default), param_sync_func. Split-backward linears (zero-bubble
+    schedules) get their weight-gradient hooks through megatron's `delay_wgrad_compute`, so that
+    with --overlap-grad-reduce a gradient is reported ready at W (seq1f1b.runtime.wgrad).
     """
     chunks = []
     for vp_stage in range(args.virtual_pipeline_model_parallel_size or 1):
@@ -79,14 +84,37 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=args.use_distributed_optimizer)
+        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        align_param_gather=args.overlap_param_gather and args.align_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        delay_wgrad_compute=any(has_split_backward(chunk) for chunk in chunks))
     model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
              for index, chunk in enumerate(chunks)]
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    config.param_sync_func = None
+    if ddp_config.align_param_gather:
+        param_sync = [chunk.start_param_sync for chunk in model]
+        config.param_sync_func = param_sync if len(param_sync) > 1 else param_sync[0]
     config.finalize_model_grads_func = finalize_model_grads
     return model
+
+
+@contextlib.contextmanager
+def parameters_gathered(model: list[DistributedDataParallel]) -> Iterator[None]:
+    """With --overlap-param-gather, the optimizer step leaves each rank its own shard updated and
+    the forward pre-hooks gather the rest at the next training forward. Evaluation and checkpoint
+    saving read whole parameters: as Megatron-LM does, turn the hooks off around them, which
+    gathers synchronously, and back on after. Without overlap, nothing to do."""
+    overlapped = [chunk for chunk in model if chunk.use_forward_hook]
+    for chunk in overlapped:
+        chunk.disable_forward_pre_hook()
+    try:
+        yield
+    finally:
+        for chunk in overlapped:
+            chunk.enable_forward_pre_hook()
 
 
 def build_optimizer(args: argparse.Namespace, config: TransformerConfig,
@@ -97,7 +125,8 @@ def build_optimizer(args: argparse.Namespace, config: TransformerConfig,
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-        params_dtype=params_dtype(args), use_distributed_optimizer=args.use_distributed_optimizer)
+        params_dtype=params_dtype(args), use_distributed_optimizer=args.use_distributed_optimizer,
+        timers=config.timers, barrier_with_L1_time=config.barrier_with_L1_time)
     optimizer = get_megatron_optimizer(optimizer_config, model)
     config.grad_scale_func = optimizer.scale_loss
     return optimizer

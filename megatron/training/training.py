@@ -8,10 +8,17 @@ schedule by one global batch. Around it: log every --log-interval, evaluate ever
 (forward only, same schedule and spans), save every --save-interval and at the end, stop at
 --exit-interval. The flow follows Megatron-LM's `pretrain()`; the user supplies the same three
 functions a Megatron `pretrain_gpt.py` does.
+
+Observability, as in Megatron-LM: the log line (logging_utils) and, after it with
+--timing-log-level 1 or 2, megatron's timers (min/max over ranks, ms per iteration); the same
+scalars to TensorBoard and W&B (writers); torch.profiler traces and CUDA memory snapshots
+(profiling). With --overlap-param-gather, evaluation and checkpoint saving first gather the
+parameters the optimizer step left sharded (model_setup.parameters_gathered).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -21,14 +28,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.timers import Timers
 from megatron.core.utils import get_model_config
 
 from megatron.training import checkpointing, model_setup, numerics
 from megatron.training.data import MicroBatchIterator, train_valid_test_num_samples
 from megatron.training.global_vars import get_args, get_tokenizer, set_global_variables
 from megatron.training.initialize import finish_megatron, initialize_megatron
-from megatron.training.logging_utils import (IntervalReport, PeakMemory, TensorBoard, throughput,
+from megatron.training.logging_utils import (IntervalReport, PeakMemory, throughput,
                                              validation_lines)
+from megatron.training.profiling import Profiler
+from megatron.training.writers import ScalarWriters
 from seq1f1b import platform
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.runtime.forward_backward import SpanSettings, get_forward_backward_func
@@ -48,6 +58,11 @@ class IterationRecord:
     grad_norm: Optional[float]
     learning_rate: float
     skipped: bool
+
+    @property
+    def nan(self) -> bool:
+        """Megatron's nan iteration: skipped, with a NaN or infinite loss."""
+        return self.skipped and any(not math.isfinite(v) for v in self.losses.values())
 
 
 @dataclass
@@ -88,7 +103,7 @@ class _Run:
     def __init__(self, args: argparse.Namespace, forward_step_func: ForwardStep,
                  model: list, optimizer: MegatronOptimizer,
                  scheduler: OptimizerParamScheduler,
-                 position: checkpointing.RunPosition) -> None:
+                 position: checkpointing.RunPosition, timers: Timers) -> None:
         self.args = args
         self.forward_step_func = forward_step_func
         self.model = model
@@ -102,7 +117,9 @@ class _Run:
             span_lengths=tuple(args.seq1f1b_span_lengths) if args.seq1f1b_span_lengths else None,
             p2p_timeout_s=args.p2p_timeout))
         self.memory = PeakMemory()
-        self.tensorboard = TensorBoard(args.tensorboard_dir, enabled=is_last_rank())
+        self.timers = timers
+        self.writers = ScalarWriters(args, enabled=is_last_rank())
+        self.profiler = Profiler(args, dist.get_rank(), is_last_rank())
         self.cost_model = ModelConfig.of_transformer_config(get_model_config(model[0]),
                                                             vocab_size=args.padded_vocab_size)
         self.summary = TrainingSummary(position.iteration, position.iteration)
@@ -138,7 +155,9 @@ class _Run:
             losses = self._run_schedule(iterators, forward_only=False)
         if self.args.check_for_nan_in_loss_and_grad:
             self._check_numerics(losses)
+        self.timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
         update_successful, grad_norm, _ = self.optimizer.step()
+        self.timers("optimizer").stop()
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
         self.iteration += 1
@@ -182,12 +201,19 @@ class _Run:
             loss_scale=float(self.optimizer.get_loss_scale()),
             grad_norm=records[-1].grad_norm,
             skipped_iterations=sum(r.skipped for r in records),
+            nan_iterations=sum(r.nan for r in records),
             throughput=throughput(self.cost_model, args.seq_length, args.global_batch_size,
                                   args.world_size, seconds),
             peak_memory_mb=[peak / 2**20 for peak in stage_peaks],
             memory_source=self.memory.source)
         print_rank_last(report.line())
-        self.tensorboard.training(report)
+        if args.timing_log_level > 0:   # collective: every rank's times, printed on the last
+            timing = self.timers.get_all_timers_string(LOGGED_TIMERS, normalizer=len(records),
+                                                       barrier=args.barrier_with_L1_time)
+            if timing is not None:
+                print_rank_last(timing)
+        self.writers.training(report)
+        self.profiler.log_interval()
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(self, iterators: list, where: str, split: str = "validation"
@@ -197,7 +223,7 @@ class _Run:
         for chunk in self.model:
             chunk.eval()
         totals: list = []
-        with torch.no_grad():
+        with torch.no_grad(), model_setup.parameters_gathered(self.model):
             for _ in range(self.args.eval_iters):
                 totals.append(self._run_schedule(iterators, forward_only=True))
         for chunk in self.model:
@@ -206,19 +232,30 @@ class _Run:
         if "lm loss" in losses:
             for line in validation_lines(where, losses["lm loss"]):
                 print_rank_last(line)
-            self.tensorboard.evaluation(split, self.iteration, losses["lm loss"])
+            self.writers.evaluation(split, self.iteration, losses["lm loss"])
         return losses
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> None:
         start = time.perf_counter()
-        folder = checkpointing.save_checkpoint(
-            self.args.save, self.model, self.optimizer, self.scheduler,
-            checkpointing.RunPosition(self.iteration, self.consumed_train_samples,
-                                      self.consumed_valid_samples))
+        with model_setup.parameters_gathered(self.model):
+            folder = checkpointing.save_checkpoint(
+                self.args.save, self.model, self.optimizer, self.scheduler,
+                checkpointing.RunPosition(self.iteration, self.consumed_train_samples,
+                                          self.consumed_valid_samples))
         self.summary.checkpoints.append(folder)
         print_rank_0(f"  saved checkpoint at iteration {self.iteration:7d} to {folder} "
                      f"in {time.perf_counter() - start:.2f} s")
+
+
+LOGGED_TIMERS = [
+    "forward-backward", "forward-compute", "backward-compute", "weight-grad-compute",
+    "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "all-grads-sync",
+    "params-all-gather", "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf",
+    "optimizer-clip-main-grad", "optimizer-count-zeros", "optimizer-inner-step",
+    "optimizer-copy-main-to-model-params", "optimizer"]
+"""megatron's timers printed after each log line with --timing-log-level 1 or 2 (level 2 adds the
+executor's per-op compute timers); milliseconds per iteration, min and max over the ranks."""
 
 
 def reduce_losses(losses: list) -> dict[str, float]:
@@ -268,6 +305,7 @@ def _train(run: _Run, train_iterators: list, valid_iterators: Optional[list]) ->
     args = run.args
     saved_at = run.iteration       # a resumed run's starting point is saved already
     while run.iteration < args.train_iters:
+        run.profiler.step()
         start = time.perf_counter()
         record = run.train_step(train_iterators)
         run.record(record, time.perf_counter() - start)
@@ -315,6 +353,9 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
                  f"{args.pipeline_schedule} k={args.seq1f1b_splits} ({args.seq1f1b_partition}),"
                  f" {args.num_micro_batches} micro-batches of {args.micro_batch_size}")
     config = model_setup.core_transformer_config_from_args(args)
+    timers = Timers(args.timing_log_level, args.timing_log_option)
+    config.timers = timers                     # megatron's schedules, finalize and optimizer
+    config.barrier_with_L1_time = args.barrier_with_L1_time
     model = model_setup.build_model(args, config, model_provider)
     if parallel_state.get_data_parallel_rank() == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
@@ -338,11 +379,14 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
     has_train, has_valid, has_test = _splits_present((train_ds, valid_ds, test_ds))
     if not has_train:
         raise RuntimeError("the datasets provider returned no training dataset")
-    run = _Run(args, forward_step_func, model, optimizer, scheduler, position)
+    run = _Run(args, forward_step_func, model, optimizer, scheduler, position, timers)
     valid_iterators = run.iterators(valid_ds, position.consumed_valid_samples) \
         if has_valid and args.eval_iters else None
-    finished = _train(run, run.iterators(train_ds, position.consumed_train_samples),
-                      valid_iterators)
+    try:
+        finished = _train(run, run.iterators(train_ds, position.consumed_train_samples),
+                          valid_iterators)
+    finally:
+        run.profiler.stop()
     if finished and valid_iterators is not None:
         run.summary.validation.append(
             ("end/valid", run.evaluate(valid_iterators, "the end of training for val data")))
@@ -350,7 +394,7 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
         run.summary.validation.append(
             ("end/test", run.evaluate(run.iterators(test_ds, 0),
                                       "the end of training for test data", split="test")))
-    run.tensorboard.close()
+    run.writers.close()
     return run.summary
 
 

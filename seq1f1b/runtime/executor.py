@@ -37,6 +37,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from seq1f1b import platform
 from seq1f1b.plan.actions import Action, Schedule, ScheduleError
+from seq1f1b.runtime.grad_sync import GradSync
 from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
 from seq1f1b.runtime.loss import MicrobatchLoss
 from seq1f1b.runtime.p2p import PipelineChannels
@@ -67,6 +68,20 @@ class StepInputs:
     trace: Optional[ExecutionTrace] = None          # per-action times and bytes, when asked
 
 
+_TIMER_NAMES = {"F": "forward-compute", "B": "backward-compute", "W": "weight-grad-compute"}
+"""megatron's level-2 timers (--timing-log-level 2) of each op; a timer includes the action's
+wait for its received tensor."""
+
+
+@contextlib.contextmanager
+def _timed(timer) -> Iterator[None]:
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.stop()
+
+
 def _backward(roots: list[torch.Tensor], grads: list[Optional[torch.Tensor]],
               deallocated: bool) -> None:
     if deallocated:
@@ -77,26 +92,6 @@ def _backward(roots: list[torch.Tensor], grads: list[Optional[torch.Tensor]],
             create_graph=False, inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
     else:
         torch.autograd.backward(roots, grad_tensors=grads)
-
-
-class _GradSync:
-    """Megatron's no-sync protocol: grad reductions off until the last backward of the rank."""
-
-    def __init__(self, no_sync_func) -> None:
-        funcs = no_sync_func if isinstance(no_sync_func, (list, tuple)) else [no_sync_func]
-        self._funcs = [f for f in funcs if f is not None]
-        self._stack: Optional[contextlib.ExitStack] = None
-
-    def disable(self) -> None:
-        if self._stack is None and self._funcs:
-            self._stack = contextlib.ExitStack()
-            for func in self._funcs:
-                self._stack.enter_context(func())
-
-    def enable(self) -> None:
-        if self._stack is not None:
-            self._stack.close()
-            self._stack = None
 
 
 class Executor:
@@ -131,7 +126,7 @@ class Executor:
         self.losses: dict[int, MicrobatchLoss] = {}
         self.forward_data_store: list = []
         self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.grad_sync = _GradSync(config.no_sync_func)
+        self.grad_sync = GradSync(program, inputs.model_chunks, config)
         self.deallocate = bool(config.deallocate_pipeline_outputs)
         # Weight-gradient GEMMs that B defers to W (schedules that split backward): the model
         # must be built with split-backward linears (build_model_chunk(split_backward=True)).
@@ -159,6 +154,14 @@ class Executor:
             return torch.autocast("cuda" if torch.cuda.is_available() else "cpu",
                                   dtype=self.config.autocast_dtype)
         return contextlib.nullcontext()
+
+    def timers(self, name: str):
+        """megatron's timer `name` at log level 2 around a block (nothing without config.timers;
+        megatron's own dummy below the run's --timing-log-level)."""
+        timers = getattr(self.config, "timers", None)
+        if timers is None:
+            return contextlib.nullcontext()
+        return _timed(timers(name, log_level=2))
 
     # -- actions ---------------------------------------------------------------------------------
     def forward(self, action: Action) -> None:
@@ -210,7 +213,7 @@ class Executor:
                 del self.losses[i]
         return record.losses[j]
 
-    def backward(self, action: Action, is_last_backward: bool) -> None:
+    def backward(self, action: Action) -> None:
         i, j, c = action.microbatch, action.span, action.chunk
         input_tensor, output = self.saved.pop(action.key())
         cache = self.caches[(i, c)]
@@ -229,8 +232,6 @@ class Executor:
         else:
             grad = self.channels.receive(action)
             deallocated = self.deallocate
-        if is_last_backward:
-            self.grad_sync.enable()
         if isinstance(output, torch.Tensor) and output.requires_grad:
             # Inside the span's context: a recomputed forward (activation recompute) must find
             # the same span, offsets and KV cache as the original one.
@@ -246,40 +247,38 @@ class Executor:
                 input_grad = torch.zeros_like(input_tensor)
             self.channels.send(action, input_grad)
 
-    def weight_grad(self, action: Action, is_last_backward: bool) -> None:
+    def weight_grad(self, action: Action) -> None:
         """W(i,j): the weight-gradient GEMMs that B(i,j) deferred."""
-        if is_last_backward:
-            self.grad_sync.enable()
         self.wgrad.flush(action.key())
 
     # -- the iteration ---------------------------------------------------------------------------
     def run(self) -> list:
         """Run the whole program; returns one entry per micro-batch on the last stage, else []."""
         if not self.inp.forward_only:
-            self.grad_sync.disable()
-        last_backward = max((n for n, a in enumerate(self.program) if a.op != "F"), default=-1)
+            self.grad_sync.start()
         trace = self.inp.trace
         if trace is not None:
             trace.begin(self.held_tensors,
                         [p for m in self.inp.model_chunks for p in m.parameters()],
                         span_bounds=tuple(self.inp.spans))
         show_chunk = self.schedule.chunks > 1
+        run_action = {"F": self.forward, "B": self.backward, "W": self.weight_grad}
         self.channels.start()
         for n, action in enumerate(self.program):
+            label = action.format(show_chunk)
+            if not self.inp.forward_only:
+                self.grad_sync.before(n)
             start = trace.mark() if trace is not None else None
-            if action.op == "F":
-                self.forward(action)
-            elif action.op == "B":
-                self.backward(action, n == last_backward)
-            else:
-                self.weight_grad(action, n == last_backward)
+            with torch.profiler.record_function(label), self.timers(_TIMER_NAMES[action.op]):
+                run_action[action.op](action)
             if trace is not None:
-                trace.record(action.format(show_chunk), start, trace.mark())
+                trace.record(label, start, trace.mark())
             self.channels.after(action)
         self.channels.finish()
         if trace is not None:
             trace.end()
-        self.grad_sync.enable()
+        if not self.inp.forward_only:
+            self.grad_sync.finish()
         if self.saved or self.caches or self.losses or self.wgrad.pending():
             raise RuntimeError(f"pipeline rank {self.inp.rank}: {len(self.saved)} activations, "
                                f"{len(self.caches)} KV caches and {len(self.wgrad.pending())} "

@@ -16,12 +16,19 @@ schedules without W and forward-only runs are unaffected.
 
 Where the gradient goes: `flush` hands each weight its gradient through autograd's own
 accumulation (`torch.autograd.backward` on the parameter), exactly where a normal backward puts
-it: `weight.grad` without DDP; with megatron's DistributedDataParallel the parameter's
-grad-accumulator hook then adds it to `main_grad` (and clears `.grad`), as after any backward,
-so `finalize_model_grads` sees it. (With `gradient_accumulation_fusion` megatron would add into
-`main_grad` inside the GEMM; the deferred GEMM takes the hook path instead, same sum.) During B
-the hook still fires, with no gradient: harmless when `overlap_grad_reduce` is off (megatron's
-default and this project's); with it on, megatron's hook asserts a gradient exists.
+it: `weight.grad` without DDP. With megatron's DistributedDataParallel the weight's gradient hook
+must run at W, not at B (with `overlap_grad_reduce` it reports the gradient ready for the bucket's
+reduction, and asserts that there is one): megatron's own mechanism for deferred weight
+gradients does this. The split-backward linears mark their weight `skip_backward_post_hook`;
+megatron's DDP, built with `delay_wgrad_compute=True`, then hands the weight's hook to the
+linear (`register_wgrad_accumulation_and_reduce_hooks`) instead of the weight's gradient
+accumulator. The linear runs that hook after each accumulation that brought a gradient: at W
+(and at an ordinary backward outside `begin`), never at B, whose accumulation brings none. The
+hook adds the gradient to `main_grad` (and clears `.grad`), as after any backward, so
+`finalize_model_grads` sees it. (A DDP built without `delay_wgrad_compute` ignores the mark and
+keeps its hook on the accumulator: the same sum, with a gradient-less call at B that only
+`overlap_grad_reduce` refuses. With `gradient_accumulation_fusion` megatron would add into
+`main_grad` inside the GEMM; the deferred GEMM takes the hook path instead, same sum.)
 
 Under sequence parallelism the layer input is a sequence shard; the deferred GEMM needs the
 whole sequence and all-gathers it at W (all TP ranks run the same program, so the collective
@@ -36,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Hashable, Iterator, Optional
+from typing import Callable, Hashable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -167,20 +174,49 @@ def _split_backward_linear(input: torch.Tensor, weight: torch.Tensor,
 
 
 class _SplitBackwardForward:
-    """Mixin: megatron's tensor-parallel linear forward, through `_SplitBackwardLinear`."""
+    """Mixin: megatron's tensor-parallel linear forward, through `_SplitBackwardLinear`, and the
+    weight-gradient hook registration megatron's DDP asks of layers that defer weight gradients."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not weight.requires_grad:        # frozen weights have no weight gradient to defer
             return super()._forward_impl(input, weight, *args, **kwargs)
         return _split_backward_linear(input, weight, *args, **kwargs)
 
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """megatron DDP (`delay_wgrad_compute`): run `hook` after each accumulation of this
+        layer's weight gradient that brought one (W, or a backward outside `begin`)."""
+        weight = self.weight
+        accumulator = weight.expand_as(weight).grad_fn.next_functions[0][0]
+
+        def after_accumulation(*unused) -> None:
+            if weight.grad is not None:
+                hook()
+
+        accumulator.register_hook(after_accumulation)
+        # autograd keeps a parameter's accumulator only while something references it
+        self.__dict__.setdefault("_wgrad_accumulators", []).append(accumulator)
+
+
+def _mark_deferred_weight(linear: torch.nn.Module) -> None:
+    """Tell megatron's DDP (`delay_wgrad_compute`) that the layer runs the weight's hook."""
+    if isinstance(getattr(linear, "weight", None), torch.nn.Parameter):
+        linear.weight.skip_backward_post_hook = True
+
 
 class SplitBackwardColumnParallelLinear(_SplitBackwardForward, ColumnParallelLinear):
     """ColumnParallelLinear whose weight gradient waits for `WeightGradStore.flush`."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _mark_deferred_weight(self)
+
 
 class SplitBackwardRowParallelLinear(_SplitBackwardForward, RowParallelLinear):
     """RowParallelLinear whose weight gradient waits for `WeightGradStore.flush`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _mark_deferred_weight(self)
 
 
 def make_split_backward(linear: ColumnParallelLinear | RowParallelLinear
@@ -193,6 +229,7 @@ def make_split_backward(linear: ColumnParallelLinear | RowParallelLinear
             return linear
         if type(linear) is base:
             linear.__class__ = split
+            _mark_deferred_weight(linear)
             return linear
     raise TypeError(f"split backward supports megatron's ColumnParallelLinear and "
                     f"RowParallelLinear, got {type(linear).__name__}")

@@ -2,7 +2,9 @@
 
 - resume: 2 x N iterations in one run equal N iterations (stopped by --exit-interval, which saves)
   plus N more resumed with --load: every logged loss, grad norm, learning rate and evaluation is
-  identical, bit for bit. Two layouts: PP2 x DP2 with the distributed optimizer in fp32, and
+  identical, bit for bit. Three layouts: PP2 x DP2 with the distributed optimizer in fp32, the
+  same with --overlap-grad-reduce and --overlap-param-gather (same figures and same saved weights
+  as without), and
   TP2 x PP2 x V2 (seq1f1b-interleaved, two model chunks per rank) in bf16 with megatron's
   mixed-precision optimizer; warm-up + cosine LR, evaluations before and after the resume;
 - schedules: the same data and seed under --pipeline-schedule 1f1b and seq1f1b with k=4 give the
@@ -11,10 +13,24 @@
 - packed documents: with --reset-attention-mask --reset-position-ids --eod-mask-loss and RoPE at
   PP4 (two middle stages, which then read the data too), 1f1b and seq1f1b with k=4 give the same
   loss at every one of 10 iterations and the same evaluations (masked alike);
-- the TensorBoard scalars of a run are the figures it logged.
+- the TensorBoard scalars of a run are the figures it logged, and W&B (a fake `wandb` module on
+  PYTHONPATH with WANDB_MODE=offline: the package is not installed here) gets the same ones;
+- overlap: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer) at PP2 x DP2
+  leave every loss, grad norm and evaluation of 10 iterations bit for bit as without overlap,
+  under 1f1b (unaligned gathers), seq1f1b, the split-backward seq1f1b-zb-h1 (gradients of the
+  weights come in at W) and seq1f1b-interleaved (two chunks, all-reduce without the distributed
+  optimizer);
+- observability: the log line's timestamp and nan-iteration count, megatron's timers at
+  --timing-log-level 2 after each line, and --profile's chrome traces on the ranks asked for,
+  holding the executor's actions by name.
 """
+import json
+import os
+import re
 import subprocess
 import sys
+from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +53,10 @@ def _model_flags(data_prefix: str, micro_batch_size: int = 2) -> list[str]:
 RESUME_LAYOUTS = {
     "dp2_distopt": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                     "--pipeline-schedule", "seq1f1b", "--seq1f1b-splits", "2"],
+    # the same with overlap: the optimizer step leaves the parameters sharded, saving gathers
+    "dp2_distopt_overlap": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+                            "--pipeline-schedule", "seq1f1b", "--seq1f1b-splits", "2",
+                            "--overlap-grad-reduce", "--overlap-param-gather"],
     "tp2_v2_bf16": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                     "--num-layers-per-virtual-pipeline-stage", "1", "--bf16",
                     "--pipeline-schedule", "seq1f1b-interleaved", "--seq1f1b-splits", "2"],
@@ -62,6 +82,56 @@ def _document_flags(data_prefix: str, schedule: str, splits: int) -> list[str]:
         "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
         "--pipeline-schedule", schedule, "--seq1f1b-splits", str(splits),
         "--train-iters", str(SCHEDULE_ITERS), "--eval-interval", "5", "--eval-iters", "1"]
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+OVERLAP_LAYOUTS = {   # name: (flags of both runs, flags the overlapped run adds)
+    "1f1b": (["--pipeline-schedule", "1f1b", "--use-distributed-optimizer"],
+             OVERLAP + ["--no-align-param-gather"]),
+    "seq1f1b": (["--pipeline-schedule", "seq1f1b", "--seq1f1b-splits", "2",
+                 "--use-distributed-optimizer"], OVERLAP),
+    "seq1f1b-zb-h1": (["--pipeline-schedule", "seq1f1b-zb-h1", "--seq1f1b-splits", "2",
+                       "--use-distributed-optimizer"], OVERLAP + ["--timing-log-level", "2"]),
+    "seq1f1b-interleaved": (["--pipeline-schedule", "seq1f1b-interleaved", "--seq1f1b-splits",
+                             "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+                            ["--overlap-grad-reduce"]),
+}
+
+
+def _overlap_flags(data_prefix: str, layout: str, overlapped: bool) -> list[str]:
+    """PP2 x DP2, two micro-batches of 2 per DP rank, 10 iterations, two evaluations."""
+    common, extra = OVERLAP_LAYOUTS[layout]
+    return _model_flags(data_prefix) + common + (extra if overlapped else []) + [
+        "--pipeline-model-parallel-size", "2", "--train-iters", str(SCHEDULE_ITERS),
+        "--eval-interval", "5", "--eval-iters", "1"]
+
+
+FAKE_WANDB = '''"""A stand-in for wandb's public API (the package is not installed in CI):
+every call is appended, as JSON, to fake_wandb.jsonl in the run's dir."""
+import json
+import os
+
+_log = None
+
+
+def _write(entry):
+    with open(_log, "a") as f:
+        f.write(json.dumps(entry) + "\\n")
+
+
+def init(project=None, name=None, dir=None, config=None, **unexpected):
+    global _log
+    _log = os.path.join(dir, "fake_wandb.jsonl")
+    _write({"call": "init", "project": project, "name": name, "dir": dir,
+            "config_keys": sorted(config), "unexpected": sorted(unexpected),
+            "mode": os.environ.get("WANDB_MODE")})
+
+
+def log(data, step=None):
+    _write({"call": "log", "data": data, "step": step})
+
+
+def finish():
+    _write({"call": "finish"})
+'''
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +156,26 @@ def results(data_prefix, tmp_path_factory):
         cases[(layout, "first_half")] = flags + ["--save", checkpoints, "--exit-interval", str(N)]
         cases[(layout, "resumed")] = flags + ["--load", checkpoints, "--save", checkpoints]
     cases.update({
-        "1f1b": _schedule_flags(data_prefix, "1f1b", 1) + ["--tensorboard-dir",
-                                                            str(root / "tensorboard")],
+        "1f1b": _schedule_flags(data_prefix, "1f1b", 1) + [
+            "--tensorboard-dir", str(root / "tensorboard"), "--wandb-project", "seq1f1b-tests",
+            "--wandb-exp-name", "1f1b", "--wandb-save-dir", str(root / "wandb"),
+            "--profile", "--profile-step-start", "2", "--profile-step-end", "3",
+            "--profile-ranks", "0", "3"],
         "seq1f1b": _schedule_flags(data_prefix, "seq1f1b", 4),
         "megatron-1f1b": _schedule_flags(data_prefix, "megatron-1f1b", 1),
         "documents-1f1b": _document_flags(data_prefix, "1f1b", 1),
         "documents-seq1f1b": _document_flags(data_prefix, "seq1f1b", 4),
     })
-    out = run_cases(WORLD, "training_worker.py", [{"argv": argv} for argv in cases.values()])
+    for layout in OVERLAP_LAYOUTS:
+        for overlapped in (False, True):
+            cases[("overlap", layout, overlapped)] = _overlap_flags(data_prefix, layout,
+                                                                    overlapped)
+    fake = root / "fake_wandb"
+    fake.mkdir()
+    (fake / "wandb.py").write_text(FAKE_WANDB)
+    out = run_cases(WORLD, "training_worker.py", [{"argv": argv} for argv in cases.values()],
+                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(fake)]),
+                         "WANDB_MODE": "offline"})
     by_name = dict(zip(cases, out))
     for name, result in by_name.items():
         assert "error" not in result, f"{name}: {result.get('traceback', result.get('error'))}"
@@ -171,3 +253,113 @@ def test_packed_documents_train_alike_under_1f1b_and_seq1f1b(results):
     assert len(ref_eval) == 4
     assert [losses["lm loss"] for _, losses in candidate["validation"]] == pytest.approx(
         ref_eval, rel=1e-5, abs=0)
+def _scalars(events, tag: str) -> list[tuple[int, float]]:
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_wandb_gets_the_tensorboard_scalars(results):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(f"{results['checkpoint_root']}/tensorboard")
+    events.Reload()
+    calls = [json.loads(line) for line in
+             open(f"{results['checkpoint_root']}/wandb/fake_wandb.jsonl")]
+    init, logs, finish = calls[0], calls[1:-1], calls[-1]
+    assert init["call"] == "init" and finish == {"call": "finish"}
+    assert (init["project"], init["name"], init["mode"]) == ("seq1f1b-tests", "1f1b", "offline")
+    assert init["unexpected"] == [] and "pipeline_schedule" in init["config_keys"]
+    logged: dict[str, list] = {}
+    for call in logs:
+        assert call["call"] == "log"
+        for tag, value in call["data"].items():
+            logged.setdefault(tag, []).append((call["step"], value))
+    tags = set(events.Tags()["scalars"])
+    assert set(logged) == tags
+    for tag in tags:   # TensorBoard stores float32
+        assert [(s, pytest.approx(v, rel=1e-6)) for s, v in logged[tag]] == _scalars(events, tag)
+
+
+def _program_labels(rank_stage: int) -> set[str]:
+    """What one iteration of 1f1b runs on a stage of PP2 with two micro-batches."""
+    from seq1f1b.plan import registry
+    return {a.format() for a in registry.build("1f1b", 2, 2, 1, 1).programs[rank_stage]}
+
+
+def test_profile_traces_name_the_executors_actions(results):
+    traces = sorted(Path(results["checkpoint_root"], "tensorboard").glob("*.pt.trace.json"))
+    by_rank = {int(re.search(r"_rank(\d+)\.", p.name).group(1)): p for p in traces}
+    assert sorted(by_rank) == [0, 3]            # --profile-ranks 0 3, one trace each
+    for rank, path in by_rank.items():
+        names = {event.get("name") for event in json.loads(path.read_text())["traceEvents"]}
+        actions = {name for name in names if name and re.fullmatch(r"[FBW]\d+\.\d+", name)}
+        stage = rank // 2                        # TP2 x PP2: ranks 0, 1 stage 0; 2, 3 stage 1
+        assert actions == _program_labels(stage)
+        assert "ProfilerStep#2" in names        # the one active step: iteration 2
+
+
+def test_log_lines_carry_a_timestamp_and_the_nan_iteration_count(results):
+    lines = [line for line in results["1f1b"]["stdout"].splitlines() if " iteration " in line
+             and "consumed samples" in line]
+    assert len(lines) == SCHEDULE_ITERS
+    for line in lines:
+        stamp = re.match(r" \[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] iteration ", line)
+        assert stamp, line
+        assert abs((datetime.now() - datetime.fromisoformat(stamp.group(1))).total_seconds()) \
+            < 3600
+        assert " number of skipped iterations:   0 | number of nan iterations:   0 |" in line
+
+
+def test_timers_follow_each_log_line_at_level_2(results):
+    printed = results[("overlap", "seq1f1b-zb-h1", True)]["stdout"]
+    blocks = printed.split("(min, max) time across ranks (ms):")[1:]
+    assert len(blocks) == SCHEDULE_ITERS
+    for block in blocks:
+        timers = dict(re.findall(r"\n    (\S[\w-]*) \.+: \(([\d.]+), [\d.]+\)", block))
+        assert {"forward-backward", "forward-compute", "backward-compute",
+                "weight-grad-compute", "all-grads-sync", "optimizer",
+                "optimizer-inner-step"} <= set(timers)
+        assert all(float(ms) > 0 for ms in timers.values())
+    assert "time across ranks" not in results[("overlap", "seq1f1b-zb-h1", False)]["stdout"]
+
+
+@pytest.mark.parametrize("layout", OVERLAP_LAYOUTS)
+def test_overlap_leaves_the_run_exactly_as_it_was(results, layout):
+    plain, overlapped = (results[("overlap", layout, flag)] for flag in (False, True))
+    assert len(plain["history"]) == SCHEDULE_ITERS
+    assert overlapped["history"] == plain["history"]          # losses, grad norms: bit for bit
+    assert overlapped["validation"] == plain["validation"]    # gathered before evaluating
+    # every bucket's reduction launched while the schedule ran, none left to finalize_model_grads
+    assert overlapped["grad_reductions"]["after_schedule"] == 0
+    assert overlapped["grad_reductions"]["in_schedule"] >= SCHEDULE_ITERS - 1
+    losses = _losses(plain)
+    assert losses[-1] < losses[0]
+
+
+def _saved_model_weights(folder: str) -> dict:
+    """The model tensors of a torch_dist checkpoint folder, read in this process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(folder)
+    meta = reader.read_metadata().state_dict_metadata
+    weights = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in meta.items()
+               if isinstance(m, TensorStorageMetadata)
+               and not key.startswith(("optimizer", "rng_state"))}
+    dcp.load(weights, storage_reader=reader, no_dist=True)
+    return weights
+
+
+def test_overlap_saves_the_gathered_weights_and_changes_no_figure(results):
+    """After the step each DP rank holds only its own shard updated; a checkpoint written without
+    gathering would keep the other shard's old values (seen: every weight but the last stage's
+    final norm differed)."""
+    import torch
+
+    plain, overlapped = (_saved_model_weights(results[(layout, "first_half")]["checkpoints"][0])
+                         for layout in ("dp2_distopt", "dp2_distopt_overlap"))
+    assert len(plain) >= 16 and sorted(plain) == sorted(overlapped)
+    assert all(torch.equal(plain[key], overlapped[key]) for key in plain)
+    for name in ("straight", "first_half", "resumed"):
+        assert results[("dp2_distopt_overlap", name)]["history"] == \
+            results[("dp2_distopt", name)]["history"]

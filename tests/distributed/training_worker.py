@@ -3,11 +3,16 @@
 A case is {"argv": [flags]}; the flags are validated for this world and trained with
 pretrain_gpt.py's own model provider, forward step and datasets provider. The last rank (which
 holds the losses) writes one result per case: the per-iteration history, the evaluations, the
-start and end iteration and the seconds it took, or the error.
+start and end iteration, what the case printed on that rank (the log lines), how many gradient
+bucket reductions (after the first iteration, which only learns the buckets) were launched while
+the schedule ran versus after it (`--overlap-grad-reduce` must launch them all while it runs) and
+the seconds it took, or the error.
 
 Imports of megatron-core happen inside the functions: a checkpoint save starts a `spawn` helper
 process that re-imports this file, and each of the four ranks would pay for them again.
 """
+import contextlib
+import io
 import json
 import sys
 import time
@@ -31,6 +36,38 @@ def run(argv: list) -> dict:
             "checkpoints": summary.checkpoints}
 
 
+class ReductionProbe:
+    """Counts megatron's bucket reductions launched inside and outside the executor's run."""
+
+    def __init__(self) -> None:
+        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+        from seq1f1b.runtime.executor import Executor
+
+        self.inside = False
+        self.counts = {"in_schedule": 0, "after_schedule": 0}
+        probe, run, start = self, Executor.run, _ParamAndGradBucketGroup.start_grad_sync
+
+        def probed_run(executor):
+            probe.inside = True
+            try:
+                return run(executor)
+            finally:
+                probe.inside = False
+
+        def probed_start(group, *args, **kwargs):
+            if not group.is_first_batch:
+                probe.counts["in_schedule" if probe.inside else "after_schedule"] += 1
+            return start(group, *args, **kwargs)
+
+        Executor.run = probed_run
+        _ParamAndGradBucketGroup.start_grad_sync = probed_start
+
+    def take(self) -> dict:
+        counts, self.counts = self.counts, {"in_schedule": 0, "after_schedule": 0}
+        return counts
+
+
 def main(cases_path: str, results_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -40,14 +77,19 @@ def main(cases_path: str, results_path: str) -> None:
     warnings.simplefilter("ignore", UserWarning)
     torch.set_num_threads(1)
     init_distributed(timeout_s=300)
+    probe = ReductionProbe()
     results = []
     for case in json.load(open(cases_path)):
         start = time.perf_counter()
+        printed = io.StringIO()
         try:
-            result = run(case["argv"])
+            with contextlib.redirect_stdout(printed):
+                result = run(case["argv"])
         except Exception as err:  # reported per case; the other cases still run
             result = {"error": f"{type(err).__name__}: {err}",
                       "traceback": traceback.format_exc()[-3000:]}
+        result["stdout"] = printed.getvalue()
+        result["grad_reductions"] = probe.take()
         result["seconds"] = round(time.perf_counter() - start, 2)
         results.append(result)
     if dist.get_rank() == dist.get_world_size() - 1:

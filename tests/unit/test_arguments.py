@@ -133,6 +133,18 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
     ({"norm_epsilon": 0}, WORLD, "--norm-epsilon"),
     ({"swiglu": True, "hidden_size": 32}, WORLD, "--swiglu"),
     ({"reset_attention_mask": True, "attention_backend": "te"}, WORLD, "--reset-attention-mask"),
+    ({"overlap_grad_reduce": True, "overlap_param_gather": True}, WORLD,
+     "--use-distributed-optimizer"),
+    ({"use_distributed_optimizer": True, "overlap_param_gather": True}, WORLD,
+     "--overlap-grad-reduce"),
+    ({"wandb_exp_name": "run"}, WORLD, "--wandb-project"),
+    ({"profile": True}, WORLD, "--tensorboard-dir"),
+    ({"profile": True, "tensorboard_dir": "{tmp}/tb", "profile_step_start": 4,
+      "profile_step_end": 4}, WORLD, "--profile-step-end"),
+    ({"profile": True, "tensorboard_dir": "{tmp}/tb", "profile_step_start": -1}, WORLD,
+     "--profile-step-start"),
+    ({"profile": True, "tensorboard_dir": "{tmp}/tb", "profile_ranks": [0, 8]}, WORLD,
+     "--profile-ranks 8"),
 ]
 
 
@@ -218,6 +230,8 @@ def test_span_lengths_imply_an_explicit_partition(tmp_path):
     (["--pipe-sp-strategy", "fastest"], "--pipe-sp-strategy"),
     (["--attention-backend", "cudnn"], "--attention-backend"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--timing-log-level", "3"], "--timing-log-level"),
+    (["--timing-log-option", "mean"], "--timing-log-option"),
 ])
 def test_parse_errors_are_one_line_exit_2(capsys, argv, flag):
     with pytest.raises(SystemExit) as exit_info:
@@ -242,3 +256,41 @@ def test_catalog_reads_the_registry_lazily_and_falls_back(monkeypatch):
     assert all(catalog[name] == chunked for name, chunked in MEGATRON_SCHEDULES.items())
     monkeypatch.setattr(registry, "names", lambda: [])
     assert schedule_catalog() == MEGATRON_SCHEDULES
+
+
+def test_wandb_is_refused_without_the_package(tmp_path, monkeypatch):
+    real = arguments.importlib.util.find_spec
+    monkeypatch.setattr(arguments.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    flags = _with(tmp_path, wandb_project="proj", wandb_exp_name="run")
+    with pytest.raises(ArgumentError, match=r"^--wandb-project needs the wandb package"):
+        validate_args(parse_args(_argv(flags)), WORLD)
+
+
+def test_wandb_with_the_package_needs_a_run_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(arguments.importlib.util, "find_spec", lambda name, *a: object())
+    flags = _with(tmp_path, wandb_project="proj")
+    with pytest.raises(ArgumentError, match=r"^--wandb-exp-name is required with --wandb-project"):
+        validate_args(parse_args(_argv(flags)), WORLD)
+    args = validate_args(parse_args(_argv(_with(tmp_path, wandb_project="proj",
+                                                wandb_exp_name="run"))), WORLD)
+    assert (args.wandb_project, args.wandb_exp_name) == ("proj", "run")
+
+
+def test_memory_history_is_refused_without_a_gpu(tmp_path, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    flags = _with(tmp_path, record_memory_history=True)
+    with pytest.raises(ArgumentError, match=r"^--record-memory-history .*GPU only"):
+        validate_args(parse_args(_argv(flags)), WORLD)
+
+
+def test_observability_and_overlap_defaults_are_megatrons(tmp_path):
+    args = validate_args(parse_args(_argv(_base(tmp_path))), WORLD)
+    assert (args.overlap_grad_reduce, args.overlap_param_gather, args.align_param_gather) == \
+        (False, False, True)
+    assert (args.profile, args.profile_step_start, args.profile_step_end, args.profile_ranks) \
+        == (False, 10, 12, [0])
+    assert (args.timing_log_level, args.timing_log_option, args.barrier_with_L1_time) == \
+        (0, "minmax", True)
+    assert (args.record_memory_history, args.memory_snapshot_path) == (False, "snapshot.pickle")

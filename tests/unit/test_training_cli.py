@@ -69,6 +69,10 @@ CLI_CASES = [  # (changes to the base flags, world size, flag the message must n
     (lambda f, t: {**f, "--pipeline-model-parallel-size": "2", "--num-layers": "3"}, 2,
      "--num-layers"),
     (lambda f, t: {**f, "--load": _bad_tracker(t)}, 1, "--load"),
+    # wandb is not installed (requirements.txt): asking for it is one line
+    (lambda f, t: {**f, "--wandb-project": "p", "--wandb-exp-name": "e"}, 1, "--wandb-project"),
+    # the suite runs without a GPU
+    (lambda f, t: {**f, "--record-memory-history": None}, 1, "--record-memory-history"),
 ]
 
 

@@ -1,7 +1,9 @@
-"""The log line: Megatron's fields and formats in Megatron's order, then the paper's metrics
-(tokens/s, TFLOPS/GPU by the paper's formula, peak memory per stage) and an ETA."""
+"""The log line: Megatron's fields and formats in Megatron's order (0.16's timestamp first, the
+nan-iteration count after the skipped one), then the paper's metrics (tokens/s, TFLOPS/GPU by the
+paper's formula, peak memory per stage) and an ETA."""
 import math
 import re
+from datetime import datetime
 
 import pytest
 
@@ -15,7 +17,8 @@ def _report(**changes) -> IntervalReport:
                   seconds_per_iteration=0.5, learning_rate=3e-4, global_batch_size=32,
                   lm_loss=4.25, loss_scale=1.0, grad_norm=1.5, skipped_iterations=0,
                   throughput=Throughput(8192.0, 0.0123), peak_memory_mb=[12.5, 9.75],
-                  memory_source="MB held for backward")
+                  memory_source="MB held for backward", nan_iterations=0,
+                  time=datetime(2026, 1, 31, 9, 5, 7))
     fields.update(changes)
     return IntervalReport(**fields)
 
@@ -23,12 +26,14 @@ def _report(**changes) -> IntervalReport:
 def test_fields_follow_megatrons_order_and_formats():
     line = _report().line()
     names = [part.split(":")[0].strip() for part in line.split("|")[:-1]]
-    assert names == ["iteration       20/     100", "consumed samples",
+    assert names == ["[2026-01-31 09", "consumed samples",
                      "elapsed time per iteration (ms)", "learning rate", "global batch size",
                      "lm loss", "loss scale", "grad norm", "number of skipped iterations",
-                     "tokens/s", "TFLOPS/GPU", "peak mem per stage (MB held for backward)",
-                     "ETA 0"]
-    assert line.startswith(" iteration       20/     100 | consumed samples:          640 |")
+                     "number of nan iterations", "tokens/s", "TFLOPS/GPU",
+                     "peak mem per stage (MB held for backward)", "ETA 0"]
+    assert line.startswith(" [2026-01-31 09:05:07] iteration       20/     100 | consumed "
+                           "samples:          640 |")
+    assert " number of skipped iterations:   0 | number of nan iterations:   0 |" in line
     assert " elapsed time per iteration (ms): 500.0 |" in line
     assert " learning rate: 3.000000E-04 |" in line
     assert " lm loss: 4.250000E+00 |" in line
@@ -74,3 +79,20 @@ def test_validation_box_has_loss_and_perplexity():
     assert text == (f" validation loss at iteration 10 | lm loss value: 2.000000E+00 | "
                     f"lm loss PPL: {math.exp(2.0):.6E} | ")
     assert rule == closing == "-" * (len(text) + 1)
+
+
+def test_the_timestamp_is_now_unless_given():
+    before = datetime.now().replace(microsecond=0)
+    stamp = re.match(r" \[(.{19})\] iteration", _report(time=None).line()).group(1)
+    assert before <= datetime.fromisoformat(stamp) <= datetime.now()
+    assert " number of nan iterations:   3 |" in _report(nan_iterations=3).line()
+
+
+@pytest.mark.parametrize("skipped, loss, nan", [
+    (True, float("nan"), True), (True, float("inf"), True), (True, 2.5, False),
+    (False, float("nan"), False),     # an applied update is not a nan iteration (Megatron's rule)
+])
+def test_a_nan_iteration_is_a_skipped_one_with_a_non_finite_loss(skipped, loss, nan):
+    from megatron.training.training import IterationRecord
+    record = IterationRecord(3, {"lm loss": loss}, None, 1e-3, skipped)
+    assert record.nan is nan
