@@ -180,7 +180,8 @@ def get_forward_backward_func(name: str = "seq1f1b",
         if info.chunked:
             if not isinstance(model, list) or len(model) < 2:
                 raise AssertionError("interleaved pipeline parallelism expected model chunking")
-            _check_interleaving_like_megatron(num_microbatches, pp, config)
+            if info.placement == "loop":    # megatron's interleaving rules; a V has no groups
+                _check_interleaving_like_megatron(num_microbatches, pp, config)
         spans = _spans(settings, length, _cost_model(config), tp,
                        bool(config.sequence_parallel))
         schedule = _schedule(name, pp, num_microbatches, settings.splits, len(chunks))

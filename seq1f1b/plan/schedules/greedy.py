@@ -1,0 +1,281 @@
+"""Greedy list scheduling of F, B and W under a memory cap: the machinery of `zbv`,
+`seq1f1b-zbv` and the searched `seq1f1b-zb-auto`.
+
+Where zero_bubble.py keeps a base program's F/B order and only places W, this places all three:
+it replays every rank at once in time (each action lasts what `costs` says) and, whenever a rank
+is free, starts the first of these that can run now:
+1. a backward unit whose dependencies have finished, oldest micro-batch first (B is on the
+   critical path: the previous stage waits for its input grad);
+2. a forward unit that fits in memory, the later model chunk first (in a V, chunk 1 leads to the
+   loss and so to the next backward). A forward that *admits* work onto this rank (chunk 0 of a
+   V) must also leave `reserve` free: room for one micro-batch's forwards on the rank's other
+   chunk, so that admitted work can always travel on and come back as backward;
+3. its oldest owed W unit (the weight grads nobody waits for fill what would be idle time, and
+   free the span's activations);
+otherwise it waits for the next action to finish anywhere.
+
+Memory follows the simulator's rules (`simulate.held_change`): F allocates the span's activations
+(and the micro-batch's whole K/V at span 0), the micro-batch's first B its dK/dV accumulators, W
+frees the activations and B(i,0) the K/V. A forward may start only if the rank's held bytes plus
+what it allocates stay within `cap`. So warm-up depths, how far W trails B and how the two chunks
+of a V interleave are consequences of the costs and the cap, not typed in. The dependency rules
+are `actions.dependencies`, asked once per action shape.
+
+A cap too small for any order (every rank blocked, nothing owed) raises ScheduleError. The result
+is a valid program under any costs (the replay executed it); the costs only chose it.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from seq1f1b.plan.actions import Action, Schedule, ScheduleError, dependencies
+from seq1f1b.plan.simulate import SpanCosts, Table, held_change, held_tables
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The shape of a schedule to build: P ranks, m micro-batches, k spans, V chunks placed by
+    `placement`; `unit` spans alternate as one unit (1: single spans, k: whole micro-batches)."""
+
+    pp: int
+    microbatches: int
+    splits: int
+    chunks: int
+    placement: str = "loop"
+    unit: int = 1
+
+    def shape(self) -> Schedule:
+        """A schedule of this shape without programs (stage_of, owner_of, dependencies)."""
+        return Schedule("shape", self.pp, self.microbatches, self.splits, self.chunks,
+                        ((),) * self.pp, self.placement)
+
+
+def unit_costs(problem: Problem) -> SpanCosts:
+    """F = B = W = 1 per span and chunk; a span holds 1/V of a unit of memory on a chunk (a chunk
+    has 1/V of a rank's layers), no K/V: 1F1B's rank 0 then peaks at P*k units."""
+    def table(value: float) -> Table:
+        return tuple((value,) * problem.splits for _ in range(problem.pp * problem.chunks))
+
+    zero = table(0.0)
+    return SpanCosts(table(1.0), table(1.0), table(1.0), activation_bytes=table(1.0 / problem.chunks),
+                     kv_cache_bytes=zero, logits_bytes=zero, kv_accumulator_bytes=zero)
+
+
+Steps = tuple[int, ...]
+
+
+@dataclass
+class _Rank:
+    forwards: list[deque]          # per chunk: F units still to run, in order
+    backwards: list[deque]         # per chunk: B units still to run, in order
+    depth: float                   # most spans whose F ran and B did not, counted per chunk
+    owed: deque = field(default_factory=deque)     # W units whose B has run
+    current: deque = field(default_factory=deque)  # steps of the unit being run
+    held: float = 0.0
+    reserved: float = 0.0          # promised to allocations that admitted forwards will cause
+    in_flight: int = 0             # spans whose F ran and B did not, over both chunks
+    peak: float = 0.0
+    program: list[int] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return not (self.current or self.owed or any(self.forwards) or any(self.backwards))
+
+
+class _Plan:
+    """Every (rank, action) as an integer step, with its dependencies, duration and bytes."""
+
+    def __init__(self, problem: Problem, costs: SpanCosts) -> None:
+        shape = problem.shape()
+        tables = held_tables(costs)
+        if tables is None:
+            raise ScheduleError("a memory-capped schedule needs the bytes of every span")
+        self.actions: list[tuple[int, Action]] = []
+        self.duration: list[float] = []
+        self.alloc: list[float] = []
+        self.release: list[float] = []
+        index: dict[tuple[int, Action], int] = {}
+        changes: dict[tuple[int, str, int], tuple[float, float, float]] = {}
+        m, k, V = problem.microbatches, problem.splits, problem.chunks
+        for rank in range(problem.pp):
+            for chunk in range(V):
+                stage = shape.stage_of(rank, chunk)
+                for op in ("F", "B", "W"):
+                    for j in range(k):
+                        key = (stage, op, j)
+                        if key not in changes:
+                            probe = Action(op, 0, j, chunk)
+                            allocated, released = held_change(tables, stage, probe, "W")
+                            changes[key] = (costs.duration(stage, probe),
+                                            sum(allocated.values()), sum(released.values()))
+                        for i in range(m):
+                            action = Action(op, i, j, chunk)
+                            index[(rank, action)] = len(self.actions)
+                            self.actions.append((rank, action))
+                            duration, alloc, release = changes[key]
+                            self.duration.append(duration)
+                            self.alloc.append(alloc)
+                            self.release.append(release)
+        self.index = index
+        rules: dict[tuple[int, str, int, int], list[tuple[int, Action]]] = {}
+        self.needs: list[list[int]] = []
+        for rank, action in self.actions:
+            rule = (rank, action.op, action.span, action.chunk)
+            if rule not in rules:
+                rules[rule] = dependencies(shape, rank, Action(action.op, 0, action.span,
+                                                               action.chunk))
+            self.needs.append([index[(r, Action(d.op, action.microbatch, d.span, d.chunk))]
+                               for r, d in rules[rule]])
+        self.finished = [math.inf] * len(self.actions)
+
+    def ready_at(self, step: int) -> float:
+        """When every dependency of `step` has finished (inf while one is not placed)."""
+        return max((self.finished[need] for need in self.needs[step]), default=0.0)
+
+
+def _units(plan: _Plan, rank: int, order: list[Action], size: int) -> deque:
+    ids = [plan.index[(rank, action)] for action in order]
+    return deque(tuple(ids[n:n + size]) for n in range(0, len(ids), size))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The knobs of the greedy replay: `forward_first` tries a forward before a ready backward
+    (1F1B's alternation keeps the pipeline fed) instead of after it; `depth[r]` caps the spans
+    rank r holds between their F and their B (None: only memory caps them)."""
+
+    forward_first: bool = True
+    depth: Optional[tuple[int, ...]] = None
+
+
+def place(problem: Problem, costs: SpanCosts, cap: float, policy: Policy = Policy()
+          ) -> list[list[Action]]:
+    """Per-rank programs of F, B and W placed by the greedy replay (module docstring) with every
+    rank's held bytes at most `cap`."""
+    plan = _Plan(problem, costs)
+    shape = problem.shape()
+    m, k, V = problem.microbatches, problem.splits, problem.chunks
+    size = problem.unit
+    ranks = []
+    for rank in range(problem.pp):
+        forwards = [_units(plan, rank, [Action("F", i, j, c) for i in range(m) for j in range(k)],
+                           size) for c in range(V)]
+        backwards = [_units(plan, rank, [Action("B", i, j, c) for i in range(m)
+                                         for j in reversed(range(k))], size) for c in range(V)]
+        ranks.append(_Rank(forwards, backwards,
+                           math.inf if policy.depth is None else policy.depth[rank]))
+    promise, promised = _promises(plan, problem, shape)
+    weight_of = {plan.index[(r, a)]: plan.index[(r, a.with_op("W"))]
+                 for r, a in plan.actions if a.op == "B"}
+
+    def admissible(state: _Rank, unit: Steps) -> bool:
+        """A forward unit runs when the rank has room for it and for what it promises."""
+        if unit[0] not in promise:      # its bytes were promised when its twin was admitted
+            return True
+        if state.in_flight + len(unit) > state.depth and state.in_flight > 0:
+            return False
+        need = sum(plan.alloc[s] + promise[s] for s in unit)
+        return state.held + state.reserved + need <= cap * (1 + 1e-9)
+
+    def choose(state: _Rank, now: float) -> Optional[Steps]:
+        ready = [(plan.actions[q[0][0]][1].microbatch, -c, c) for c, q in
+                 enumerate(state.backwards) if q and plan.ready_at(q[0][0]) <= now]
+        backward = state.backwards[min(ready)[2]] if ready else None
+        if backward is not None and not policy.forward_first:
+            return backward.popleft()
+        for c in reversed(range(V)):
+            queue = state.forwards[c]
+            if queue and plan.ready_at(queue[0][0]) <= now and admissible(state, queue[0]):
+                return queue.popleft()
+        if backward is not None:
+            return backward.popleft()
+        if state.owed:
+            return state.owed.popleft()
+        return None
+
+    wake = [(0.0, rank) for rank in range(problem.pp)]
+    asleep: dict[int, float] = {}       # rank -> when it looks again (inf: when something ends)
+    ends: list[float] = []              # finish times of placed actions still to come, a heap
+
+    def sleep(rank: int, now: float) -> None:
+        while ends and ends[0] <= now:
+            heapq.heappop(ends)
+        asleep[rank] = ends[0] if ends else math.inf
+        if ends:
+            heapq.heappush(wake, (ends[0], rank))
+
+    while wake:
+        now, rank = heapq.heappop(wake)
+        state = ranks[rank]
+        if rank in asleep:
+            if asleep[rank] != now:
+                continue                  # superseded by an earlier wake-up
+            del asleep[rank]
+        if state.program and plan.finished[state.program[-1]] > now:
+            continue                      # a stale wake-up: the rank is busy
+        if not state.current:
+            unit = choose(state, now)
+            if unit is not None:
+                state.current.extend(unit)
+        if not state.current:
+            if not state.done():
+                sleep(rank, now)
+            continue
+        step = state.current[0]
+        start = plan.ready_at(step)
+        if start > now:
+            if start < math.inf:
+                heapq.heappush(wake, (start, rank))
+            else:
+                sleep(rank, now)
+            continue
+        state.current.popleft()
+        end = now + plan.duration[step]
+        plan.finished[step] = end
+        state.program.append(step)
+        op = plan.actions[step][1].op
+        state.peak = max(state.peak, state.held + plan.alloc[step])
+        state.held += plan.alloc[step] - plan.release[step]
+        state.reserved += promise.get(step, 0.0) - (plan.alloc[step] if step in promised else 0.0)
+        state.in_flight += {"F": 1, "B": -1, "W": 0}[op]
+        if op == "B" and not state.current:
+            unit = state.program[-size:]
+            state.owed.append(tuple(weight_of[s] for s in unit))
+        heapq.heappush(wake, (end, rank))
+        heapq.heappush(ends, end)
+        for other, when in list(asleep.items()):   # something ends sooner: look again then
+            if end < when:
+                asleep[other] = end
+                heapq.heappush(wake, (end, other))
+    stuck = [rank for rank, state in enumerate(ranks) if not state.done()]
+    if stuck:
+        raise ScheduleError(
+            f"no order of F, B and W fits a memory cap of {cap:g} (pp={problem.pp}, "
+            f"m={m}, k={k}, V={V}): ranks {stuck} cannot go on; raise the cap")
+    return [[plan.actions[step][1] for step in state.program] for state in ranks]
+
+
+def _promises(plan: _Plan, problem: Problem, shape: Schedule
+              ) -> tuple[dict[int, float], set[int]]:
+    """Which forwards admit work and what they promise. A forward admits work unless it is
+    chunk 1 of a V (that work entered the rank through chunk 0). Admitting F(i,j) promises the
+    bytes of what it will make the rank allocate without asking: the dK/dV accumulators of B(i,k-1)
+    (when j = 0) and, in a V, its twin F(i,j) on chunk 1 with that chunk's accumulators. Returns
+    (admitting step -> promised bytes, the steps whose bytes were promised)."""
+    k = problem.splits
+    promise: dict[int, float] = {}
+    promised: set[int] = set()
+    for step, (rank, action) in enumerate(plan.actions):
+        if action.op != "F" or (problem.placement == "vshape" and action.chunk == 1):
+            continue
+        i, j = action.microbatch, action.span
+        chunks = (0, 1) if problem.placement == "vshape" else (action.chunk,)
+        caused = [plan.index[(rank, Action("B", i, k - 1, c))] for c in chunks] if j == 0 else []
+        if problem.placement == "vshape":
+            caused.append(plan.index[(rank, Action("F", i, j, 1))])
+        promise[step] = sum(plan.alloc[s] for s in caused)
+        promised.update(caused)
+    return promise, promised
