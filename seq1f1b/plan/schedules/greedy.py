@@ -78,67 +78,78 @@ class _Rank:
     held: float = 0.0
     reserved: float = 0.0          # promised to allocations that admitted forwards will cause
     in_flight: int = 0             # spans whose F ran and B did not, over both chunks
-    peak: float = 0.0
     program: list[int] = field(default_factory=list)
 
     def done(self) -> bool:
         return not (self.current or self.owed or any(self.forwards) or any(self.backwards))
 
 
+_OPS = ("F", "B", "W")
+
+
 class _Plan:
-    """Every (rank, action) as an integer step, with its dependencies, duration and bytes."""
+    """Every (rank, action) as an integer step, with its dependencies, duration and bytes.
+
+    Step id = ((((rank * V + chunk) * 3 + op) * k + span) * m + microbatch): the rules tie actions
+    of one micro-batch alike for every micro-batch, so each (rank, chunk, op, span) asks
+    `dependencies` once and shifts the answer by the micro-batch."""
 
     def __init__(self, problem: Problem, costs: SpanCosts) -> None:
         shape = problem.shape()
         tables = held_tables(costs)
         if tables is None:
             raise ScheduleError("a memory-capped schedule needs the bytes of every span")
-        self.actions: list[tuple[int, Action]] = []
+        self.problem = problem
+        m, k, V = problem.microbatches, problem.splits, problem.chunks
         self.duration: list[float] = []
         self.alloc: list[float] = []
         self.release: list[float] = []
-        index: dict[tuple[int, Action], int] = {}
-        changes: dict[tuple[int, str, int], tuple[float, float, float]] = {}
-        m, k, V = problem.microbatches, problem.splits, problem.chunks
+        self.needs: list[tuple[int, ...]] = []
         for rank in range(problem.pp):
             for chunk in range(V):
                 stage = shape.stage_of(rank, chunk)
-                for op in ("F", "B", "W"):
+                for op in _OPS:
                     for j in range(k):
-                        key = (stage, op, j)
-                        if key not in changes:
-                            probe = Action(op, 0, j, chunk)
-                            allocated, released = held_change(tables, stage, probe, "W")
-                            changes[key] = (costs.duration(stage, probe),
-                                            sum(allocated.values()), sum(released.values()))
+                        probe = Action(op, 0, j, chunk)
+                        allocated, released = held_change(tables, stage, probe, "W")
+                        values = (costs.duration(stage, probe), sum(allocated.values()),
+                                  sum(released.values()))
+                        bases = [self.step(r, d.chunk, d.op, d.span, 0)
+                                 for r, d in dependencies(shape, rank, probe)]
                         for i in range(m):
-                            action = Action(op, i, j, chunk)
-                            index[(rank, action)] = len(self.actions)
-                            self.actions.append((rank, action))
-                            duration, alloc, release = changes[key]
-                            self.duration.append(duration)
-                            self.alloc.append(alloc)
-                            self.release.append(release)
-        self.index = index
-        rules: dict[tuple[int, str, int, int], list[tuple[int, Action]]] = {}
-        self.needs: list[list[int]] = []
-        for rank, action in self.actions:
-            rule = (rank, action.op, action.span, action.chunk)
-            if rule not in rules:
-                rules[rule] = dependencies(shape, rank, Action(action.op, 0, action.span,
-                                                               action.chunk))
-            self.needs.append([index[(r, Action(d.op, action.microbatch, d.span, d.chunk))]
-                               for r, d in rules[rule]])
-        self.finished = [math.inf] * len(self.actions)
+                            self.duration.append(values[0])
+                            self.alloc.append(values[1])
+                            self.release.append(values[2])
+                            self.needs.append(tuple(base + i for base in bases))
+        self.finished = [math.inf] * len(self.duration)
+
+    def step(self, rank: int, chunk: int, op: str, span: int, microbatch: int) -> int:
+        p = self.problem
+        return ((((rank * p.chunks + chunk) * 3 + _OPS.index(op)) * p.splits + span)
+                * p.microbatches + microbatch)
+
+    def action(self, step: int) -> Action:
+        p = self.problem
+        rest, i = divmod(step, p.microbatches)
+        rest, j = divmod(rest, p.splits)
+        rest, op = divmod(rest, 3)
+        return Action(_OPS[op], i, j, rest % p.chunks)
+
+    def op(self, step: int) -> str:
+        p = self.problem
+        return _OPS[step // (p.microbatches * p.splits) % 3]
+
+    def microbatch(self, step: int) -> int:
+        return step % self.problem.microbatches
 
     def ready_at(self, step: int) -> float:
         """When every dependency of `step` has finished (inf while one is not placed)."""
-        return max((self.finished[need] for need in self.needs[step]), default=0.0)
+        finished = self.finished
+        return max([finished[need] for need in self.needs[step]], default=0.0)
 
 
-def _units(plan: _Plan, rank: int, order: list[Action], size: int) -> deque:
-    ids = [plan.index[(rank, action)] for action in order]
-    return deque(tuple(ids[n:n + size]) for n in range(0, len(ids), size))
+def _units(steps: list[int], size: int) -> deque:
+    return deque(tuple(steps[n:n + size]) for n in range(0, len(steps), size))
 
 
 @dataclass(frozen=True)
@@ -149,133 +160,159 @@ class Policy:
 
     forward_first: bool = True
     depth: Optional[tuple[int, ...]] = None
+    later_forward_first: bool = True     # among ready forwards, the later chunk's first
+    later_backward_first: bool = True    # among ready backwards of one micro-batch, likewise
+
+
+@dataclass
+class Placed:
+    """What a replay placed: each rank's program and when its last action ends (the replay's
+    timing is the simulator's: an action starts once its rank and its dependencies are done)."""
+
+    programs: list[list[Action]]
+    makespan: float
+
+
+class Placer:
+    """Greedy replays of one problem under one cost table (the step graph is built once and
+    reused by every policy a search tries)."""
+
+    def __init__(self, problem: Problem, costs: SpanCosts) -> None:
+        self.problem = problem
+        self.plan = _Plan(problem, costs)
+        self.promise, self.promised = _promises(self.plan, problem)
+
+    def place(self, cap: float, policy: Policy = Policy()) -> Placed:
+        """Per-rank programs of F, B and W placed by the greedy replay (module docstring) with
+        every rank's held bytes at most `cap`; ScheduleError when no order fits."""
+        problem, plan, promise, promised = self.problem, self.plan, self.promise, self.promised
+        plan.finished = [math.inf] * len(plan.duration)
+        m, k, V = problem.microbatches, problem.splits, problem.chunks
+        size = problem.unit
+        ranks = []
+        for rank in range(problem.pp):
+            forwards = [_units([plan.step(rank, c, "F", j, i) for i in range(m)
+                                for j in range(k)], size) for c in range(V)]
+            backwards = [_units([plan.step(rank, c, "B", j, i) for i in range(m)
+                                 for j in reversed(range(k))], size) for c in range(V)]
+            ranks.append(_Rank(forwards, backwards,
+                               math.inf if policy.depth is None else policy.depth[rank]))
+        to_weight = m * k       # a B's W is the same (rank, chunk, span, micro-batch) one op on
+
+        def admissible(state: _Rank, unit: Steps) -> bool:
+            """A forward unit runs when the rank has room for it and for what it promises."""
+            if unit[0] not in promise:   # its bytes were promised when its twin was admitted
+                return True
+            if state.in_flight + len(unit) > state.depth and state.in_flight > 0:
+                return False
+            need = sum(plan.alloc[s] + promise[s] for s in unit)
+            return state.held + state.reserved + need <= cap * (1 + 1e-9)
+
+        def choose(state: _Rank, now: float) -> Optional[Steps]:
+            ready = [(plan.microbatch(q[0][0]), -c if policy.later_backward_first else c, c)
+                     for c, q in enumerate(state.backwards)
+                     if q and plan.ready_at(q[0][0]) <= now]
+            backward = state.backwards[min(ready)[2]] if ready else None
+            if backward is not None and not policy.forward_first:
+                return backward.popleft()
+            for c in (reversed(range(V)) if policy.later_forward_first else range(V)):
+                queue = state.forwards[c]
+                if queue and plan.ready_at(queue[0][0]) <= now and admissible(state, queue[0]):
+                    return queue.popleft()
+            if backward is not None:
+                return backward.popleft()
+            if state.owed:
+                return state.owed.popleft()
+            return None
+
+        wake = [(0.0, rank) for rank in range(problem.pp)]
+        asleep: dict[int, float] = {}   # rank -> when it looks again (inf: when something ends)
+        ends: list[float] = []          # finish times of placed actions still to come, a heap
+        makespan = 0.0
+
+        def sleep(rank: int, now: float) -> None:
+            while ends and ends[0] <= now:
+                heapq.heappop(ends)
+            asleep[rank] = ends[0] if ends else math.inf
+            if ends:
+                heapq.heappush(wake, (ends[0], rank))
+
+        while wake:
+            now, rank = heapq.heappop(wake)
+            state = ranks[rank]
+            if rank in asleep:
+                if asleep[rank] != now:
+                    continue              # superseded by an earlier wake-up
+                del asleep[rank]
+            if state.program and plan.finished[state.program[-1]] > now:
+                continue                  # a stale wake-up: the rank is busy
+            if not state.current:
+                unit = choose(state, now)
+                if unit is not None:
+                    state.current.extend(unit)
+            if not state.current:
+                if not state.done():
+                    sleep(rank, now)
+                continue
+            step = state.current[0]
+            start = plan.ready_at(step)
+            if start > now:
+                if start < math.inf:
+                    heapq.heappush(wake, (start, rank))
+                else:
+                    sleep(rank, now)
+                continue
+            state.current.popleft()
+            end = now + plan.duration[step]
+            makespan = max(makespan, end)
+            plan.finished[step] = end
+            state.program.append(step)
+            op = plan.op(step)
+            state.held += plan.alloc[step] - plan.release[step]
+            state.reserved += promise.get(step, 0.0) - (plan.alloc[step] if step in promised
+                                                        else 0.0)
+            state.in_flight += 1 if op == "F" else -1 if op == "B" else 0
+            if op == "B" and not state.current:
+                state.owed.append(tuple(s + to_weight for s in state.program[-size:]))
+            heapq.heappush(wake, (end, rank))
+            heapq.heappush(ends, end)
+            for other, when in list(asleep.items()):   # something ends sooner: look again then
+                if end < when:
+                    asleep[other] = end
+                    heapq.heappush(wake, (end, other))
+        stuck = [rank for rank, state in enumerate(ranks) if not state.done()]
+        if stuck:
+            raise ScheduleError(
+                f"no order of F, B and W fits a memory cap of {cap:g} (pp={problem.pp}, "
+                f"m={m}, k={k}, V={V}): ranks {stuck} cannot go on; raise the cap")
+        return Placed([[plan.action(step) for step in state.program] for state in ranks],
+                      makespan)
 
 
 def place(problem: Problem, costs: SpanCosts, cap: float, policy: Policy = Policy()
           ) -> list[list[Action]]:
-    """Per-rank programs of F, B and W placed by the greedy replay (module docstring) with every
-    rank's held bytes at most `cap`."""
-    plan = _Plan(problem, costs)
-    shape = problem.shape()
-    m, k, V = problem.microbatches, problem.splits, problem.chunks
-    size = problem.unit
-    ranks = []
-    for rank in range(problem.pp):
-        forwards = [_units(plan, rank, [Action("F", i, j, c) for i in range(m) for j in range(k)],
-                           size) for c in range(V)]
-        backwards = [_units(plan, rank, [Action("B", i, j, c) for i in range(m)
-                                         for j in reversed(range(k))], size) for c in range(V)]
-        ranks.append(_Rank(forwards, backwards,
-                           math.inf if policy.depth is None else policy.depth[rank]))
-    promise, promised = _promises(plan, problem, shape)
-    weight_of = {plan.index[(r, a)]: plan.index[(r, a.with_op("W"))]
-                 for r, a in plan.actions if a.op == "B"}
-
-    def admissible(state: _Rank, unit: Steps) -> bool:
-        """A forward unit runs when the rank has room for it and for what it promises."""
-        if unit[0] not in promise:      # its bytes were promised when its twin was admitted
-            return True
-        if state.in_flight + len(unit) > state.depth and state.in_flight > 0:
-            return False
-        need = sum(plan.alloc[s] + promise[s] for s in unit)
-        return state.held + state.reserved + need <= cap * (1 + 1e-9)
-
-    def choose(state: _Rank, now: float) -> Optional[Steps]:
-        ready = [(plan.actions[q[0][0]][1].microbatch, -c, c) for c, q in
-                 enumerate(state.backwards) if q and plan.ready_at(q[0][0]) <= now]
-        backward = state.backwards[min(ready)[2]] if ready else None
-        if backward is not None and not policy.forward_first:
-            return backward.popleft()
-        for c in reversed(range(V)):
-            queue = state.forwards[c]
-            if queue and plan.ready_at(queue[0][0]) <= now and admissible(state, queue[0]):
-                return queue.popleft()
-        if backward is not None:
-            return backward.popleft()
-        if state.owed:
-            return state.owed.popleft()
-        return None
-
-    wake = [(0.0, rank) for rank in range(problem.pp)]
-    asleep: dict[int, float] = {}       # rank -> when it looks again (inf: when something ends)
-    ends: list[float] = []              # finish times of placed actions still to come, a heap
-
-    def sleep(rank: int, now: float) -> None:
-        while ends and ends[0] <= now:
-            heapq.heappop(ends)
-        asleep[rank] = ends[0] if ends else math.inf
-        if ends:
-            heapq.heappush(wake, (ends[0], rank))
-
-    while wake:
-        now, rank = heapq.heappop(wake)
-        state = ranks[rank]
-        if rank in asleep:
-            if asleep[rank] != now:
-                continue                  # superseded by an earlier wake-up
-            del asleep[rank]
-        if state.program and plan.finished[state.program[-1]] > now:
-            continue                      # a stale wake-up: the rank is busy
-        if not state.current:
-            unit = choose(state, now)
-            if unit is not None:
-                state.current.extend(unit)
-        if not state.current:
-            if not state.done():
-                sleep(rank, now)
-            continue
-        step = state.current[0]
-        start = plan.ready_at(step)
-        if start > now:
-            if start < math.inf:
-                heapq.heappush(wake, (start, rank))
-            else:
-                sleep(rank, now)
-            continue
-        state.current.popleft()
-        end = now + plan.duration[step]
-        plan.finished[step] = end
-        state.program.append(step)
-        op = plan.actions[step][1].op
-        state.peak = max(state.peak, state.held + plan.alloc[step])
-        state.held += plan.alloc[step] - plan.release[step]
-        state.reserved += promise.get(step, 0.0) - (plan.alloc[step] if step in promised else 0.0)
-        state.in_flight += {"F": 1, "B": -1, "W": 0}[op]
-        if op == "B" and not state.current:
-            unit = state.program[-size:]
-            state.owed.append(tuple(weight_of[s] for s in unit))
-        heapq.heappush(wake, (end, rank))
-        heapq.heappush(ends, end)
-        for other, when in list(asleep.items()):   # something ends sooner: look again then
-            if end < when:
-                asleep[other] = end
-                heapq.heappush(wake, (end, other))
-    stuck = [rank for rank, state in enumerate(ranks) if not state.done()]
-    if stuck:
-        raise ScheduleError(
-            f"no order of F, B and W fits a memory cap of {cap:g} (pp={problem.pp}, "
-            f"m={m}, k={k}, V={V}): ranks {stuck} cannot go on; raise the cap")
-    return [[plan.actions[step][1] for step in state.program] for state in ranks]
+    """One greedy replay's programs (see Placer.place)."""
+    return Placer(problem, costs).place(cap, policy).programs
 
 
-def _promises(plan: _Plan, problem: Problem, shape: Schedule
-              ) -> tuple[dict[int, float], set[int]]:
+def _promises(plan: _Plan, problem: Problem) -> tuple[dict[int, float], set[int]]:
     """Which forwards admit work and what they promise. A forward admits work unless it is
     chunk 1 of a V (that work entered the rank through chunk 0). Admitting F(i,j) promises the
     bytes of what it will make the rank allocate without asking: the dK/dV accumulators of B(i,k-1)
     (when j = 0) and, in a V, its twin F(i,j) on chunk 1 with that chunk's accumulators. Returns
     (admitting step -> promised bytes, the steps whose bytes were promised)."""
-    k = problem.splits
+    k, vshape = problem.splits, problem.placement == "vshape"
     promise: dict[int, float] = {}
     promised: set[int] = set()
-    for step, (rank, action) in enumerate(plan.actions):
-        if action.op != "F" or (problem.placement == "vshape" and action.chunk == 1):
-            continue
-        i, j = action.microbatch, action.span
-        chunks = (0, 1) if problem.placement == "vshape" else (action.chunk,)
-        caused = [plan.index[(rank, Action("B", i, k - 1, c))] for c in chunks] if j == 0 else []
-        if problem.placement == "vshape":
-            caused.append(plan.index[(rank, Action("F", i, j, 1))])
-        promise[step] = sum(plan.alloc[s] for s in caused)
-        promised.update(caused)
+    for rank in range(problem.pp):
+        for chunk in ((0,) if vshape else range(problem.chunks)):
+            for i in range(problem.microbatches):
+                for j in range(k):
+                    caused = [plan.step(rank, c, "B", k - 1, i)
+                              for c in ((0, 1) if vshape else (chunk,))] if j == 0 else []
+                    if vshape:
+                        caused.append(plan.step(rank, 1, "F", j, i))
+                    promise[plan.step(rank, chunk, "F", j, i)] = sum(plan.alloc[s]
+                                                                    for s in caused)
+                    promised.update(caused)
     return promise, promised

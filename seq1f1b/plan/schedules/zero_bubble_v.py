@@ -13,21 +13,25 @@ All three are placed by greedy.place (F, B and W replayed in time under a memory
 - `seq1f1b-zbv`: single spans alternate, unit costs, cap = Seq1F1B's rank-0 peak (P + k - 1
   spans): Seq1F1B's memory, the V's bubble;
 - `seq1f1b-zb-auto`: the same replay searched against `ScheduleBudget` (per-action costs and a
-  memory cap, see budget.py): it tries both policies (forward or backward first) and then, by
-  local search, per-rank caps on the spans in flight between F and B, keeping the shortest
-  simulated makespan whose peaks stay within the cap. Without a budget (the registry's plain
+  memory cap, see budget.py): it tries eight policies (forward or backward first, which chunk's
+  ready forwards and backwards go first) and then, by local search, per-rank caps on the spans
+  in flight between F and B, keeping the shortest simulated makespan; every replay keeps every
+  rank within the cap. What it optimises: the makespan of the replay with the given costs (the
+  simulator's timing); its lower bound is the busiest rank's total work. Without a budget (the registry's plain
   (P, m, k, V) call, as in the grid tests): unit costs, Seq1F1B's memory and the two policies
   only, never worse than `seq1f1b-zbv` there.
 """
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
 from typing import Optional
 
-from seq1f1b.plan.actions import Action, Schedule, ScheduleError
+from seq1f1b.plan.actions import Action, ScheduleError
 from seq1f1b.plan.budget import ScheduleBudget
 from seq1f1b.plan.registry import register
-from seq1f1b.plan.schedules.greedy import Policy, Problem, place, unit_costs
-from seq1f1b.plan.simulate import SpanCosts, timelines
+from seq1f1b.plan.schedules.greedy import Placed, Placer, Policy, Problem, place, unit_costs
+from seq1f1b.plan.simulate import SpanCosts
 
 SEARCH_ROUNDS = 3
 """Passes of the local search over the per-rank depths (each pass tries every rank once up and
@@ -75,38 +79,32 @@ def seq1f1b_zb_auto(pp: int, microbatches: int, splits: int, chunks: int,
     return search(problem, costs, cap).programs
 
 
-class Found:
-    """The best programs the search found, their simulated makespan and the policy behind them."""
-
-    def __init__(self, programs: list[list[Action]], makespan: float, policy: Policy) -> None:
-        self.programs, self.makespan, self.policy = programs, makespan, policy
-
-
 def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_ROUNDS
-           ) -> Found:
-    """Greedy replays under `cap`, the shortest makespan (by the simulator's timing) kept: both
-    policies with free depths, then a local search that moves one rank's depth (the spans it may
-    hold between F and B) by one span at a time while the makespan improves."""
-    shape = problem.shape()
+           ) -> Placed:
+    """Greedy replays under `cap`, the shortest makespan kept: the policies with free depths
+    (forward or backward first; with `rounds`, also which chunk's ready forwards and backwards
+    go first), then `rounds` passes of a local search that moves one rank's depth (the spans it
+    may hold between F and B) by one span at a time while the makespan improves."""
+    placer = Placer(problem, costs)
 
-    def evaluate(policy: Policy) -> Optional[Found]:
+    def evaluate(policy: Policy) -> Optional[tuple[Placed, Policy]]:
         try:
-            programs = place(problem, costs, cap, policy)
+            return placer.place(cap, policy), policy
         except ScheduleError:
             return None
-        schedule = Schedule(shape.name, shape.pp, shape.microbatches, shape.splits, shape.chunks,
-                            tuple(tuple(p) for p in programs), shape.placement)
-        makespan = max(t.end for timeline in timelines(schedule, costs) for t in timeline)
-        return Found(programs, makespan, policy)
 
-    found = [f for f in (evaluate(Policy(first)) for first in (True, False)) if f is not None]
+    policies = [Policy(first) for first in (True, False)]
+    if rounds:
+        policies = [Policy(first, None, later_f, later_b) for first, later_f, later_b in
+                    itertools.product((True, False), repeat=3)]
+    found = [f for f in map(evaluate, policies) if f is not None]
     if not found:
         raise ScheduleError(f"--schedule-memory-cap {cap:g}: no order of F, B and W fits it "
                             f"(pp={problem.pp}, m={problem.microbatches}, k={problem.splits}); "
                             "raise the cap")
-    best = min(found, key=lambda f: f.makespan)
+    best, policy = min(found, key=lambda f: f[0].makespan)
     # Depths start at what the free replay reached on each rank, then move one span at a time.
-    depth = list(_depths(best.programs))
+    depth = _depths(best.programs)
     for _ in range(rounds):
         improved = False
         for rank in range(problem.pp):
@@ -115,9 +113,10 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
                 trial[rank] += step
                 if trial[rank] < 1:
                     continue
-                candidate = evaluate(Policy(best.policy.forward_first, tuple(trial)))
-                if candidate is not None and candidate.makespan < best.makespan * (1 - 1e-12):
-                    best, depth, improved = candidate, trial, True
+                candidate = evaluate(replace(policy, depth=tuple(trial)))
+                if candidate is not None and \
+                        candidate[0].makespan < best.makespan * (1 - 1e-12):
+                    (best, policy), depth, improved = candidate, trial, True
         if not improved:
             break
     return best
