@@ -3,7 +3,7 @@ single-process model in fp32 (loss rel. diff <= 1e-6, max_rel_grad_diff <= 1e-5)
 
 One torchrun launch per world size runs all of that size's cases. The matrix covers PP 1-4, TP 1-2
 with and without sequence parallelism, DP 2, k 1-5 (k not dividing P too), even / compute /
-explicit uneven spans, V=2 with k=3, RoPE and learned positions, Llama-class layers (GQA with
+explicit uneven spans, V=2 with k=3 (loop and V placements), RoPE and learned positions, Llama-class layers (GQA with
 1 and 2 K/V heads, SwiGLU, RMSNorm, no bias, QKV bias, large RoPE bases, Llama 3 scaling, partial
 and interpolated RoPE), every registered schedule, and
 megatron-core's own 1F1B and interleaved schedules run on the same models and data; the `against`
@@ -70,6 +70,14 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b", "pp": 2, "splits": 3, "against": "megatron-1f1b"},
         {"schedule": "seq1f1b", "pp": 2, "splits": 3, **LLAMA},
         {"schedule": "seq1f1b-zb-h1", "tp": 2, "splits": 2, "sequence_parallel": True, **LLAMA},
+        # A V (chunk 1 of rank r is stage 2P-1-r): the embedding and the loss on rank 0, a chunk
+        # hand-over in memory on rank 1, layers numbered in stage order; untied output layer.
+        {"schedule": "seq1f1b-zbv", "pp": 2, "chunks": 2, "splits": 3,
+         "span_lengths": [4, 13, 7], "untie_embeddings": True},
+        {"schedule": "zbv", "pp": 2, "chunks": 2, "splits": 2, "untie_embeddings": True,
+         "position_embedding_type": "learned_absolute"},
+        {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 3, "partition": "compute",
+         **LLAMA},
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},
@@ -118,6 +126,10 @@ CASES: dict[int, list[dict]] = {
          **SELECTIVE},
         {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 4, "rotary_percent": 0.5,
          "rotary_seq_len_interpolation_factor": 4, "swiglu": True, **FULL},
+        {"schedule": "seq1f1b-zbv", "pp": 4, "chunks": 2, "splits": 3, "num_microbatches": 5,
+         "untie_embeddings": True, **L8},
+        {"schedule": "seq1f1b-zb-auto", "tp": 2, "pp": 2, "chunks": 2, "splits": 2,
+         "sequence_parallel": True, "untie_embeddings": True},
     ],
 }
 

@@ -241,3 +241,16 @@ def test_catalog_reads_the_registry_lazily_and_falls_back(monkeypatch):
     assert all(catalog[name] == chunked for name, chunked in MEGATRON_SCHEDULES.items())
     monkeypatch.setattr(registry, "names", lambda: [])
     assert schedule_catalog() == MEGATRON_SCHEDULES
+
+
+def test_v_placements_are_refused_in_one_line_until_the_trainer_runs_them(tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.setattr(arguments, "schedule_catalog",
+                        lambda: {**CATALOG, "seq1f1b-zbv": True})
+    flags = _with(tmp_path, pipeline_schedule="seq1f1b-zbv",
+                  num_layers_per_virtual_pipeline_stage=2, untie_embeddings_and_output_weights=True)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate_args(_argv(flags), WORLD)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "--pipeline-schedule seq1f1b-zbv" in err, err
+    assert "\n" not in err and not (tmp_path / "ckpt").exists()
