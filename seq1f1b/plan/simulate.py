@@ -256,6 +256,7 @@ k = 1). The accumulators count under "kv_cache"."""
 
 
 def held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
+    """The byte tables `held_change` reads, by kind; None when `costs` carries no bytes."""
     if costs is None or costs.activation_bytes is None or costs.kv_cache_bytes is None:
         return None
     logits = costs.logits_bytes or tuple((0.0,) * len(row) for row in costs.activation_bytes)

@@ -3,26 +3,30 @@
 
 Where zero_bubble.py keeps a base program's F/B order and only places W, this places all three:
 it replays every rank at once in time (each action lasts what `costs` says) and, whenever a rank
-is free, starts the first of these that can run now:
+is free, starts the first of these that can run now (`Policy` orders the first two):
 1. a backward unit whose dependencies have finished, oldest micro-batch first (B is on the
    critical path: the previous stage waits for its input grad);
-2. a forward unit that fits in memory, the later model chunk first (in a V, chunk 1 leads to the
-   loss and so to the next backward). A forward that *admits* work onto this rank (chunk 0 of a
-   V) must also leave `reserve` free: room for one micro-batch's forwards on the rank's other
-   chunk, so that admitted work can always travel on and come back as backward;
-3. its oldest owed W unit (the weight grads nobody waits for fill what would be idle time, and
-   free the span's activations);
+2. a forward unit, the later model chunk first (in a V, chunk 1 leads to the loss and so to the
+   next backward), if the rank has room for it;
+3. its oldest owed W unit (weight grads nobody waits for fill what would be idle time, and free
+   the span's activations);
 otherwise it waits for the next action to finish anywhere.
 
 Memory follows the simulator's rules (`simulate.held_change`): F allocates the span's activations
 (and the micro-batch's whole K/V at span 0), the micro-batch's first B its dK/dV accumulators, W
-frees the activations and B(i,0) the K/V. A forward may start only if the rank's held bytes plus
-what it allocates stay within `cap`. So warm-up depths, how far W trails B and how the two chunks
-of a V interleave are consequences of the costs and the cap, not typed in. The dependency rules
-are `actions.dependencies`, asked once per action shape.
+frees the activations and B(i,0) the K/V. A forward that *admits* work onto a rank (any forward,
+except chunk 1 of a V, whose work came in through chunk 0) runs only if the rank's held bytes,
+plus what earlier admissions promised, plus its own bytes and promises stay within `cap`; it
+promises what it will make the rank allocate without asking: its twin on chunk 1 of a V and the
+dK/dV accumulators. So every rank stays within the cap, and admitted work can always travel on
+and come back as backward (with a cap that holds a micro-batch and no depth limit, the oldest
+micro-batch can always move; the grid tests check it, a proof is not written down). Warm-up depths, how
+far W trails B and how the two chunks of a V interleave are consequences of the costs and the
+cap, not typed in. The dependency rules are `actions.dependencies`, asked once per action shape.
 
 A cap too small for any order (every rank blocked, nothing owed) raises ScheduleError. The result
-is a valid program under any costs (the replay executed it); the costs only chose it.
+is a valid program under any costs (the replay executed it); the costs only chose it, and the
+replay's timing is the simulator's (tested).
 """
 from __future__ import annotations
 
