@@ -192,8 +192,10 @@ def _recompute_fields(case: EquivalenceCase) -> dict:
     return {}
 
 
-def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_parallel: bool):
+def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_parallel: bool,
+            placement: str = "loop"):
     return megatron_adapter.make_transformer_config(
+        placement=placement,
         init_method_std=case.init_method_std, hidden_dropout=case.hidden_dropout,
         attention_dropout=case.attention_dropout, **_recompute_fields(case),
         num_layers=case.num_layers, hidden_size=case.hidden_size,
@@ -379,15 +381,14 @@ class ParallelLayout:
         parallel_state.initialize_model_parallel(
             case.tp, case.pp, virtual_pipeline_model_parallel_size=case.chunks if chunked else None)
         tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
-        config = _config(case, case.tp, case.pp, case.chunks, case.sequence_parallel)
+        placement = placement_of(case.schedule)
+        config = _config(case, case.tp, case.pp, case.chunks, case.sequence_parallel, placement)
+        rank = parallel_state.get_pipeline_model_parallel_rank()
         models, self.shards = [], []
         for chunk in range(case.chunks):
             vp = chunk if chunked else None
-            model = _build(case, config, vp_stage=vp,
-                           pre_process=parallel_state.is_pipeline_first_stage(
-                               ignore_virtual=False, vp_stage=vp),
-                           post_process=parallel_state.is_pipeline_last_stage(
-                               ignore_virtual=False, vp_stage=vp))
+            pre, post = megatron_adapter.chunk_roles(placement, case.pp, rank, chunk, case.chunks)
+            model = _build(case, config, vp_stage=vp, pre_process=pre, post_process=post)
             params = dict(model.named_parameters())
             shards = _shard_index(model)
             missing = sorted(set(params) - {shard.name for shard in shards})
@@ -484,6 +485,11 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
 
 def _identity(sharded: ShardedTensor) -> tuple:
     return sharded.key, tuple(sharded.global_offset)
+
+
+def placement_of(schedule: str) -> str:
+    """How the schedule maps (rank, chunk) to virtual stages (actions.PLACEMENTS)."""
+    return "loop" if schedule in MEGATRON_SCHEDULES else registry.get(schedule).placement
 
 
 def is_chunked(schedule: str) -> bool:

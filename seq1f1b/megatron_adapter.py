@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -23,6 +26,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from seq1f1b.plan.actions import virtual_stage
 from seq1f1b.runtime.attention import SpanAttention, SpanSelfAttention
 from seq1f1b.runtime.positions import make_span_aware, use_position_ids
 from seq1f1b.runtime.wgrad import (
@@ -89,6 +93,57 @@ class Architecture:
                     seq_len_interpolation_factor=self.rotary_seq_len_interpolation_factor,
                     rope_scaling=self.use_rope_scaling,
                     rope_scaling_factor=self.rope_scaling_factor)
+
+
+class VShapeLayerLayout(PipelineParallelLayerLayout):
+    """megatron-core's pipeline layout for two chunks per rank in a V (the `vshape` placement of
+    zbv, seq1f1b-zbv, seq1f1b-zb-auto): chunk 0 of rank r is virtual stage r, chunk 1 is stage
+    2P-1-r, so rank 0 holds the embedding and the loss.
+
+    megatron's layout lists what each (rank, chunk) holds, but counts a chunk's layer offset in its
+    loop order (chunk-major); the V's offsets run in stage order instead, which is all this class
+    changes. Set as `TransformerConfig.pipeline_model_parallel_layout`, it gives every layer its
+    global number through megatron's own `get_transformer_layer_offset`, so the layers' sharded
+    state dict (checkpoints, the equivalence check's weight copy) names the right layers.
+    """
+
+    def __init__(self, pp: int, num_layers: int) -> None:
+        if pp < 2:
+            raise ValueError("a V placement needs --pipeline-model-parallel-size >= 2 "
+                             "(megatron gives every chunk of a single stage offset 0)")
+        if num_layers % (2 * pp):
+            raise ValueError(f"--num-layers {num_layers}: a V of two chunks on {pp} pipeline "
+                             f"ranks needs a multiple of {2 * pp} layers")
+        per_stage = num_layers // (2 * pp)
+
+        def stage(index: int) -> list[str]:
+            return (["embedding"] * (index == 0) + ["decoder"] * per_stage
+                    + ["loss"] * (index == 2 * pp - 1))
+
+        # megatron's flat order: entry c*P + r is chunk c of rank r.
+        super().__init__([stage(virtual_stage("vshape", pp, rank, chunk))
+                          for chunk in range(2) for rank in range(pp)], pp)
+        self.flatten_layout = [LayerType[name] for index in range(2 * pp) for name in stage(index)]
+
+    def get_layer_offset(self, layer_type: LayerType = LayerType.decoder,
+                         vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> int:
+        """Layers of `layer_type` on the stages before this chunk's, in stage order."""
+        if pp_rank is None:
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        if vp_stage is None:
+            raise ValueError("a V placement builds each chunk with its vp_stage")
+        pp = self.pipeline_model_parallel_size
+        before = virtual_stage("vshape", pp, pp_rank, vp_stage)
+        return sum(self.layout[rank][chunk].count(layer_type)
+                   for rank in range(pp) for chunk in range(2)
+                   if virtual_stage("vshape", pp, rank, chunk) < before)
+
+
+def chunk_roles(placement: str, pp: int, rank: int, chunk: int, chunks: int) -> tuple[bool, bool]:
+    """(pre_process, post_process) of model chunk `chunk` on pipeline rank `rank`: whether it
+    holds the first virtual stage (embedding) or the last (output layer and loss)."""
+    stage = virtual_stage(placement, pp, rank, chunk)
+    return stage == 0, stage == pp * chunks - 1
 
 
 class SequenceParallelNorm(MegatronModule):
@@ -184,6 +239,11 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
     if position_embedding_type not in POSITION_EMBEDDINGS:
         raise ValueError(f"--position-embedding-type {position_embedding_type!r}: Seq1F1B spans "
                          f"support {', '.join(POSITION_EMBEDDINGS)}")
+    if share_embeddings_and_output_weights and isinstance(
+            config.pipeline_model_parallel_layout, VShapeLayerLayout):
+        raise ValueError("a V placement (zbv, seq1f1b-zbv, seq1f1b-zb-auto) puts the embedding "
+                         "and the output layer in two chunks of pipeline rank 0, which megatron "
+                         "cannot tie: use --untie-embeddings-and-output-weights")
     pp_group = getattr(pg_collection, "pp", None)
     model = GPTModel(
         config=config,
@@ -213,7 +273,7 @@ def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_
                             virtual_pipeline_model_parallel_size: Optional[int] = None,
                             sequence_parallel: bool = False, fp32: bool = True,
                             hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
-                            **overrides) -> TransformerConfig:
+                            placement: str = "loop", **overrides) -> TransformerConfig:
     """A TransformerConfig for tests and tools from a few numbers.
 
     Dropout defaults to 0 (exact comparisons), fp32 or bf16, CPU initialisation when there is no
@@ -221,7 +281,8 @@ def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_
     costs seconds of inductor compilation). Pipeline stage outputs are freed after their send
     (`deallocate_pipeline_outputs`, which Megatron-LM's training always turns on; the dataclass
     default keeps every in-flight output). `architecture` gives the layer's shape (GQA, SwiGLU,
-    norm, biases); `overrides` go to TransformerConfig unchanged.
+    norm, biases); `placement` "vshape" lays the chunks out in a V (VShapeLayerLayout);
+    `overrides` go to TransformerConfig unchanged.
     """
     dtype = torch.float32 if fp32 else torch.bfloat16
     fields = dict(
@@ -234,5 +295,8 @@ def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_
         attention_dropout=attention_dropout, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=not fp32, use_cpu_initialization=not torch.cuda.is_available(),
         deallocate_pipeline_outputs=True)
+    if placement == "vshape":
+        fields["pipeline_model_parallel_layout"] = VShapeLayerLayout(
+            pipeline_model_parallel_size, num_layers)
     fields.update(overrides)
     return TransformerConfig(**fields)

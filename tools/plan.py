@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from seq1f1b.plan import registry  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
+from seq1f1b.plan.budget import MemoryCap, model_budget, resolve_budget  # noqa: E402
 from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
 from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
                                 ModelConfig, preset)
@@ -57,6 +58,14 @@ def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
     parser.add_argument("--splits", type=int, default=1, help="spans per micro-batch k")
     parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank V")
+    _add_cap_arg(parser)
+
+
+def _add_cap_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--schedule-memory-cap", metavar="CAP",
+                        help="searched schedules (seq1f1b-zb-auto): per-rank cap on held "
+                             "activations and K/V, bytes (17GiB) or a fraction of 1F1B's rank-0 "
+                             "peak (0.5x); needs a model for bytes")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -130,8 +139,19 @@ def _spans(args: argparse.Namespace, model: ModelConfig | None, splits: int) -> 
                      lengths=args.span_lengths, fit=_time_fit(args))
 
 
-def _schedule(args: argparse.Namespace):
-    return registry.build(args.schedule, args.pp, args.microbatches, args.splits, args.chunks)
+def _schedule(args: argparse.Namespace, costs_of=None):
+    """The schedule of the command line; a searched one gets its budget from
+    --schedule-memory-cap and `costs_of(schedule, span_lengths)` (unit costs without it)."""
+    cap = MemoryCap.parse(args.schedule_memory_cap) if args.schedule_memory_cap else None
+    if cap is not None and not registry.get(args.schedule).searched:
+        raise UsageError(f"--schedule-memory-cap: schedule {args.schedule} is not searched")
+    if cap is not None and costs_of is None:
+        budget = resolve_budget(cap, None, None, args.pp, args.splits)
+    else:
+        budget = model_budget(args.schedule, args.pp, args.microbatches, args.splits,
+                              args.chunks, cap, costs_of)
+    return registry.build(args.schedule, args.pp, args.microbatches, args.splits, args.chunks,
+                          budget=budget)
 
 
 def cmd_show(args: argparse.Namespace) -> None:
@@ -171,11 +191,19 @@ def cmd_partition(args: argparse.Namespace) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
-    schedule = _schedule(args)
     model = _model(args)
     if (args.uniform_cost is None) == (model is None):
         raise UsageError("--uniform-cost F B [W] or a model (--model or its dimensions) is "
                          "required, not both")
+    if model is not None and args.seq_length is None:
+        raise UsageError("--seq-length is required with a model")
+
+    def costs_of(schedule, whole: bool):
+        spans = [args.seq_length] if whole else _spans(args, model, schedule.splits)
+        return model_costs(schedule, model, spans, flops_per_second=args.device_tflops * 1e12,
+                           tp=args.tp, sequence_parallel=args.sequence_parallel)
+
+    schedule = _schedule(args, costs_of if model is not None else None)
     if args.uniform_cost is not None:
         if len(args.uniform_cost) not in (2, 3):
             raise UsageError("--uniform-cost takes two or three numbers: F B [W]")
@@ -239,7 +267,8 @@ def cmd_memory(args: argparse.Namespace) -> None:
         precision=args.precision, overhead_gib=args.overhead_gb,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers)
+        recompute_num_layers=args.recompute_num_layers,
+        schedule_memory_cap=args.schedule_memory_cap)
     calibration = read_device_check(args.device_check) if args.device_check else None
     reserve = calibration.reserve_ratio if calibration and calibration.reserve_ratio else 1.0
     estimate = estimate_memory(setup)
@@ -353,6 +382,7 @@ def build_parser() -> Parser:
     mem.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
     mem.add_argument("--splits", type=int, default=1, help="spans per micro-batch k")
     mem.add_argument("--chunks", type=int, default=1, help="model chunks per rank V")
+    _add_cap_arg(mem)
     _add_model_args(mem)
     _add_span_args(mem, "--partition")
     mem.add_argument("--dp", type=int, default=1, help="data-parallel size")

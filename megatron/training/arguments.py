@@ -67,6 +67,15 @@ def schedule_catalog() -> dict[str, bool]:
     return catalog
 
 
+def _placement(name: str) -> str:
+    """How schedule `name` maps (rank, chunk) to virtual stages ("loop" without the registry)."""
+    try:
+        from seq1f1b.plan import registry
+    except ImportError:
+        return "loop"
+    return registry.get(name).placement
+
+
 def _add_model_args(parser: ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--num-layers", type=int, help="transformer layers (required)")
@@ -484,6 +493,10 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     if not chunked and args.virtual_pipeline_model_parallel_size is not None:
         _fail(f"--num-layers-per-virtual-pipeline-stage: --pipeline-schedule {name} runs one "
               f"model chunk per rank; use an interleaved schedule")
+    if name not in MEGATRON_SCHEDULES and _placement(name) != "loop":
+        _fail(f"--pipeline-schedule {name}: the trainer does not run V placements yet (its loss "
+              f"report, NaN checks and data feeding expect the last stage on the last pipeline "
+              f"rank); seq1f1b's forward_backward functions and tools/check_equivalence.py do")
     if name in MEGATRON_SCHEDULES and k != 1:
         _fail(f"--seq1f1b-splits {k}: --pipeline-schedule {name} runs whole sequences (k = 1)")
     if name == "megatron-interleaved-1f1b" and \

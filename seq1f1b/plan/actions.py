@@ -21,6 +21,14 @@ PLACEMENTS = ("loop", "vshape")
 interleaving). "vshape": chunk 0 of rank r is stage r, chunk 1 is stage 2P-1-r (zero-bubble ZBV)."""
 
 
+def virtual_stage(placement: str, pp: int, rank: int, chunk: int) -> int:
+    """The virtual stage that model chunk `chunk` of pipeline rank `rank` holds (PLACEMENTS);
+    model building reads it too, so a chunk gets the layers of the stage the plan runs it as."""
+    if placement == "vshape" and chunk == 1:
+        return 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
 class ScheduleError(ValueError):
     """A schedule cannot be built or is not valid; the message names the offending argument."""
 
@@ -98,9 +106,7 @@ class Schedule:
 
     def stage_of(self, rank: int, chunk: int) -> int:
         """The virtual stage that model chunk `chunk` of `rank` holds."""
-        if self.placement == "vshape" and chunk == 1:
-            return 2 * self.pp - 1 - rank
-        return chunk * self.pp + rank
+        return virtual_stage(self.placement, self.pp, rank, chunk)
 
     def owner_of(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) holding virtual stage `stage`."""

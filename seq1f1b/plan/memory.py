@@ -31,11 +31,12 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 from seq1f1b.plan import registry
-from seq1f1b.plan.actions import ScheduleError
+from seq1f1b.plan.actions import Schedule, ScheduleError
+from seq1f1b.plan.budget import MemoryCap, model_budget
 from seq1f1b.plan.costs import (ModelConfig, Recompute, backward_workspace_bytes,
                                 recomputed_activation_bytes, stage_parameters)
 from seq1f1b.plan.partition import partition
-from seq1f1b.plan.simulate import layers_per_stage, model_costs, simulate
+from seq1f1b.plan.simulate import SpanCosts, layers_per_stage, model_costs, simulate
 
 GIB = 2 ** 30
 
@@ -89,6 +90,7 @@ class TrainingSetup:
     recompute_granularity: Optional[str] = None     # None | "full" | "selective"
     recompute_method: Optional[str] = None          # "uniform" | "block", full only
     recompute_num_layers: Optional[int] = None      # full only
+    schedule_memory_cap: Optional[str] = None       # searched schedules: "0.5x" or bytes
 
     def __post_init__(self) -> None:
         recompute = self.recompute      # validates; full's defaults (uniform, 1) written back
@@ -230,15 +232,27 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         raise ScheduleError("--seq-length is required")
     model = replace(setup.model, vocab_size=setup.padded_vocab_size)
     precision = PRECISIONS[setup.precision]
-    schedule = registry.build(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
-                              setup.chunks)
     spans = partition(setup.seq_length, setup.splits, setup.partition, model, tp=setup.tp,
                       sequence_parallel=setup.sequence_parallel,
                       lengths=list(setup.span_lengths) if setup.span_lengths else None)
-    costs = model_costs(schedule, model, spans, flops_per_second=1.0, tp=setup.tp,
-                        sequence_parallel=setup.sequence_parallel,
-                        batch=setup.micro_batch_size, bytes_per_element=precision.activation,
-                        recompute=setup.recompute)
+
+    from seq1f1b.plan.projection import A100     # projection imports this module
+
+    def costs_of(schedule: Schedule, whole: bool = False) -> SpanCosts:
+        # Durations at an A100's rate (plan.py simulate's default): a searched schedule is then
+        # the one `plan.py simulate` shows; the bytes are this setup's.
+        return model_costs(schedule, model, [setup.seq_length] if whole else spans,
+                           flops_per_second=A100.peak_tflops * 1e12, tp=setup.tp,
+                           sequence_parallel=setup.sequence_parallel,
+                           batch=setup.micro_batch_size, bytes_per_element=precision.activation,
+                           recompute=setup.recompute)
+
+    cap = MemoryCap.parse(setup.schedule_memory_cap) if setup.schedule_memory_cap else None
+    budget = model_budget(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
+                          setup.chunks, cap, costs_of)
+    schedule = registry.build(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
+                              setup.chunks, budget=budget)
+    costs = costs_of(schedule)
     report = simulate(schedule, costs)
     layers = layers_per_stage(model, schedule)
     last = schedule.num_stages - 1

@@ -1,14 +1,17 @@
 """Name -> schedule builder. The one list that CLI choices, tools and the runtime read.
 
 A builder is `(pp, microbatches, splits, chunks) -> list of per-rank action lists`; `build` checks
-the arguments every family shares, calls it and wraps the result in a `Schedule`.
+the arguments every family shares, calls it and wraps the result in a `Schedule`. A `searched`
+builder also takes a `ScheduleBudget` (costs and a memory cap, budget.py) as a fifth argument:
+`build(..., budget=...)` hands it over (None: the builder's default), other builders refuse one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from seq1f1b.plan.actions import Action, Schedule, ScheduleError
+from seq1f1b.plan.budget import ScheduleBudget
 
 Builder = Callable[[int, int, int, int], list[list[Action]]]
 
@@ -23,20 +26,22 @@ class ScheduleInfo:
     chunked: bool = False      # uses V >= 2 model chunks per rank (interleaving)
     placement: str = "loop"    # how (rank, chunk) maps to a virtual stage
     splits_backward: bool = False  # B is input-grad only and W actions carry the weight grads
+    searched: bool = False     # takes a ScheduleBudget (costs, memory cap) as its fifth argument
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
 
 
 def register(name: str, *, description: str, chunked: bool = False, placement: str = "loop",
-             splits_backward: bool = False) -> Callable[[Builder], Builder]:
+             splits_backward: bool = False, searched: bool = False
+             ) -> Callable[[Builder], Builder]:
     """Decorator: register `builder` under `name`."""
 
     def wrap(builder: Builder) -> Builder:
         if name in _REGISTRY:
             raise ValueError(f"schedule {name!r} registered twice")
         _REGISTRY[name] = ScheduleInfo(name, builder, description, chunked, placement,
-                                       splits_backward)
+                                       splits_backward, searched)
         return builder
 
     return wrap
@@ -62,9 +67,14 @@ def get(name: str) -> ScheduleInfo:
             f"--schedule: unknown schedule {name!r}; choose from {', '.join(_REGISTRY)}") from None
 
 
-def build(name: str, pp: int, microbatches: int, splits: int = 1, chunks: int = 1) -> Schedule:
-    """The schedule `name` for P=pp ranks, m micro-batches, k=splits spans, V=chunks chunks."""
+def build(name: str, pp: int, microbatches: int, splits: int = 1, chunks: int = 1, *,
+          budget: Optional[ScheduleBudget] = None) -> Schedule:
+    """The schedule `name` for P=pp ranks, m micro-batches, k=splits spans, V=chunks chunks;
+    `budget` only for a searched schedule."""
     info = get(name)
+    if budget is not None and not info.searched:
+        raise ScheduleError(f"--schedule-memory-cap: schedule {name!r} is not searched; it takes "
+                            "no memory cap (seq1f1b-zb-auto does)")
     for flag, value in (("--pp", pp), ("--microbatches", microbatches), ("--splits", splits),
                         ("--chunks", chunks)):
         if not isinstance(value, int) or value < 1:
@@ -75,6 +85,7 @@ def build(name: str, pp: int, microbatches: int, splits: int = 1, chunks: int = 
     if info.chunked and chunks < 2:
         raise ScheduleError(f"--chunks: schedule {name!r} interleaves model chunks and needs "
                             f"chunks >= 2, got {chunks}")
-    programs = info.builder(pp, microbatches, splits, chunks)
+    programs = (info.builder(pp, microbatches, splits, chunks, budget) if info.searched
+                else info.builder(pp, microbatches, splits, chunks))
     return Schedule(name=name, pp=pp, microbatches=microbatches, splits=splits, chunks=chunks,
                     programs=tuple(tuple(p) for p in programs), placement=info.placement)

@@ -255,7 +255,8 @@ earlier spans' rows (spans 0..k-2, in fp32: twice their K/V bytes in bf16 traini
 k = 1). The accumulators count under "kv_cache"."""
 
 
-def _held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
+def held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
+    """The byte tables `held_change` reads, by kind; None when `costs` carries no bytes."""
     if costs is None or costs.activation_bytes is None or costs.kv_cache_bytes is None:
         return None
     logits = costs.logits_bytes or tuple((0.0,) * len(row) for row in costs.activation_bytes)
@@ -264,7 +265,7 @@ def _held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
     return tables
 
 
-def _held_change(tables: dict[str, Table], stage: int, action: Action, frees_activations: str
+def held_change(tables: dict[str, Table], stage: int, action: Action, frees_activations: str
                  ) -> tuple[dict[str, float], dict[str, float]]:
     """Bytes of each kind `action` allocates when it starts and releases after it ends."""
     span = action.span
@@ -290,7 +291,7 @@ def _held_change(tables: dict[str, Table], stage: int, action: Action, frees_act
 def _rank_report(schedule: Schedule, costs: SpanCosts | None, rank: int,
                  timeline: list[TimedAction], makespan: float) -> RankReport:
     frees_activations = "W" if schedule.split_backward else "B"
-    tables = _held_tables(costs)
+    tables = held_tables(costs)
     live = peak_live = 0
     held = dict.fromkeys(_HELD, 0.0)
     peaks = dict.fromkeys(_HELD, 0.0)
@@ -305,7 +306,7 @@ def _rank_report(schedule: Schedule, costs: SpanCosts | None, rank: int,
             live -= 1
         if tables is None:
             continue
-        allocated, released = _held_change(tables, schedule.stage_of(rank, action.chunk),
+        allocated, released = held_change(tables, schedule.stage_of(rank, action.chunk),
                                            action, frees_activations)
         for kind in _HELD:
             held[kind] += allocated[kind]

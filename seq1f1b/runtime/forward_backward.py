@@ -21,6 +21,7 @@ from seq1f1b import platform
 from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import ScheduleError
+from seq1f1b.plan.budget import ScheduleBudget
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.runtime.executor import Executor, StepInputs
 from seq1f1b.runtime.trace import ExecutionTrace
@@ -37,6 +38,7 @@ class SpanSettings:
     span_lengths: Optional[tuple[int, ...]] = None
     p2p_timeout_s: float = 600.0
     trace: Optional[ExecutionTrace] = field(default=None, compare=False, hash=False)
+    budget: Optional[ScheduleBudget] = None       # a searched schedule's costs and memory cap
 
 
 def schedule_names() -> list[str]:
@@ -88,8 +90,9 @@ def _spans(settings: SpanSettings, seq_length: int, model: Optional[ModelConfig]
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule(name: str, pp: int, microbatches: int, splits: int, chunks: int):
-    return registry.build(name, pp, microbatches, splits, chunks)
+def _schedule(name: str, pp: int, microbatches: int, splits: int, chunks: int,
+              budget: Optional[ScheduleBudget]):
+    return registry.build(name, pp, microbatches, splits, chunks, budget=budget)
 
 
 def _cost_model(config) -> Optional[ModelConfig]:
@@ -180,10 +183,12 @@ def get_forward_backward_func(name: str = "seq1f1b",
         if info.chunked:
             if not isinstance(model, list) or len(model) < 2:
                 raise AssertionError("interleaved pipeline parallelism expected model chunking")
-            _check_interleaving_like_megatron(num_microbatches, pp, config)
+            if info.placement == "loop":    # megatron's interleaving rules; a V has no groups
+                _check_interleaving_like_megatron(num_microbatches, pp, config)
         spans = _spans(settings, length, _cost_model(config), tp,
                        bool(config.sequence_parallel))
-        schedule = _schedule(name, pp, num_microbatches, settings.splits, len(chunks))
+        schedule = _schedule(name, pp, num_microbatches, settings.splits, len(chunks),
+                             settings.budget)
         executor = Executor(StepInputs(
             schedule=schedule, spans=spans, rank=pp_group.rank(), pp_group=pp_group,
             forward_step_func=forward_step_func, data_iterators=iterators, model_chunks=chunks,

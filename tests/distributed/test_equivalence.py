@@ -3,7 +3,7 @@ single-process model in fp32 (loss rel. diff <= 1e-6, max_rel_grad_diff <= 1e-5)
 
 One torchrun launch per world size runs all of that size's cases. The matrix covers PP 1-4, TP 1-2
 with and without sequence parallelism, DP 2, k 1-5 (k not dividing P too), even / compute /
-explicit uneven spans, V=2 with k=3, RoPE and learned positions, Llama-class layers (GQA with
+explicit uneven spans, V=2 with k=3 (loop and V placements), RoPE and learned positions, Llama-class layers (GQA with
 1 and 2 K/V heads, SwiGLU, RMSNorm, no bias, QKV bias, large RoPE bases, Llama 3 scaling, partial
 and interpolated RoPE), every registered schedule, and
 megatron-core's own 1F1B and interleaved schedules run on the same models and data; the `against`
@@ -89,6 +89,14 @@ CASES: dict[int, list[dict]] = {
          **DOCS, "document_lengths": [3, 3, 14, 4]},
         {"schedule": "seq1f1b", "pp": 2, "splits": 4, **FULL, **DOCS,
          "document_lengths": [1, 12, 11], "num_query_groups": 2},
+        # A V (chunk 1 of rank r is stage 2P-1-r): the embedding and the loss on rank 0, a chunk
+        # hand-over in memory on rank 1, layers numbered in stage order; untied output layer.
+        {"schedule": "seq1f1b-zbv", "pp": 2, "chunks": 2, "splits": 3,
+         "span_lengths": [4, 13, 7], "untie_embeddings": True},
+        {"schedule": "zbv", "pp": 2, "chunks": 2, "splits": 2, "untie_embeddings": True,
+         "position_embedding_type": "learned_absolute"},
+        {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 3, "partition": "compute",
+         **LLAMA},
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},
@@ -140,6 +148,10 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b", "pp": 4, "splits": 4, **DOCS, "document_lengths": [7, 10, 7]},
         {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 4, "sequence_parallel": True,
          **DOCS, "document_lengths": [13, 2, 9]},
+        {"schedule": "seq1f1b-zbv", "pp": 4, "chunks": 2, "splits": 3, "num_microbatches": 5,
+         "untie_embeddings": True, **L8},
+        {"schedule": "seq1f1b-zb-auto", "tp": 2, "pp": 2, "chunks": 2, "splits": 2,
+         "sequence_parallel": True, "untie_embeddings": True},
     ],
 }
 

@@ -17,13 +17,19 @@ CASES = {
         {"schedule": "zb-h1", "pp": 2, "splits": 2},
         {"schedule": "seq1f1b-zb-h1", "pp": 2, "splits": 3},
         {"schedule": "megatron-1f1b", "pp": 2},
+        {"schedule": "zbv", "pp": 2, "chunks": 2, "splits": 2, "untie_embeddings": True},
+        {"schedule": "seq1f1b-zbv", "pp": 2, "chunks": 2, "splits": 3, "untie_embeddings": True},
+        {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2,
+         "untie_embeddings": True},
         {"schedule": "1f1b", "pp": 2, "prefetch_order": True}],
     4: [{"schedule": "seq1f1b", "pp": 4, "splits": 3, "num_microbatches": 5},
         {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 3, "sequence_parallel": True,
          "span_lengths": [6, 10, 8]},
         {"schedule": "seq1f1b-zb-h1", "tp": 2, "pp": 2, "splits": 2, "sequence_parallel": True},
         {"schedule": "seq1f1b-interleaved", "pp": 4, "chunks": 2, "splits": 3, **L8},
-        {"schedule": "interleaved-1f1b", "tp": 2, "pp": 2, "chunks": 2}],
+        {"schedule": "interleaved-1f1b", "tp": 2, "pp": 2, "chunks": 2},
+        {"schedule": "seq1f1b-zbv", "tp": 2, "pp": 2, "chunks": 2, "splits": 3,
+         "sequence_parallel": True, "span_lengths": [6, 10, 8], "untie_embeddings": True}],
 }
 PARAMS = [(world, n) for world, cases in CASES.items() for n in range(len(cases))
           if not cases[n].get("prefetch_order")]

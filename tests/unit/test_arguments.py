@@ -294,3 +294,16 @@ def test_observability_and_overlap_defaults_are_megatrons(tmp_path):
     assert (args.timing_log_level, args.timing_log_option, args.barrier_with_L1_time) == \
         (0, "minmax", True)
     assert (args.record_memory_history, args.memory_snapshot_path) == (False, "snapshot.pickle")
+
+
+def test_v_placements_are_refused_in_one_line_until_the_trainer_runs_them(tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.setattr(arguments, "schedule_catalog",
+                        lambda: {**CATALOG, "seq1f1b-zbv": True})
+    flags = _with(tmp_path, pipeline_schedule="seq1f1b-zbv",
+                  num_layers_per_virtual_pipeline_stage=2, untie_embeddings_and_output_weights=True)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate_args(_argv(flags), WORLD)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "--pipeline-schedule seq1f1b-zbv" in err, err
+    assert "\n" not in err and not (tmp_path / "ckpt").exists()

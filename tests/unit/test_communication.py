@@ -23,12 +23,15 @@ def prefetch_programs(schedule) -> tuple[HostProgram, ...]:
 
 def _grid_failures(name: str, pp: int) -> tuple[int, list]:
     """Every problem of schedule `name` at P=pp: m from the smallest it accepts to 2P+1, k 1-8,
-    V 2-3 when it interleaves. Returns (schedules checked, failures)."""
-    chunked = registry.get(name).chunked
+    V 2-3 when it interleaves. Schedules placed by a replay in time (a V: zbv, seq1f1b-zbv,
+    seq1f1b-zb-auto) cost far more to build: k 1-4 and m 1-P+2 for them. Returns (schedules
+    checked, failures)."""
+    info = registry.get(name)
+    placed = info.placement == "vshape"
     checked, failures = 0, []
-    for k in range(1, 9):
-        for v in ((2, 3) if chunked else (1,)):
-            for m in range(1, 2 * pp + 2):
+    for k in range(1, 5 if placed else 9):
+        for v in ((2, 3) if info.chunked else (1,)):
+            for m in range(1, (pp + 3) if placed else (2 * pp + 2)):
                 try:
                     schedule = registry.build(name, pp, m, k, v)
                 except ScheduleError:

@@ -1,0 +1,322 @@
+"""Greedy list scheduling of F, B and W under a memory cap: the machinery of `zbv`,
+`seq1f1b-zbv` and the searched `seq1f1b-zb-auto`.
+
+Where zero_bubble.py keeps a base program's F/B order and only places W, this places all three:
+it replays every rank at once in time (each action lasts what `costs` says) and, whenever a rank
+is free, starts the first of these that can run now (`Policy` orders the first two):
+1. a backward unit whose dependencies have finished, oldest micro-batch first (B is on the
+   critical path: the previous stage waits for its input grad);
+2. a forward unit, the later model chunk first (in a V, chunk 1 leads to the loss and so to the
+   next backward), if the rank has room for it;
+3. its oldest owed W unit (weight grads nobody waits for fill what would be idle time, and free
+   the span's activations);
+otherwise it waits for the next action to finish anywhere.
+
+Memory follows the simulator's rules (`simulate.held_change`): F allocates the span's activations
+(and the micro-batch's whole K/V at span 0), the micro-batch's first B its dK/dV accumulators, W
+frees the activations and B(i,0) the K/V. A forward that *admits* work onto a rank (any forward,
+except chunk 1 of a V, whose work came in through chunk 0) runs only if the rank's held bytes,
+plus what earlier admissions promised, plus its own bytes and promises stay within `cap`; it
+promises what it will make the rank allocate without asking: its twin on chunk 1 of a V and the
+dK/dV accumulators. So every rank stays within the cap, and admitted work can always travel on
+and come back as backward (with a cap that holds a micro-batch and no depth limit, the oldest
+micro-batch can always move; the grid tests check it, a proof is not written down). Warm-up depths, how
+far W trails B and how the two chunks of a V interleave are consequences of the costs and the
+cap, not typed in. The dependency rules are `actions.dependencies`, asked once per action shape.
+
+A cap too small for any order (every rank blocked, nothing owed) raises ScheduleError. The result
+is a valid program under any costs (the replay executed it); the costs only chose it, and the
+replay's timing is the simulator's (tested).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from seq1f1b.plan.actions import Action, Schedule, ScheduleError, dependencies
+from seq1f1b.plan.simulate import SpanCosts, Table, held_change, held_tables
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The shape of a schedule to build: P ranks, m micro-batches, k spans, V chunks placed by
+    `placement`; `unit` spans alternate as one unit (1: single spans, k: whole micro-batches)."""
+
+    pp: int
+    microbatches: int
+    splits: int
+    chunks: int
+    placement: str = "loop"
+    unit: int = 1
+
+    def shape(self) -> Schedule:
+        """A schedule of this shape without programs (stage_of, owner_of, dependencies)."""
+        return Schedule("shape", self.pp, self.microbatches, self.splits, self.chunks,
+                        ((),) * self.pp, self.placement)
+
+
+def unit_costs(problem: Problem) -> SpanCosts:
+    """F = B = W = 1 per span and chunk; a span holds 1/V of a unit of memory on a chunk (a chunk
+    has 1/V of a rank's layers), no K/V: 1F1B's rank 0 then peaks at P*k units."""
+    def table(value: float) -> Table:
+        return tuple((value,) * problem.splits for _ in range(problem.pp * problem.chunks))
+
+    zero = table(0.0)
+    return SpanCosts(table(1.0), table(1.0), table(1.0), activation_bytes=table(1.0 / problem.chunks),
+                     kv_cache_bytes=zero, logits_bytes=zero, kv_accumulator_bytes=zero)
+
+
+Steps = tuple[int, ...]
+
+
+@dataclass
+class _Rank:
+    forwards: list[deque]          # per chunk: F units still to run, in order
+    backwards: list[deque]         # per chunk: B units still to run, in order
+    depth: float                   # most spans whose F ran and B did not, counted per chunk
+    owed: deque = field(default_factory=deque)     # W units whose B has run
+    current: deque = field(default_factory=deque)  # steps of the unit being run
+    held: float = 0.0
+    reserved: float = 0.0          # promised to allocations that admitted forwards will cause
+    in_flight: int = 0             # spans whose F ran and B did not, over both chunks
+    program: list[int] = field(default_factory=list)
+
+    def done(self) -> bool:
+        return not (self.current or self.owed or any(self.forwards) or any(self.backwards))
+
+
+_OPS = ("F", "B", "W")
+
+
+class _Plan:
+    """Every (rank, action) as an integer step, with its dependencies, duration and bytes.
+
+    Step id = ((((rank * V + chunk) * 3 + op) * k + span) * m + microbatch): the rules tie actions
+    of one micro-batch alike for every micro-batch, so each (rank, chunk, op, span) asks
+    `dependencies` once and shifts the answer by the micro-batch."""
+
+    def __init__(self, problem: Problem, costs: SpanCosts) -> None:
+        shape = problem.shape()
+        tables = held_tables(costs)
+        if tables is None:
+            raise ScheduleError("a memory-capped schedule needs the bytes of every span")
+        self.problem = problem
+        m, k, V = problem.microbatches, problem.splits, problem.chunks
+        self.duration: list[float] = []
+        self.alloc: list[float] = []
+        self.release: list[float] = []
+        self.needs: list[tuple[int, ...]] = []
+        for rank in range(problem.pp):
+            for chunk in range(V):
+                stage = shape.stage_of(rank, chunk)
+                for op in _OPS:
+                    for j in range(k):
+                        probe = Action(op, 0, j, chunk)
+                        allocated, released = held_change(tables, stage, probe, "W")
+                        values = (costs.duration(stage, probe), sum(allocated.values()),
+                                  sum(released.values()))
+                        bases = [self.step(r, d.chunk, d.op, d.span, 0)
+                                 for r, d in dependencies(shape, rank, probe)]
+                        for i in range(m):
+                            self.duration.append(values[0])
+                            self.alloc.append(values[1])
+                            self.release.append(values[2])
+                            self.needs.append(tuple(base + i for base in bases))
+        self.finished = [math.inf] * len(self.duration)
+
+    def step(self, rank: int, chunk: int, op: str, span: int, microbatch: int) -> int:
+        p = self.problem
+        return ((((rank * p.chunks + chunk) * 3 + _OPS.index(op)) * p.splits + span)
+                * p.microbatches + microbatch)
+
+    def action(self, step: int) -> Action:
+        p = self.problem
+        rest, i = divmod(step, p.microbatches)
+        rest, j = divmod(rest, p.splits)
+        rest, op = divmod(rest, 3)
+        return Action(_OPS[op], i, j, rest % p.chunks)
+
+    def op(self, step: int) -> str:
+        p = self.problem
+        return _OPS[step // (p.microbatches * p.splits) % 3]
+
+    def microbatch(self, step: int) -> int:
+        return step % self.problem.microbatches
+
+    def ready_at(self, step: int) -> float:
+        """When every dependency of `step` has finished (inf while one is not placed)."""
+        finished = self.finished
+        return max([finished[need] for need in self.needs[step]], default=0.0)
+
+
+def _units(steps: list[int], size: int) -> deque:
+    return deque(tuple(steps[n:n + size]) for n in range(0, len(steps), size))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The knobs of the greedy replay: `forward_first` tries a forward before a ready backward
+    (1F1B's alternation keeps the pipeline fed) instead of after it; `depth[r]` caps the spans
+    rank r holds between their F and their B (None: only memory caps them)."""
+
+    forward_first: bool = True
+    depth: Optional[tuple[int, ...]] = None
+    later_forward_first: bool = True     # among ready forwards, the later chunk's first
+    later_backward_first: bool = True    # among ready backwards of one micro-batch, likewise
+
+
+@dataclass
+class Placed:
+    """What a replay placed: each rank's program and when its last action ends (the replay's
+    timing is the simulator's: an action starts once its rank and its dependencies are done)."""
+
+    programs: list[list[Action]]
+    makespan: float
+
+
+class Placer:
+    """Greedy replays of one problem under one cost table (the step graph is built once and
+    reused by every policy a search tries)."""
+
+    def __init__(self, problem: Problem, costs: SpanCosts) -> None:
+        self.problem = problem
+        self.plan = _Plan(problem, costs)
+        self.promise, self.promised = _promises(self.plan, problem)
+
+    def place(self, cap: float, policy: Policy = Policy()) -> Placed:
+        """Per-rank programs of F, B and W placed by the greedy replay (module docstring) with
+        every rank's held bytes at most `cap`; ScheduleError when no order fits."""
+        problem, plan, promise, promised = self.problem, self.plan, self.promise, self.promised
+        plan.finished = [math.inf] * len(plan.duration)
+        m, k, V = problem.microbatches, problem.splits, problem.chunks
+        size = problem.unit
+        ranks = []
+        for rank in range(problem.pp):
+            forwards = [_units([plan.step(rank, c, "F", j, i) for i in range(m)
+                                for j in range(k)], size) for c in range(V)]
+            backwards = [_units([plan.step(rank, c, "B", j, i) for i in range(m)
+                                 for j in reversed(range(k))], size) for c in range(V)]
+            ranks.append(_Rank(forwards, backwards,
+                               math.inf if policy.depth is None else policy.depth[rank]))
+        to_weight = m * k       # a B's W is the same (rank, chunk, span, micro-batch) one op on
+
+        def admissible(state: _Rank, unit: Steps) -> bool:
+            """A forward unit runs when the rank has room for it and for what it promises."""
+            if unit[0] not in promise:   # its bytes were promised when its twin was admitted
+                return True
+            if state.in_flight + len(unit) > state.depth and state.in_flight > 0:
+                return False
+            need = sum(plan.alloc[s] + promise[s] for s in unit)
+            return state.held + state.reserved + need <= cap * (1 + 1e-9)
+
+        def choose(state: _Rank, now: float) -> Optional[Steps]:
+            ready = [(plan.microbatch(q[0][0]), -c if policy.later_backward_first else c, c)
+                     for c, q in enumerate(state.backwards)
+                     if q and plan.ready_at(q[0][0]) <= now]
+            backward = state.backwards[min(ready)[2]] if ready else None
+            if backward is not None and not policy.forward_first:
+                return backward.popleft()
+            for c in (reversed(range(V)) if policy.later_forward_first else range(V)):
+                queue = state.forwards[c]
+                if queue and plan.ready_at(queue[0][0]) <= now and admissible(state, queue[0]):
+                    return queue.popleft()
+            if backward is not None:
+                return backward.popleft()
+            if state.owed:
+                return state.owed.popleft()
+            return None
+
+        wake = [(0.0, rank) for rank in range(problem.pp)]
+        asleep: dict[int, float] = {}   # rank -> when it looks again (inf: when something ends)
+        ends: list[float] = []          # finish times of placed actions still to come, a heap
+        makespan = 0.0
+
+        def sleep(rank: int, now: float) -> None:
+            while ends and ends[0] <= now:
+                heapq.heappop(ends)
+            asleep[rank] = ends[0] if ends else math.inf
+            if ends:
+                heapq.heappush(wake, (ends[0], rank))
+
+        while wake:
+            now, rank = heapq.heappop(wake)
+            state = ranks[rank]
+            if rank in asleep:
+                if asleep[rank] != now:
+                    continue              # superseded by an earlier wake-up
+                del asleep[rank]
+            if state.program and plan.finished[state.program[-1]] > now:
+                continue                  # a stale wake-up: the rank is busy
+            if not state.current:
+                unit = choose(state, now)
+                if unit is not None:
+                    state.current.extend(unit)
+            if not state.current:
+                if not state.done():
+                    sleep(rank, now)
+                continue
+            step = state.current[0]
+            start = plan.ready_at(step)
+            if start > now:
+                if start < math.inf:
+                    heapq.heappush(wake, (start, rank))
+                else:
+                    sleep(rank, now)
+                continue
+            state.current.popleft()
+            end = now + plan.duration[step]
+            makespan = max(makespan, end)
+            plan.finished[step] = end
+            state.program.append(step)
+            op = plan.op(step)
+            state.held += plan.alloc[step] - plan.release[step]
+            state.reserved += promise.get(step, 0.0) - (plan.alloc[step] if step in promised
+                                                        else 0.0)
+            state.in_flight += 1 if op == "F" else -1 if op == "B" else 0
+            if op == "B" and not state.current:
+                state.owed.append(tuple(s + to_weight for s in state.program[-size:]))
+            heapq.heappush(wake, (end, rank))
+            heapq.heappush(ends, end)
+            for other, when in list(asleep.items()):   # something ends sooner: look again then
+                if end < when:
+                    asleep[other] = end
+                    heapq.heappush(wake, (end, other))
+        stuck = [rank for rank, state in enumerate(ranks) if not state.done()]
+        if stuck:
+            raise ScheduleError(
+                f"no order of F, B and W fits a memory cap of {cap:g} (pp={problem.pp}, "
+                f"m={m}, k={k}, V={V}): ranks {stuck} cannot go on; raise the cap")
+        return Placed([[plan.action(step) for step in state.program] for state in ranks],
+                      makespan)
+
+
+def place(problem: Problem, costs: SpanCosts, cap: float, policy: Policy = Policy()
+          ) -> list[list[Action]]:
+    """One greedy replay's programs (see Placer.place)."""
+    return Placer(problem, costs).place(cap, policy).programs
+
+
+def _promises(plan: _Plan, problem: Problem) -> tuple[dict[int, float], set[int]]:
+    """Which forwards admit work and what they promise. A forward admits work unless it is
+    chunk 1 of a V (that work entered the rank through chunk 0). Admitting F(i,j) promises the
+    bytes of what it will make the rank allocate without asking: the dK/dV accumulators of B(i,k-1)
+    (when j = 0) and, in a V, its twin F(i,j) on chunk 1 with that chunk's accumulators. Returns
+    (admitting step -> promised bytes, the steps whose bytes were promised)."""
+    k, vshape = problem.splits, problem.placement == "vshape"
+    promise: dict[int, float] = {}
+    promised: set[int] = set()
+    for rank in range(problem.pp):
+        for chunk in ((0,) if vshape else range(problem.chunks)):
+            for i in range(problem.microbatches):
+                for j in range(k):
+                    caused = [plan.step(rank, c, "B", k - 1, i)
+                              for c in ((0, 1) if vshape else (chunk,))] if j == 0 else []
+                    if vshape:
+                        caused.append(plan.step(rank, 1, "F", j, i))
+                    promise[plan.step(rank, chunk, "F", j, i)] = sum(plan.alloc[s]
+                                                                    for s in caused)
+                    promised.update(caused)
+    return promise, promised

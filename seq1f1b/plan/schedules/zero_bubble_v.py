@@ -1,0 +1,134 @@
+"""Zero bubble on a V: `zbv`, `seq1f1b-zbv` and the searched `seq1f1b-zb-auto`.
+
+ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024) gives each rank two model
+chunks in a V (`placement="vshape"`: chunk 0 of rank r is stage r, chunk 1 is stage 2P-1-r), so
+rank 0 holds both the first and the last stage: the first forward comes back as a backward after
+one trip down and up the V instead of a trip through P whole stages, the warm-up bubble halves,
+and W (weight grads) fills the rest. Every rank carries the same mix of early and late stages,
+so memory is even across ranks.
+
+All three are placed by greedy.place (F, B and W replayed in time under a memory cap):
+- `zbv`: whole micro-batches alternate (each run span by span), unit costs, cap = 1F1B's rank-0
+  peak (P micro-batches: ZB-V's budget);
+- `seq1f1b-zbv`: single spans alternate, unit costs, cap = Seq1F1B's rank-0 peak (P + k - 1
+  spans): Seq1F1B's memory, the V's bubble;
+- `seq1f1b-zb-auto`: the same replay searched against `ScheduleBudget` (per-action costs and a
+  memory cap, see budget.py): it tries eight policies (forward or backward first, which chunk's
+  ready forwards and backwards go first) and then, by local search, per-rank caps on the spans
+  in flight between F and B, keeping the shortest simulated makespan; every replay keeps every
+  rank within the cap. What it optimises: the makespan of the replay with the given costs (the
+  simulator's timing); its lower bound is the busiest rank's total work. Without a budget (the registry's plain
+  (P, m, k, V) call, as in the grid tests): unit costs, Seq1F1B's memory and the two policies
+  only, never worse than `seq1f1b-zbv` there.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Optional
+
+from seq1f1b.plan.actions import Action, ScheduleError
+from seq1f1b.plan.budget import ScheduleBudget
+from seq1f1b.plan.registry import register
+from seq1f1b.plan.schedules.greedy import Placed, Placer, Policy, Problem, place, unit_costs
+from seq1f1b.plan.simulate import SpanCosts
+
+SEARCH_ROUNDS = 3
+"""Passes of the local search over the per-rank depths (each pass tries every rank once up and
+once down); the replay costs O(actions), so this bounds the search at 2 * P * rounds replays."""
+
+
+def _v_problem(name: str, pp: int, microbatches: int, splits: int, chunks: int, unit: int
+               ) -> Problem:
+    if chunks != 2:
+        raise ScheduleError(f"--chunks: {name} places two model chunks per rank in a V, got "
+                            f"{chunks}")
+    return Problem(pp, microbatches, splits, 2, "vshape", unit)
+
+
+@register("zbv", chunked=True, placement="vshape", splits_backward=True,
+          description="ZB-V: two chunks per rank in a V, 1F1B's memory, whole micro-batches (run "
+                      "span by span), W deferred into the bubbles")
+def zbv(pp: int, microbatches: int, splits: int, chunks: int) -> list[list[Action]]:
+    problem = _v_problem("zbv", pp, microbatches, splits, chunks, unit=splits)
+    return place(problem, unit_costs(problem), cap=float(pp * splits))
+
+
+@register("seq1f1b-zbv", chunked=True, placement="vshape", splits_backward=True,
+          description="Seq1F1B on a V (ZB-V over spans): seq1f1b's memory (P+k-1 spans), B in "
+                      "reverse span order, W deferred into the bubbles")
+def seq1f1b_zbv(pp: int, microbatches: int, splits: int, chunks: int) -> list[list[Action]]:
+    problem = _v_problem("seq1f1b-zbv", pp, microbatches, splits, chunks, unit=1)
+    return place(problem, unit_costs(problem), cap=float(pp + splits - 1))
+
+
+@register("seq1f1b-zb-auto", chunked=True, placement="vshape", splits_backward=True,
+          searched=True,
+          description="Seq1F1B zero bubble, searched: F, B and W placed on a V under a memory "
+                      "cap (--schedule-memory-cap), shortest simulated makespan with the given "
+                      "costs (unit costs and seq1f1b's memory by default)")
+def seq1f1b_zb_auto(pp: int, microbatches: int, splits: int, chunks: int,
+                    budget: Optional[ScheduleBudget] = None) -> list[list[Action]]:
+    problem = _v_problem("seq1f1b-zb-auto", pp, microbatches, splits, chunks, unit=1)
+    if budget is None:
+        return search(problem, unit_costs(problem), float(pp + splits - 1), rounds=0).programs
+    costs = budget.costs if budget.costs is not None else unit_costs(problem)
+    cap = budget.cap if budget.cap is not None else float(pp + splits - 1)
+    if budget.costs is not None and budget.cap is None:
+        raise ScheduleError("seq1f1b-zb-auto: a budget with costs needs a memory cap in bytes")
+    return search(problem, costs, cap).programs
+
+
+def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_ROUNDS
+           ) -> Placed:
+    """Greedy replays under `cap`, the shortest makespan kept: the policies with free depths
+    (forward or backward first; with `rounds`, also which chunk's ready forwards and backwards
+    go first), then `rounds` passes of a local search that moves one rank's depth (the spans it
+    may hold between F and B) by one span at a time while the makespan improves."""
+    placer = Placer(problem, costs)
+
+    def evaluate(policy: Policy) -> Optional[tuple[Placed, Policy]]:
+        try:
+            return placer.place(cap, policy), policy
+        except ScheduleError:
+            return None
+
+    policies = [Policy(first) for first in (True, False)]
+    if rounds:
+        policies = [Policy(first, None, later_f, later_b) for first, later_f, later_b in
+                    itertools.product((True, False), repeat=3)]
+    found = [f for f in map(evaluate, policies) if f is not None]
+    if not found:
+        raise ScheduleError(f"--schedule-memory-cap {cap:g}: no order of F, B and W fits it "
+                            f"(pp={problem.pp}, m={problem.microbatches}, k={problem.splits}); "
+                            "raise the cap")
+    best, policy = min(found, key=lambda f: f[0].makespan)
+    # Depths start at what the free replay reached on each rank, then move one span at a time.
+    depth = _depths(best.programs)
+    for _ in range(rounds):
+        improved = False
+        for rank in range(problem.pp):
+            for step in (-1, 1):
+                trial = list(depth)
+                trial[rank] += step
+                if trial[rank] < 1:
+                    continue
+                candidate = evaluate(replace(policy, depth=tuple(trial)))
+                if candidate is not None and \
+                        candidate[0].makespan < best.makespan * (1 - 1e-12):
+                    (best, policy), depth, improved = candidate, trial, True
+        if not improved:
+            break
+    return best
+
+
+def _depths(programs: list[list[Action]]) -> list[int]:
+    """Most spans each program holds between their F and their B."""
+    depths = []
+    for program in programs:
+        live = peak = 0
+        for action in program:
+            live += {"F": 1, "B": -1, "W": 0}[action.op]
+            peak = max(peak, live)
+        depths.append(peak)
+    return depths
