@@ -22,6 +22,7 @@ follow. Three things need a decision of their own:
 from __future__ import annotations
 
 import argparse
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -101,8 +102,10 @@ def optimizer_format(distributed_optimizer: bool, fully_reshardable: bool) -> Op
 def read_record(folder: str) -> Optional[CheckpointRecord]:
     """The record of the checkpoint in `folder` (read from its common state only), or None when
     `folder` holds no checkpoint this project wrote (another format is its loader's business)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.core import CheckpointingException
+    with warnings.catch_warnings():   # megatron-core's import notices (no TE, no Apex): a
+        warnings.simplefilter("ignore")  # refused flag must stay one line on stderr
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.core import CheckpointingException
 
     try:
         common = dist_checkpointing.load_common_state_dict(folder)

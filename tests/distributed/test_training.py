@@ -16,8 +16,11 @@
   A distributed optimizer saved in megatron's default format is refused at another TP/PP/V;
 - the TensorBoard scalars of a run are the figures it logged.
 """
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -226,20 +229,33 @@ def test_resume_keeps_the_checkpoints_padded_vocabulary(results):
     assert resumed.padded_vocab_size == 512
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda flags: flags + ["--pipeline-model-parallel-size", "4"],
-     r"dp_reshardable format, which reshards across DP only; it was saved at "
-     r"TP1 x PP2 x V1 x DP2, this run is TP1 x PP4 x V1 x DP1 "
-     r"\(save with --dist-ckpt-optim-fully-reshardable"),
-    (lambda flags: [flag for flag in flags if flag != "--use-distributed-optimizer"],
-     "was saved with --use-distributed-optimizer"),
-], ids=["pp2_to_pp4", "without_distributed_optimizer"])
-def test_an_optimizer_state_the_run_cannot_read_is_refused_before_training(
-        results, change, message):
-    """The PP2 x DP2 resume case saved the distributed optimizer in megatron's default format."""
+def test_a_dp_reshardable_optimizer_at_another_layout_is_refused_in_one_line(results):
+    """The PP2 x DP2 resume case saved the distributed optimizer in megatron's default format:
+    pretrain_gpt.py at PP4 exits 2 with one line naming --load and the flag, having written
+    nothing."""
+    checkpoints = Path(results["checkpoint_root"]) / "dp2_distopt"
+    flags = _resume_flags(results["data_prefix"], "dp2_distopt") + [
+        "--pipeline-model-parallel-size", "4", "--load", str(checkpoints)]
+    before = {path: path.stat().st_mtime_ns for path in checkpoints.rglob("*")}
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *flags],
+                          env={**os.environ, "WORLD_SIZE": str(WORLD), "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert re.fullmatch(
+        r"pretrain_gpt.py: error: --load: \S+/iter_0000006 holds the distributed optimizer's "
+        r"state in the dp_reshardable format, which reshards across DP only; it was saved at "
+        r"TP1 x PP2 x V1 x DP2, this run is TP1 x PP4 x V1 x DP1 \(save with "
+        r"--dist-ckpt-optim-fully-reshardable to change TP, PP or V\)\n", proc.stderr), proc.stderr
+    assert proc.stdout == ""
+    assert {path: path.stat().st_mtime_ns for path in checkpoints.rglob("*")} == before
+
+
+def test_a_distributed_optimizers_state_is_not_read_by_another_optimizer(results):
     from megatron.training.arguments import ArgumentError, parse_args, validate_args
 
-    flags = change(_resume_flags(results["data_prefix"], "dp2_distopt"))
-    with pytest.raises(ArgumentError, match="^--load: .*" + message):
+    flags = [flag for flag in _resume_flags(results["data_prefix"], "dp2_distopt")
+             if flag != "--use-distributed-optimizer"]
+    with pytest.raises(ArgumentError, match="^--load: .* was saved with "
+                                            "--use-distributed-optimizer; its optimizer state"):
         validate_args(parse_args(flags + ["--load", f"{results['checkpoint_root']}/dp2_distopt"]),
                       WORLD)
