@@ -7,7 +7,8 @@ combination with an `ArgumentError` whose message is one line naming the flag. I
 `parse_and_validate_args` is the CLI form: the message on stderr and exit code 2.
 
 Schedule names are read lazily from `seq1f1b.plan.registry` (plus megatron-core's own schedules).
-This module does not import megatron-core (~4 s), so a bad flag is reported at once.
+This module does not import megatron-core (~4 s), so a bad flag is reported at once; only a
+--load that holds a checkpoint imports it, last, to read how that checkpoint was saved.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional, Sequence
 
-from megatron.training.checkpoint_layout import read_tracker
+from megatron.training.checkpoint_layout import iteration_dir, read_tracker
 from megatron.training.data import DataConfig, check_data_config, parse_split
 from megatron.training.tokenizer import (
     add_tokenizer_args, build_tokenizer, padded_vocab_size)
@@ -220,6 +221,10 @@ def _add_run_args(parser: ArgumentParser) -> None:
     g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
     g.add_argument("--exit-interval", type=int,
                    help="save (with --save) and stop once the iteration is a multiple of this")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="save the distributed optimizer's state per parameter, so that the "
+                        "checkpoint resumes at another TP, PP or V (saving gathers it over DP; "
+                        "default: megatron's dp_reshardable format, which reshards over DP only)")
 
 
 def _add_overlap_args(parser: ArgumentParser) -> None:
@@ -564,6 +569,22 @@ def _validate_data(args: argparse.Namespace) -> None:
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
+def _validate_resume_layout(args: argparse.Namespace, folder: str) -> None:
+    """Refuse what the checkpoint in `folder` cannot give this layout; keep its padded vocabulary.
+
+    Reads the checkpoint's common state through megatron-core, imported only here: a run that
+    resumes pays for the import during validation instead of a moment later.
+    """
+    from megatron.training.checkpoint_resharding import check_resume, read_record
+    record = read_record(folder)
+    if record is None:
+        return
+    try:
+        check_resume(args, record, folder)
+    except ValueError as err:
+        _fail(str(err))
+
+
 def _validate_run(args: argparse.Namespace) -> None:
     if args.load is not None:
         resumes_own_save = args.save is not None and \
@@ -578,6 +599,8 @@ def _validate_run(args: argparse.Namespace) -> None:
         if iteration is not None and iteration > args.train_iters:
             _fail(f"--train-iters {args.train_iters} is below the iteration {iteration} of the "
                   f"checkpoint in --load {args.load}")
+        if iteration is not None:
+            _validate_resume_layout(args, iteration_dir(args.load, iteration))
     for flag in ("save", "tensorboard_dir", "data_cache_path"):
         path = getattr(args, flag)
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
@@ -628,10 +651,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     """Check every flag and combination, fill in Megatron's derived values; write nothing.
 
     Adds: world_size, data_parallel_size, num_micro_batches, virtual_pipeline_model_parallel_size
-    (None or V >= 2), padded_vocab_size, params_dtype ("float32"/"bfloat16"/"float16"), and
-    resolves defaults of ffn_hidden_size, max_position_embeddings, global_batch_size,
-    lr_decay_iters, seq1f1b_splits (1) and seq1f1b_partition ("even"; "explicit" when span
-    lengths are given). The --pipe-sp-* aliases are folded into seq1f1b_* and removed.
+    (None or V >= 2), padded_vocab_size (the --load checkpoint's when it has one: see
+    checkpoint_resharding), params_dtype ("float32"/"bfloat16"/"float16"), and resolves defaults
+    of ffn_hidden_size, max_position_embeddings, global_batch_size, lr_decay_iters,
+    seq1f1b_splits (1) and seq1f1b_partition ("even"; "explicit" when span lengths are given).
+    The --pipe-sp-* aliases are folded into seq1f1b_* and removed.
     Raises ArgumentError (one line, naming the flag).
     """
     _validate_basics(args)

@@ -4,8 +4,9 @@ A checkpoint holds everything that decides what the next iteration computes: eve
 and the optimizer's sharded state dicts (so TP/PP shards land in one global, reshardable layout),
 the LR scheduler, the RNG states of every rank (Python, NumPy, torch, CUDA and megatron's
 tensor-parallel tracker), the iteration and the consumed train/valid samples (the data position).
-Resuming with the same layout continues bit for bit; with another TP/PP layout the model and
-optimizer reshard and the RNG states, which belong to ranks, are left as seeded.
+Resuming with the same layout continues bit for bit; at another TP x PP x V x DP layout the model
+and optimizer reshard and the RNG states, which belong to ranks, are left as seeded (see
+`checkpoint_resharding`, which also says what the layout record holds and why).
 
 Atomicity is `checkpoint_layout`'s: the state is written to a staging folder, and only after every
 rank finished is it renamed and the tracker updated, by rank 0.
@@ -27,12 +28,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer, distrib_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training import checkpoint_layout
+from megatron.training import checkpoint_layout, checkpoint_resharding
 from megatron.training.model_setup import unwrap
 
 CHECKPOINT_VERSION = 1
-_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable",
-                       "chained_optim_avoid_prefix": True}
 
 
 @dataclass(frozen=True)
@@ -125,40 +124,71 @@ def _restore_adam_steps(optimizer: MegatronOptimizer) -> None:
                                                               dtype=torch.float32)
 
 
+def _load_fully_reshardable_without_steps(optimizer: MegatronOptimizer, state: dict) -> None:
+    """Load a `fully_reshardable` distributed-optimizer state into torch's Adam.
+
+    megatron-core 0.16.1 copies every per-parameter state entry from the loaded tensors, and
+    these never hold torch Adam's per-parameter "step" (megatron keeps the step in the param
+    groups): a KeyError. So the parameter state is loaded apart, with the per-parameter steps set
+    aside; `_restore_adam_steps` then sets them from the param groups, as after any load.
+    """
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    entries = [state] if len(chained) == 1 else [state[i] for i in sorted(state)]
+    param_states = [entry.pop("param_state") for entry in entries]
+    optimizer.load_state_dict(state)       # param groups, steps, grad scaler
+    for inner, param_state in zip(chained, param_states):
+        steps = {param: entry.pop("step") for param, entry in inner.optimizer.state.items()
+                 if "step" in entry}
+        inner.load_parameter_state_from_fully_reshardable(param_state)
+        for param, step in steps.items():
+            inner.optimizer.state[param]["step"] = step
+
+
 def _model_key(index: int, chunks: int) -> str:
     return "model" if chunks == 1 else f"model{index}"
 
 
 def _sharded_state_dict(model: list, optimizer: MegatronOptimizer,
                         scheduler: OptimizerParamScheduler, position: RunPosition,
-                        is_loading: bool, with_rng: bool) -> dict:
+                        is_loading: bool, with_rng: bool, optimizer_format: Optional[str]) -> dict:
+    """`optimizer_format`: the distributed optimizer's format (None for the other optimizers)."""
     state: dict = {_model_key(i, len(model)): unwrap(chunk).sharded_state_dict()
                    for i, chunk in enumerate(model)}
+    metadata = {"distrib_optim_sharding_type":
+                optimizer_format or checkpoint_resharding.DP_RESHARDABLE,
+                "chained_optim_avoid_prefix": True}
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
-                                                      metadata=dict(_OPTIMIZER_METADATA))
+                                                      metadata=metadata)
     state["opt_param_scheduler"] = scheduler.state_dict()
     state["iteration"] = position.iteration
     state["consumed_train_samples"] = position.consumed_train_samples
     state["consumed_valid_samples"] = position.consumed_valid_samples
     state["parallel_layout"] = _layout()
     state["checkpoint_version"] = CHECKPOINT_VERSION
+    state.update(checkpoint_resharding.record_entries(
+        virtual=len(model), padded_vocab_size=getattr(unwrap(model[0]), "vocab_size", None),
+        optimizer_format=optimizer_format))
     if with_rng:
         state["rng_state"] = _rng_sharded_object(None if is_loading else _rng_state())
     return state
 
 
 def save_checkpoint(save_dir: str, model: list, optimizer: MegatronOptimizer,
-                    scheduler: OptimizerParamScheduler, position: RunPosition) -> str:
+                    scheduler: OptimizerParamScheduler, position: RunPosition,
+                    fully_reshardable_optimizer: bool = False) -> str:
     """Write the checkpoint of `position.iteration` under `save_dir`, atomically; collective.
 
-    Returns the published folder.
+    `fully_reshardable_optimizer` (--dist-ckpt-optim-fully-reshardable) stores the distributed
+    optimizer's state so that it resumes at another TP/PP/V. Returns the published folder.
     """
     staging = checkpoint_layout.staging_dir(save_dir, position.iteration)
     if dist.get_rank() == 0:
         checkpoint_layout.prepare_staging(save_dir, position.iteration)
     dist.barrier()
+    optimizer_format = checkpoint_resharding.optimizer_format(
+        optimizer.config.use_distributed_optimizer, fully_reshardable_optimizer)
     state = _sharded_state_dict(model, optimizer, scheduler, position, is_loading=False,
-                                with_rng=True)
+                                with_rng=True, optimizer_format=optimizer_format)
     dist_checkpointing.save(state, staging)
     dist.barrier()     # every rank's shards are on disk before the checkpoint becomes visible
     final = checkpoint_layout.iteration_dir(save_dir, position.iteration)
@@ -194,19 +224,27 @@ def load_checkpoint(load_dir: str, model: list, optimizer: MegatronOptimizer,
         return RunPosition()
     folder = checkpoint_layout.iteration_dir(load_dir, iteration)
     common = dist_checkpointing.load_common_state_dict(folder)
+    record = checkpoint_resharding.CheckpointRecord.from_common(common)
     same_layout = list(common["parallel_layout"]) == _layout()
+    if not same_layout and dist.get_rank() == 0:
+        print(f" resharding the checkpoint saved at {record.layout} (RNG states not restored: "
+              f"they belong to ranks)", flush=True)
     adam_step_per_parameter = _adam_step_per_parameter(optimizer)
     if adam_step_per_parameter:
         _allocate_adam_state(optimizer)
     request = _sharded_state_dict(model, optimizer, scheduler, RunPosition(), is_loading=True,
-                                  with_rng=same_layout)
+                                  with_rng=same_layout, optimizer_format=record.optimizer_format)
     state = dist_checkpointing.load(request, folder)
     # no_grad: with fp32 parameters the distributed optimizer's main shards are views of the
     # parameters, which megatron copies into in place.
     with torch.no_grad():
         for i, chunk in enumerate(model):
             unwrap(chunk).load_state_dict(state[_model_key(i, len(model))], strict=True)
-        optimizer.load_state_dict(state["optimizer"])
+        if adam_step_per_parameter and \
+                record.optimizer_format == checkpoint_resharding.FULLY_RESHARDABLE:
+            _load_fully_reshardable_without_steps(optimizer, state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
     if adam_step_per_parameter:
         _restore_adam_steps(optimizer)
     scheduler.load_state_dict(state["opt_param_scheduler"])

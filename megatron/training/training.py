@@ -242,7 +242,8 @@ class _Run:
             folder = checkpointing.save_checkpoint(
                 self.args.save, self.model, self.optimizer, self.scheduler,
                 checkpointing.RunPosition(self.iteration, self.consumed_train_samples,
-                                          self.consumed_valid_samples))
+                                          self.consumed_valid_samples),
+                fully_reshardable_optimizer=self.args.dist_ckpt_optim_fully_reshardable)
         self.summary.checkpoints.append(folder)
         print_rank_0(f"  saved checkpoint at iteration {self.iteration:7d} to {folder} "
                      f"in {time.perf_counter() - start:.2f} s")

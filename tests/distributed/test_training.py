@@ -13,6 +13,12 @@
 - packed documents: with --reset-attention-mask --reset-position-ids --eod-mask-loss and RoPE at
   PP4 (two middle stages, which then read the data too), 1f1b and seq1f1b with k=4 give the same
   loss at every one of 10 iterations and the same evaluations (masked alike);
+- resharding: a checkpoint saved at one layout resumes at another (dist_checkpointing reshards the
+  model and the optimizer, the padded vocabulary of the checkpoint is kept) and the next two
+  iterations log the losses of a resume at the saving layout. TP2 x PP2 -> TP1 x PP4 with the
+  Llama-shaped flags (GQA, SwiGLU, RMSNorm, no biases, RoPE, untied output) and Adam in fp32;
+  PP4 -> PP2 x V2 x DP2 with the distributed optimizer saved --dist-ckpt-optim-fully-reshardable.
+  A distributed optimizer saved in megatron's default format is refused at another TP/PP/V;
 - the TensorBoard scalars of a run are the figures it logged, and W&B (a fake `wandb` module on
   PYTHONPATH with WANDB_MODE=offline: the package is not installed here) gets the same ones;
 - overlap: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer) at PP2 x DP2
@@ -61,6 +67,39 @@ RESUME_LAYOUTS = {
                     "--num-layers-per-virtual-pipeline-stage", "1", "--bf16",
                     "--pipeline-schedule", "seq1f1b-interleaved", "--seq1f1b-splits", "2"],
 }
+
+
+LLAMA = ["--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size",
+         "64", "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type",
+         "rope", "--untie-embeddings-and-output-weights"]
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+           "--pipeline-schedule", "seq1f1b", "--seq1f1b-splits", "2"]
+PP4 = ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "seq1f1b",
+       "--seq1f1b-splits", "2"]
+PP2_V2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+          "--pipeline-schedule", "seq1f1b-interleaved", "--seq1f1b-splits", "2"]
+DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
+RESHARDS = {   # name: (flags of both runs, saving layout, resuming layout)
+    "tp2pp2_to_tp1pp4": (LLAMA, TP2_PP2, PP4),
+    "pp4_to_pp2v2": (DISTRIBUTED_OPTIMIZER, PP4, PP2_V2),
+}
+RESHARD_ITERS = N + 2
+"""Save at N, resume for two iterations: the first one's loss reads the resharded weights, the
+second one's the update that the resharded Adam moments and LR schedule made."""
+
+
+def _reshard_cases(data_prefix: str, root) -> dict:
+    cases = {}
+    for name, (common, saving, resuming) in RESHARDS.items():
+        flags = _model_flags(data_prefix) + common + [
+            "--train-iters", str(RESHARD_ITERS), "--eval-iters", "0"]
+        checkpoints = str(root / name)
+        cases[(name, "straight")] = flags + saving
+        cases[(name, "first_half")] = flags + saving + ["--save", checkpoints,
+                                                        "--exit-interval", str(N)]
+        cases[(name, "same_layout")] = flags + saving + ["--load", checkpoints]
+        cases[(name, "resharded")] = flags + resuming + ["--load", checkpoints]
+    return cases
 
 
 def _resume_flags(data_prefix: str, layout: str) -> list[str]:
@@ -155,6 +194,7 @@ def results(data_prefix, tmp_path_factory):
         cases[(layout, "straight")] = flags
         cases[(layout, "first_half")] = flags + ["--save", checkpoints, "--exit-interval", str(N)]
         cases[(layout, "resumed")] = flags + ["--load", checkpoints, "--save", checkpoints]
+    cases.update(_reshard_cases(data_prefix, root))
     cases.update({
         "1f1b": _schedule_flags(data_prefix, "1f1b", 1) + [
             "--tensorboard-dir", str(root / "tensorboard"), "--wandb-project", "seq1f1b-tests",
@@ -181,6 +221,7 @@ def results(data_prefix, tmp_path_factory):
         assert "error" not in result, f"{name}: {result.get('traceback', result.get('error'))}"
     print("seconds per case:", {str(name): r["seconds"] for name, r in by_name.items()})
     by_name["checkpoint_root"] = str(root)
+    by_name["data_prefix"] = data_prefix
     return by_name
 
 
@@ -253,6 +294,8 @@ def test_packed_documents_train_alike_under_1f1b_and_seq1f1b(results):
     assert len(ref_eval) == 4
     assert [losses["lm loss"] for _, losses in candidate["validation"]] == pytest.approx(
         ref_eval, rel=1e-5, abs=0)
+
+
 def _scalars(events, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars(tag)]
 
@@ -363,3 +406,71 @@ def test_overlap_saves_the_gathered_weights_and_changes_no_figure(results):
     for name in ("straight", "first_half", "resumed"):
         assert results[("dp2_distopt_overlap", name)]["history"] == \
             results[("dp2_distopt", name)]["history"]
+
+
+@pytest.mark.parametrize("name", RESHARDS)
+def test_resharded_resume_logs_what_an_unchanged_resume_logs(results, name):
+    """fp32 throughout. A TP change reorders the sums of the row-parallel layers' partial
+    products and a DP change the gradient all-reduce, so bitwise equality is not guaranteed:
+    measured, the losses differ by at most one float32 ulp (8e-8 relative at 6.06; rel 1e-6
+    allows ~12) and the grad norms by at most 7e-7 relative (rel 1e-5 allowed). What goes wrong
+    fails far beyond: TP1's own vocabulary padding instead of the checkpoint's moves the first
+    loss by 0.29 (log 512/384), and a resume without the optimizer state the second loss by
+    2.2e-3 relative and the second grad norm by 7%. The unchanged resume itself continues a
+    straight run at the saving layout bit for bit, so the reference carries the whole state."""
+    straight, first, same, resharded = (results[(name, case)] for case in (
+        "straight", "first_half", "same_layout", "resharded"))
+    assert first["history"] + same["history"] == straight["history"]   # the reference is exact
+    assert same["start_iteration"] == resharded["start_iteration"] == N
+    assert [r["iteration"] for r in resharded["history"]] == [N + 1, N + 2]
+    assert _losses(resharded) == pytest.approx(_losses(same), rel=1e-6, abs=0)
+    assert [r["learning_rate"] for r in resharded["history"]] == \
+        [r["learning_rate"] for r in same["history"]]
+    assert [r["grad_norm"] for r in resharded["history"]] == \
+        pytest.approx([r["grad_norm"] for r in same["history"]], rel=1e-5)
+
+
+def test_resume_keeps_the_checkpoints_padded_vocabulary(results):
+    """The byte tokenizer's 257 ids pad to 512 rows at TP2 and to 384 at TP1; resuming the TP2
+    checkpoint at TP1 keeps its 512 (the padding rows are logits in the softmax)."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    common, saving, resuming = RESHARDS["tp2pp2_to_tp1pp4"]
+    flags = _model_flags(results["data_prefix"]) + common + resuming + [
+        "--train-iters", str(RESHARD_ITERS)]
+    assert validate_args(parse_args(flags), WORLD).padded_vocab_size == 384
+    checkpoints = f"{results['checkpoint_root']}/tp2pp2_to_tp1pp4"
+    resumed = validate_args(parse_args(flags + ["--load", checkpoints]), WORLD)
+    assert resumed.padded_vocab_size == 512
+
+
+def test_a_dp_reshardable_optimizer_at_another_layout_is_refused_in_one_line(results):
+    """The PP2 x DP2 resume case saved the distributed optimizer in megatron's default format:
+    pretrain_gpt.py at PP4 exits 2 with one line naming --load and the flag, having written
+    nothing."""
+    checkpoints = Path(results["checkpoint_root"]) / "dp2_distopt"
+    flags = _resume_flags(results["data_prefix"], "dp2_distopt") + [
+        "--pipeline-model-parallel-size", "4", "--load", str(checkpoints)]
+    before = {path: path.stat().st_mtime_ns for path in checkpoints.rglob("*")}
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *flags],
+                          env={**os.environ, "WORLD_SIZE": str(WORLD), "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert re.fullmatch(
+        r"pretrain_gpt.py: error: --load: \S+/iter_0000006 holds the distributed optimizer's "
+        r"state in the dp_reshardable format, which reshards across DP only; it was saved at "
+        r"TP1 x PP2 x V1 x DP2, this run is TP1 x PP4 x V1 x DP1 \(save with "
+        r"--dist-ckpt-optim-fully-reshardable to change TP, PP or V\)\n", proc.stderr), proc.stderr
+    assert proc.stdout == ""
+    assert {path: path.stat().st_mtime_ns for path in checkpoints.rglob("*")} == before
+
+
+def test_a_distributed_optimizers_state_is_not_read_by_another_optimizer(results):
+    from megatron.training.arguments import ArgumentError, parse_args, validate_args
+
+    flags = [flag for flag in _resume_flags(results["data_prefix"], "dp2_distopt")
+             if flag != "--use-distributed-optimizer"]
+    with pytest.raises(ArgumentError, match="^--load: .* was saved with "
+                                            "--use-distributed-optimizer; its optimizer state"):
+        validate_args(parse_args(flags + ["--load", f"{results['checkpoint_root']}/dp2_distopt"]),
+                      WORLD)
