@@ -156,8 +156,6 @@ def _fill(value, tmp_path):
 
 @pytest.mark.parametrize("changes, world, flag", BAD,
                          ids=[f"{i}:{flag}" for i, (_, _, flag) in enumerate(BAD)])
-
-
 def test_bad_flags_are_rejected_with_one_line_naming_the_flag(tmp_path, changes, world, flag):
     _data_files(tmp_path)
     before = sorted(os.listdir(tmp_path))
@@ -235,8 +233,6 @@ def test_span_lengths_imply_an_explicit_partition(tmp_path):
     (["--timing-log-level", "3"], "--timing-log-level"),
     (["--timing-log-option", "mean"], "--timing-log-option"),
 ])
-
-
 def test_parse_errors_are_one_line_exit_2(capsys, argv, flag):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)
