@@ -285,7 +285,6 @@ def test_schedules_give_the_same_loss_at_every_iteration(results, other):
                                        rel=1e-4)
 
 
-
 def test_packed_documents_train_alike_under_1f1b_and_seq1f1b(results):
     reference, candidate = results["documents-1f1b"], results["documents-seq1f1b"]
     assert len(_losses(reference)) == SCHEDULE_ITERS
