@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional, Sequence
 
-from megatron.training.checkpoint_layout import read_tracker
+from megatron.training import lr_schedule
+from megatron.training.checkpoint_common import read_common_state, starting_point
 from megatron.training.data import DataConfig, check_data_config, parse_split
 from megatron.training.tokenizer import (
     add_tokenizer_args, build_tokenizer, padded_vocab_size)
@@ -182,10 +184,44 @@ def _add_run_args(parser: ArgumentParser) -> None:
                    help="save (with --save) and stop once the iteration is a multiple of this")
 
 
+EXIT_SIGNALS = tuple(sorted(s.name for s in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+                            if isinstance(s, signal.Signals)))
+"""What --exit-signal accepts: the catchable signals, by name (Megatron-LM's choices)."""
+
+
+def _add_resume_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("starting points and preemption")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model weights of --load; start at iteration 0 with a fresh "
+                        "optimizer, LR schedule, data position and RNG")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="do not load the optimizer state and LR schedule of --load")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="do not load the RNG states of --load")
+    g.add_argument("--pretrained-checkpoint",
+                   help="fine-tune from this checkpoint directory when --load holds no "
+                        "checkpoint (as --finetune); once the run has saved into --load, "
+                        "requeues resume from there")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, the LR schedule of the flags replaces the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's LR schedule over the flags'")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal (on any rank), finish the iteration, save (with --save) "
+                        "and exit with code 0")
+    g.add_argument("--exit-signal", choices=EXIT_SIGNALS, metavar="SIGNAL",
+                   help="the signal --exit-signal-handler catches (default: SIGTERM)")
+    g.add_argument("--exit-duration-in-mins", type=float,
+                   help="after this many minutes from the start, finish the iteration, save "
+                        "(with --save) and exit with code 0")
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description="Megatron-style GPT pretraining with Seq1F1B schedules")
     for add in (_add_model_args, _add_parallel_args, _add_schedule_args, _add_training_args,
-                _add_data_args, _add_run_args):
+                _add_data_args, _add_run_args, _add_resume_args):
         add(parser)
     return parser
 
@@ -266,6 +302,7 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "lr_decay_iters", "save_interval", "eval_interval", "log_interval",
                  "exit_interval", "vocab_size"):
         _check_range(args, name, 1)
+    _check_range(args, "exit_duration_in_mins", 0, low_inclusive=False)
     for name in ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad"):
         _check_range(args, name, 0)
     for name in ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"):
@@ -445,19 +482,50 @@ def _validate_run(args: argparse.Namespace) -> None:
         if not os.path.isdir(args.load) and not resumes_own_save:   # a typo, or a fresh start
             _fail(f"--load: checkpoint directory {args.load} does not exist (it may be missing "
                   f"only when it is also --save)")
-        try:
-            iteration = read_tracker(args.load)
-        except ValueError as err:
-            _fail(str(err))
-        if iteration is not None and iteration > args.train_iters:
-            _fail(f"--train-iters {args.train_iters} is below the iteration {iteration} of the "
-                  f"checkpoint in --load {args.load}")
     for flag in ("save", "tensorboard_dir", "data_cache_path"):
         path = getattr(args, flag)
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             _fail(f"--{flag.replace('_', '-')}: {path} exists and is not a directory")
     if args.save_interval is not None and args.save is None:
         _fail("--save-interval needs --save")
+    _validate_start(args)
+    if args.exit_signal is not None and not args.exit_signal_handler:
+        _fail(f"--exit-signal {args.exit_signal} needs --exit-signal-handler")
+    args.exit_signal = args.exit_signal or "SIGTERM"
+
+
+def _validate_start(args: argparse.Namespace) -> None:
+    """The checkpoint the run starts from: its tracker, its iteration, its LR schedule."""
+    for flag in ("finetune", "no_load_optim", "no_load_rng"):
+        if getattr(args, flag) and args.load is None and args.pretrained_checkpoint is None:
+            _fail(f"--{flag.replace('_', '-')} needs --load or --pretrained-checkpoint")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("--override-opt_param-scheduler contradicts --use-checkpoint-opt_param-scheduler; "
+              "give one")
+    try:
+        start = starting_point(args)
+    except ValueError as err:
+        _fail(str(err))
+    if start is None:
+        return
+    if not start.finetune and start.iteration > args.train_iters:
+        _fail(f"--train-iters {args.train_iters} is below the iteration {start.iteration} of the "
+              f"checkpoint in {start.flag} {start.root}")
+    if not start.restores_optimizer or args.override_opt_param_scheduler or \
+            args.use_checkpoint_opt_param_scheduler:
+        return
+    try:
+        saved = read_common_state(start.folder).get("opt_param_scheduler")
+    except ValueError as err:
+        _fail(f"{start.flag}: {err}")
+    found = [] if saved is None else lr_schedule.disagreements(
+        lr_schedule.ScheduleSettings.from_args(args), saved)
+    if found:
+        differences = ", ".join(f"{name} {old!r} in the checkpoint, {new!r} from the flags"
+                                for name, old, new in found)
+        _fail(f"{start.flag} {start.root}: the LR schedule differs ({differences}): give "
+              f"--override-opt_param-scheduler (the flags win) or "
+              f"--use-checkpoint-opt_param-scheduler (the checkpoint wins)")
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
