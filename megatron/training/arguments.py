@@ -3,11 +3,14 @@
 `parse_args(argv)` only parses; `validate_args(args, world_size)` fills in what Megatron derives
 (DP size, micro-batches per step, virtual stages, padded vocabulary, ...) and rejects every bad
 combination with an `ArgumentError` whose message is one line naming the flag. It reads files
-(tokenizer, .idx headers, --load) but writes nothing, so a rejected run leaves no trace.
+(tokenizer, .idx headers, the tracker and, when resuming, the common state of the checkpoint it
+starts from) but writes nothing, so a rejected run leaves no trace.
 `parse_and_validate_args` is the CLI form: the message on stderr and exit code 2.
 
 Schedule names are read lazily from `seq1f1b.plan.registry` (plus megatron-core's own schedules).
-This module does not import megatron-core (~4 s), so a bad flag is reported at once.
+This module does not import megatron-core (~4 s), so a bad flag is reported at once; only the
+LR-schedule check of a resume imports torch and megatron-core's list of classes a checkpoint may
+hold (`checkpoint_common.read_common_state`).
 """
 from __future__ import annotations
 
@@ -184,8 +187,9 @@ def _add_run_args(parser: ArgumentParser) -> None:
                    help="save (with --save) and stop once the iteration is a multiple of this")
 
 
-EXIT_SIGNALS = tuple(sorted(s.name for s in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
-                            if isinstance(s, signal.Signals)))
+EXIT_SIGNALS = tuple(sorted(s.name for s in signal.valid_signals()
+                            if isinstance(s, signal.Signals)
+                            and s not in (signal.SIGKILL, signal.SIGSTOP)))
 """What --exit-signal accepts: the catchable signals, by name (Megatron-LM's choices)."""
 
 

@@ -1,4 +1,5 @@
-"""Save and resume a run with megatron-core's dist_checkpointing, in Megatron-LM's torch_dist format.
+"""Save and resume a run with megatron-core's dist_checkpointing, in Megatron-LM's torch_dist
+format.
 
 A checkpoint holds everything that decides what the next iteration computes: every model chunk's
 and the optimizer's sharded state dicts (so TP/PP shards land in one global, reshardable layout),

@@ -116,9 +116,11 @@ def _shell(cluster, command: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _submit(cluster, work: Path, name: str, launch: Launch) -> Job:
-    """The launch's command line, with a job name, output file and run folder of this test."""
-    output, run_dir = work / f"{name}.out", work / name
+def _submit(cluster, work: Path, name: str, launch: Launch, run_dir: Optional[Path] = None
+            ) -> Job:
+    """The launch's command line, with a job name, output file and run folder (default: one
+    named after the job) of this test."""
+    output, run_dir = work / f"{name}.out", run_dir or work / name
     command = launch.command().replace(
         " sbatch ", f" RUN_DIR={run_dir} sbatch --job-name={name} --output={output} ", 1)
     return Job(name, _shell(cluster, command), output, run_dir)
