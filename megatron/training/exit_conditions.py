@@ -6,6 +6,12 @@ with `sbatch --signal`; torchrun forwards it to its workers). With the handler i
 no longer kills the process: it is remembered, and at the end of each iteration every rank learns
 whether any rank got it (or ran past the wall-clock budget) through one all-reduce, so all of them
 save the same iteration and exit together.
+
+Slurm signals every process of a job step, helpers included. megatron-core's checkpoint writer
+keeps a multiprocessing manager for the whole run, started with `spawn`, which imports the entry
+script as `__mp_main__`; `ignore_batch_signals()`, called there, keeps that helper alive through
+the warning, or the very save the warning asks for would fail. (Writer processes forked during a
+save inherit the rank's handler and live on too.) The module imports torch only when checking.
 """
 from __future__ import annotations
 
@@ -14,10 +20,15 @@ import time
 from types import FrameType
 from typing import Optional
 
-import torch
-import torch.distributed as dist
+BATCH_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+"""The signals batch systems warn a job with (Slurm's `--signal`, its time limit's SIGTERM)."""
 
-from seq1f1b import platform
+
+def ignore_batch_signals() -> None:
+    """For a helper process a rank starts with `spawn` (it imports the entry script as
+    `__mp_main__`): outlive the batch system's signals, which are the ranks' to act on."""
+    for batch_signal in BATCH_SIGNALS:
+        signal.signal(batch_signal, signal.SIG_IGN)
 
 
 class ExitSignalHandler:
@@ -55,6 +66,11 @@ class ExitConditions:
         """Why the run should stop now (the same answer on every rank), or None."""
         if self.handler is None and self.duration_s is None:
             return None
+        import torch
+        import torch.distributed as dist
+
+        from seq1f1b import platform
+
         elapsed = time.monotonic() - self.started
         flags = torch.tensor([self.handler is not None and self.handler.received,
                               self.duration_s is not None and elapsed > self.duration_s],

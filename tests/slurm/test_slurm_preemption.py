@@ -1,8 +1,9 @@
 """A Slurm job ended by its time limit resumes on resubmission and continues exactly.
 
 The job is the 2.7B paper script (tiny CPU model, two srun ranks, as test_slurm_launch runs it)
-with SAVE_INTERVAL, so it saves into and resumes from RUN_DIR/checkpoints, and a TRAIN_ITERS it
-cannot reach. The script asks Slurm for SIGTERM 120 s before its time limit (`#SBATCH
+with SAVE_INTERVAL=2, so it saves into and resumes from RUN_DIR/checkpoints, and a TRAIN_ITERS it
+cannot reach. Its first save precedes the signal: megatron-core's checkpoint writer then has its
+helper process running, which Slurm signals too and which must survive for the next save. The script asks Slurm for SIGTERM 120 s before its time limit (`#SBATCH
 --signal=TERM@120`) and trains with --exit-signal-handler. Slurm counts limits in minutes and
 checks them every 30 s, so instead of waiting out a limit set at submission (the ranks must be up
 before the signal), the test shortens the running job's limit with `scontrol update TimeLimit=`
@@ -23,8 +24,8 @@ from pathlib import Path
 from test_slurm_launch import OUTER_TIMEOUT_S, SRUN, Job, _assert_checkpoint, _loss_lines, _submit
 
 PREEMPTIBLE = replace(SRUN, env={"LAUNCHER": "srun", "TRAIN_ITERS": "100000",
-                                 "SAVE_INTERVAL": "100000"})
-"""Trains until stopped; its only checkpoint is the one the signal makes."""
+                                 "SAVE_INTERVAL": "2"})
+"""Trains until stopped, saving every 2 iterations and when stopped."""
 FIGURES = ("learning rate", "lm loss", "grad norm")
 AFTER = 3
 """Iterations the resumed and the reference job train past the preempted one's last."""
@@ -49,13 +50,13 @@ def _run_seconds(cluster, job_id: str) -> int:
 
 
 def _shorten_time_limit(cluster, job: Job) -> None:
-    """Once the job trains, set its limit to the whole minute 2 to 3 minutes from now: Slurm,
+    """Once the job has saved, set its limit to the whole minute 2 to 3 minutes from now: Slurm,
     checking every 30 s, sends the warning within a minute (it may be up to 30 s early), and the
     ranks have two minutes to finish the iteration, save and exit."""
     deadline = job.started + OUTER_TIMEOUT_S
-    while len(_loss_lines(job.log())) < 2:
+    while "saved checkpoint at iteration" not in job.log():
         assert job.process.poll() is None, job.log()[-3000:]
-        assert time.monotonic() < deadline, "the job logged no iterations"
+        assert time.monotonic() < deadline, "the job saved no checkpoint"
         time.sleep(1)
     job_id = cluster.slurm("squeue", "-h", "--name", job.name, "-o", "%i").strip()
     minutes = _run_seconds(cluster, job_id) // 60 + 3
@@ -64,7 +65,8 @@ def _shorten_time_limit(cluster, job: Job) -> None:
 
 def test_a_job_stopped_by_its_time_limit_resumes_exactly(slurm_cluster, tmp_path: Path):
     run_dir = tmp_path / "preempted"
-    first = _submit(slurm_cluster, tmp_path, "preempted", PREEMPTIBLE, run_dir)
+    first = _submit(slurm_cluster, tmp_path, "preempted", PREEMPTIBLE, run_dir,
+                    early_signal=True)
     _shorten_time_limit(slurm_cluster, first)
     assert first.wait(slurm_cluster) == 0, first.log()[-3000:]
     stopped = re.search(r"exiting program at iteration (\d+) \(received SIGTERM\)", first.log())
@@ -75,8 +77,9 @@ def test_a_job_stopped_by_its_time_limit_resumes_exactly(slurm_cluster, tmp_path
 
     stop_at = replace(PREEMPTIBLE, env={**PREEMPTIBLE.env,
                                         "EXTRA_ARGS": f"--exit-interval {reached + AFTER}"})
-    resumed = _submit(slurm_cluster, tmp_path, "resubmitted", stop_at, run_dir)
-    reference = _submit(slurm_cluster, tmp_path, "reference", stop_at)
+    resumed = _submit(slurm_cluster, tmp_path, "resubmitted", stop_at, run_dir,
+                      early_signal=True)
+    reference = _submit(slurm_cluster, tmp_path, "reference", stop_at, early_signal=True)
     assert resumed.wait(slurm_cluster) == 0, resumed.log()[-3000:]
     assert reference.wait(slurm_cluster) == 0, reference.log()[-3000:]
     assert f"starting at iteration {reached}" in resumed.log()
