@@ -24,8 +24,10 @@ from pathlib import Path
 from test_slurm_launch import OUTER_TIMEOUT_S, SRUN, Job, _assert_checkpoint, _loss_lines, _submit
 
 PREEMPTIBLE = replace(SRUN, env={"LAUNCHER": "srun", "TRAIN_ITERS": "100000",
-                                 "SAVE_INTERVAL": "2"})
-"""Trains until stopped, saving every 2 iterations and when stopped."""
+                                 "SAVE_INTERVAL": "2"}, sbatch=SRUN.sbatch + ("--time=15",))
+"""Trains until stopped, saving every 2 iterations and when stopped. Its limit at submission
+(15 minutes, replacing the launch tests' 6) is far enough that only the shortened one warns,
+however slowly the ranks start."""
 FIGURES = ("learning rate", "lm loss", "grad norm")
 AFTER = 3
 """Iterations the resumed and the reference job train past the preempted one's last."""
@@ -59,6 +61,7 @@ def _shorten_time_limit(cluster, job: Job) -> None:
         assert time.monotonic() < deadline, "the job saved no checkpoint"
         time.sleep(1)
     job_id = cluster.slurm("squeue", "-h", "--name", job.name, "-o", "%i").strip()
+    assert "TimeLimit=00:15:00" in cluster.slurm("scontrol", "show", "job", job_id)
     minutes = _run_seconds(cluster, job_id) // 60 + 3
     cluster.slurm("scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}")
 
