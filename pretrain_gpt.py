@@ -111,6 +111,11 @@ def train_valid_test_datasets_provider(num_samples):
                           is_dataset_built_on_rank)
 
 
+if __name__ == "__mp_main__":      # a helper a rank spawned (megatron-core's checkpoint writer)
+    from megatron.training.exit_conditions import ignore_batch_signals
+
+    ignore_batch_signals()
+
 if __name__ == "__main__":
     import warnings
 

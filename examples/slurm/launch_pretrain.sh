@@ -31,6 +31,12 @@
 #   EXTRA_ARGS      more pretrain_gpt.py flags; arguments given to sbatch after the script too
 #   CONTAINER_ARGS  extra srun options, e.g. "--container-image=... --container-mounts=..."
 #
+# Preemption: the sbatch scripts ask Slurm for SIGTERM 2 minutes before the time limit
+# (`#SBATCH --signal=TERM@120`; Slurm may send it up to a minute earlier; a model whose checkpoint
+# takes longer to write wants more, e.g. `sbatch --signal=TERM@600`), and pretrain_gpt.py
+# runs with --exit-signal-handler: every rank finishes the iteration, saves (with SAVE_INTERVAL)
+# and exits 0. Submitting the same job again resumes from that checkpoint.
+#
 # Output: the launch line (nodes, world, layout), Megatron's log line per LOG_INTERVAL, and as the
 # last line the job summary of examples/slurm/job_results.py (SEQ1F1B_RESULT status=OK|OOM|...);
 # the job's exit code is the launcher's (a failed or killed rank fails the job with its code).
@@ -91,7 +97,8 @@ ARGS=(--num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
       --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
       --train-iters "$TRAIN_ITERS" --lr 6e-5 --min-lr 6e-6 --lr-decay-style cosine
       --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
-      --log-interval "$LOG_INTERVAL" --eval-iters 0 --p2p-timeout "$P2P_TIMEOUT")
+      --log-interval "$LOG_INTERVAL" --eval-iters 0 --p2p-timeout "$P2P_TIMEOUT"
+      --exit-signal-handler)
 [ "$TP" -gt 1 ] && ARGS+=(--sequence-parallel)
 [ -n "$PRECISION" ] && ARGS+=("$PRECISION")
 if [ -n "${VPP_LAYERS:-}" ]; then ARGS+=(--num-layers-per-virtual-pipeline-stage "$VPP_LAYERS"); fi
@@ -119,7 +126,9 @@ echo "launch: LAUNCHER=$LAUNCHER nodes=$NODES ($(echo "$HOSTS" | paste -sd, -)) 
 LOG="$RUN_DIR/train.log"
 # Every Slurm task records its own exit code in RUN_DIR/exit.<task>: after the first failure srun
 # kills the other tasks and reports them as 128 + signal, which would hide the failing rank's code.
-RECORD_EXIT='"$@"; code=$?; echo "$code" > "$RUN_DIR/exit.$SLURM_PROCID"; exit "$code"'
+# The task's shell outlives Slurm's early SIGTERM (trapped, not ignored: the ranks it starts still
+# receive it) to record the code of the rank that saved and exited.
+RECORD_EXIT='trap : TERM; "$@"; code=$?; echo "$code" > "$RUN_DIR/exit.$SLURM_PROCID"; exit "$code"'
 export RUN_DIR
 rm -f "$RUN_DIR"/exit.*
 # shellcheck disable=SC2086  # CONTAINER_ARGS is a list of srun options

@@ -3,23 +3,27 @@
 `parse_args(argv)` only parses; `validate_args(args, world_size)` fills in what Megatron derives
 (DP size, micro-batches per step, virtual stages, padded vocabulary, ...) and rejects every bad
 combination with an `ArgumentError` whose message is one line naming the flag. It reads files
-(tokenizer, .idx headers, --load) but writes nothing, so a rejected run leaves no trace.
+(tokenizer, .idx headers, the tracker and, when resuming, the common state of the checkpoint it
+starts from) but writes nothing, so a rejected run leaves no trace.
 `parse_and_validate_args` is the CLI form: the message on stderr and exit code 2.
 
 Schedule names are read lazily from `seq1f1b.plan.registry` (plus megatron-core's own schedules).
 This module does not import megatron-core (~4 s), so a bad flag is reported at once; only a
---load that holds a checkpoint imports it, last, to read how that checkpoint was saved.
+resume imports torch and megatron-core, last, to read how its checkpoint was saved (its LR
+schedule, `checkpoint_common.read_common_state`, and its layout record, `checkpoint_resharding`).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional, Sequence
 
-from megatron.training.checkpoint_layout import iteration_dir, read_tracker
+from megatron.training import lr_schedule
+from megatron.training.checkpoint_common import read_common_state, starting_point
 from megatron.training.data import DataConfig, check_data_config, parse_split
 from megatron.training.tokenizer import (
     add_tokenizer_args, build_tokenizer, padded_vocab_size)
@@ -275,10 +279,46 @@ def _add_observability_args(parser: ArgumentParser) -> None:
                    help="level-1 timers start and stop without a barrier across ranks")
 
 
+EXIT_SIGNALS = tuple(sorted(s.name for s in signal.valid_signals()
+                            if isinstance(s, signal.Signals)
+                            and s not in (signal.SIGKILL, signal.SIGSTOP)))
+"""What --exit-signal accepts: the catchable signals, by name (Megatron-LM's choices)."""
+
+
+def _add_resume_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("starting points and preemption")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model weights of --load; start at iteration 0 with a fresh "
+                        "optimizer, LR schedule, data position and RNG")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="do not load the optimizer state and LR schedule of --load")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="do not load the RNG states of --load")
+    g.add_argument("--pretrained-checkpoint",
+                   help="fine-tune from this checkpoint directory when --load holds no "
+                        "checkpoint (as --finetune); once the run has saved into --load, "
+                        "requeues resume from there")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, the LR schedule of the flags replaces the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's LR schedule over the flags'")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal (on any rank), finish the iteration, save (with --save) "
+                        "and exit with code 0")
+    g.add_argument("--exit-signal", choices=EXIT_SIGNALS, metavar="SIGNAL",
+                   help="the signal --exit-signal-handler catches (default: SIGTERM)")
+    g.add_argument("--exit-duration-in-mins", type=float,
+                   help="after this many minutes from the start, finish the iteration, save "
+                        "(with --save) and exit with code 0")
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description="Megatron-style GPT pretraining with Seq1F1B schedules")
     for add in (_add_model_args, _add_parallel_args, _add_schedule_args, _add_training_args,
-                _add_data_args, _add_run_args, _add_overlap_args, _add_observability_args):
+                _add_data_args, _add_run_args, _add_resume_args, _add_overlap_args,
+                _add_observability_args):
         add(parser)
     return parser
 
@@ -360,6 +400,7 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "exit_interval", "vocab_size", "num_query_groups", "rotary_base",
                  "rotary_seq_len_interpolation_factor"):
         _check_range(args, name, 1)
+    _check_range(args, "exit_duration_in_mins", 0, low_inclusive=False)
     for name in ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad"):
         _check_range(args, name, 0)
     for name in ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"):
@@ -569,18 +610,19 @@ def _validate_data(args: argparse.Namespace) -> None:
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
-def _validate_resume_layout(args: argparse.Namespace, folder: str) -> None:
-    """Refuse what the checkpoint in `folder` cannot give this layout; keep its padded vocabulary.
+def _validate_resume_layout(args: argparse.Namespace, start) -> None:
+    """Refuse what the checkpoint `start` names cannot give this layout; keep its padded
+    vocabulary (checkpoint_resharding; checkpoints without our layout record are not checked).
 
     Reads the checkpoint's common state through megatron-core, imported only here: a run that
     resumes pays for the import during validation instead of a moment later.
     """
     from megatron.training.checkpoint_resharding import check_resume, read_record
-    record = read_record(folder)
+    record = read_record(start.folder)
     if record is None:
         return
     try:
-        check_resume(args, record, folder)
+        check_resume(args, record, start.folder, start.restores_optimizer, start.flag)
     except ValueError as err:
         _fail(str(err))
 
@@ -592,21 +634,52 @@ def _validate_run(args: argparse.Namespace) -> None:
         if not os.path.isdir(args.load) and not resumes_own_save:   # a typo, or a fresh start
             _fail(f"--load: checkpoint directory {args.load} does not exist (it may be missing "
                   f"only when it is also --save)")
-        try:
-            iteration = read_tracker(args.load)
-        except ValueError as err:
-            _fail(str(err))
-        if iteration is not None and iteration > args.train_iters:
-            _fail(f"--train-iters {args.train_iters} is below the iteration {iteration} of the "
-                  f"checkpoint in --load {args.load}")
-        if iteration is not None:
-            _validate_resume_layout(args, iteration_dir(args.load, iteration))
     for flag in ("save", "tensorboard_dir", "data_cache_path"):
         path = getattr(args, flag)
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             _fail(f"--{flag.replace('_', '-')}: {path} exists and is not a directory")
     if args.save_interval is not None and args.save is None:
         _fail("--save-interval needs --save")
+    _validate_start(args)
+    if args.exit_signal is not None and not args.exit_signal_handler:
+        _fail(f"--exit-signal {args.exit_signal} needs --exit-signal-handler")
+    args.exit_signal = args.exit_signal or "SIGTERM"
+
+
+def _validate_start(args: argparse.Namespace) -> None:
+    """The checkpoint the run starts from: its tracker, its iteration, its LR schedule."""
+    for flag in ("finetune", "no_load_optim", "no_load_rng"):
+        if getattr(args, flag) and args.load is None and args.pretrained_checkpoint is None:
+            _fail(f"--{flag.replace('_', '-')} needs --load or --pretrained-checkpoint")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("--override-opt_param-scheduler contradicts --use-checkpoint-opt_param-scheduler; "
+              "give one")
+    try:
+        start = starting_point(args)
+    except ValueError as err:
+        _fail(str(err))
+    if start is None:
+        return
+    if not start.finetune and start.iteration > args.train_iters:
+        _fail(f"--train-iters {args.train_iters} is below the iteration {start.iteration} of the "
+              f"checkpoint in {start.flag} {start.root}")
+    if not start.release:
+        _validate_resume_layout(args, start)
+    if not start.restores_optimizer or args.override_opt_param_scheduler or \
+            args.use_checkpoint_opt_param_scheduler:
+        return
+    try:
+        saved = read_common_state(start.folder).get("opt_param_scheduler")
+    except ValueError as err:
+        _fail(f"{start.flag}: {err}")
+    found = [] if saved is None else lr_schedule.disagreements(
+        lr_schedule.ScheduleSettings.from_args(args), saved)
+    if found:
+        differences = ", ".join(f"{name} {old!r} in the checkpoint, {new!r} from the flags"
+                                for name, old, new in found)
+        _fail(f"{start.flag} {start.root}: the LR schedule differs ({differences}): give "
+              f"--override-opt_param-scheduler (the flags win) or "
+              f"--use-checkpoint-opt_param-scheduler (the checkpoint wins)")
 
 
 def _validate_overlap(args: argparse.Namespace) -> None:

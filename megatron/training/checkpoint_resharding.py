@@ -116,28 +116,40 @@ def read_record(folder: str) -> Optional[CheckpointRecord]:
     return CheckpointRecord.from_common(common)
 
 
-def check_resume(args: argparse.Namespace, record: CheckpointRecord, folder: str) -> None:
+def check_resume(args: argparse.Namespace, record: CheckpointRecord, folder: str,
+                 restores_optimizer: bool = True, flag: str = "--load") -> None:
     """Check that a run with validated `args` can resume from the checkpoint in `folder`, whose
     record is `record`, and keep the checkpoint's padded vocabulary in `args.padded_vocab_size`.
 
-    Raises ValueError (one line naming --load) for an optimizer state this run cannot read.
+    Raises ValueError (one line naming `flag`) for an optimizer state this run cannot read, unless
+    the run does not restore it (`restores_optimizer`: --finetune, --no-load-optim).
     """
+    _check_vocabulary(args, record, folder, flag)
+    if not restores_optimizer:
+        return
     run = ParallelLayout.of_run(args)
     wanted = optimizer_format(args.use_distributed_optimizer,
                               args.dist_ckpt_optim_fully_reshardable)
     if record.has_optimizer_record and (record.optimizer_format is None) != (wanted is None):
         saved_with = "with" if record.optimizer_format else "without"
-        raise ValueError(f"--load: {folder} was saved {saved_with} --use-distributed-optimizer; "
-                         f"its optimizer state cannot be read the other way")
+        raise ValueError(f"{flag}: {folder} was saved {saved_with} --use-distributed-optimizer; "
+                         f"its optimizer state cannot be read the other way (or give "
+                         f"--no-load-optim)")
     if record.optimizer_format == DP_RESHARDABLE and not record.layout.splits_model_like(run):
         raise ValueError(
-            f"--load: {folder} holds the distributed optimizer's state in the {DP_RESHARDABLE} "
+            f"{flag}: {folder} holds the distributed optimizer's state in the {DP_RESHARDABLE} "
             f"format, which reshards across DP only; it was saved at {record.layout}, this run is "
-            f"{run} (save with --dist-ckpt-optim-fully-reshardable to change TP, PP or V)")
+            f"{run} (save with --dist-ckpt-optim-fully-reshardable to change TP, PP or V, or "
+            f"give --no-load-optim)")
+
+
+def _check_vocabulary(args: argparse.Namespace, record: CheckpointRecord, folder: str,
+                      flag: str) -> None:
+    """Keep the checkpoint's padded vocabulary: padding rows are logits in the softmax."""
     saved_rows = record.padded_vocab_size
     if saved_rows is not None and saved_rows != args.padded_vocab_size:
         if saved_rows % args.tensor_model_parallel_size:
-            raise ValueError(f"--load: {folder} has a padded vocabulary of {saved_rows} rows, "
+            raise ValueError(f"{flag}: {folder} has a padded vocabulary of {saved_rows} rows, "
                              f"which --tensor-model-parallel-size "
                              f"{args.tensor_model_parallel_size} does not divide")
         args.padded_vocab_size = saved_rows

@@ -1,21 +1,30 @@
-"""Save and resume a run with megatron-core's dist_checkpointing.
+"""Save and resume a run with megatron-core's dist_checkpointing, in Megatron-LM's torch_dist
+format.
 
 A checkpoint holds everything that decides what the next iteration computes: every model chunk's
 and the optimizer's sharded state dicts (so TP/PP shards land in one global, reshardable layout),
 the LR scheduler, the RNG states of every rank (Python, NumPy, torch, CUDA and megatron's
-tensor-parallel tracker), the iteration and the consumed train/valid samples (the data position).
-Resuming with the same layout continues bit for bit; at another TP x PP x V x DP layout the model
-and optimizer reshard and the RNG states, which belong to ranks, are left as seeded (see
-`checkpoint_resharding`, which also says what the layout record holds and why).
+tensor-parallel tracker), the iteration and, in the `args` namespace, the consumed train/valid
+samples (the data position). The keys, the RNG entry's sharding and the content metadata are
+Megatron-LM's (`checkpoint_common`), so each side loads the other's checkpoints.
 
-Atomicity is `checkpoint_layout`'s: the state is written to a staging folder, and only after every
-rank finished is it renamed and the tracker updated, by rank 0.
+Resuming with the same layout continues bit for bit. Another layout reshards the model; the
+optimizer state is loaded where it fits the new layout (`CheckpointLayout.optimizer_mismatch`)
+and the RNG states, which belong to (pipeline, tensor) ranks, where those sizes agree.
+--finetune, --no-load-optim and --no-load-rng narrow what is loaded (`StartingPoint`). With
+`--dist-ckpt-optim-fully-reshardable` the distributed optimizer's state reshards too, and the
+layout record (`checkpoint_resharding`: V, the padded vocabulary, the optimizer's format) lets
+validation keep the checkpoint's padded vocabulary and refuse what would not reshard.
 
 A release checkpoint (a converted model, tools/checkpoint/convert.py) holds the model only: it is
 loaded as Megatron-LM loads one, as iteration 0 with the optimizer, scheduler and RNGs as built.
+
+Atomicity is `checkpoint_layout`'s: the state is written to a staging folder, and only after every
+rank finished is it renamed and the tracker updated, by rank 0.
 """
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass
 from typing import Optional
@@ -29,9 +38,14 @@ from megatron.core.optimizer import MegatronOptimizer, distrib_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron.training import checkpoint_layout, checkpoint_resharding
+from megatron.training.checkpoint_common import (MEGATRON_CHECKPOINT_VERSION, CheckpointLayout,
+                                                 StartingPoint, saved_args)
 from megatron.training.model_setup import unwrap
 
-CHECKPOINT_VERSION = 1
+CONTENT_METADATA = {"distrib_optim_sharding_type": checkpoint_resharding.DP_RESHARDABLE,
+                    "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+"""How the sharded state dicts are laid out (megatron-core's `metadata`), stored with the
+checkpoint as Megatron-LM stores it; a checkpoint's own is read back when loading."""
 
 
 @dataclass(frozen=True)
@@ -44,33 +58,53 @@ class RunPosition:
 
 
 def _layout() -> list[int]:
+    """Our `parallel_layout` record: [PP, TP, DP] of the run that saved."""
     return [parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_data_parallel_world_size()]
 
 
 def _rng_state() -> dict:
-    return {"random": random.getstate(), "numpy": numpy.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    """This rank's RNG states, under Megatron-LM's names."""
+    return {"random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: dict) -> None:
-    random.setstate(state["random"])
-    numpy.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    random.setstate(state["random_rng_state"])
+    numpy.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if state["cuda_rng_state"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def _rng_sharded_object(state: Optional[dict]) -> ShardedObject:
-    """One RNG entry per rank, placed by (pipeline, tensor, data) rank."""
-    offset = (parallel_state.get_pipeline_model_parallel_rank(),
-              parallel_state.get_tensor_model_parallel_rank(),
-              parallel_state.get_data_parallel_rank())
-    return ShardedObject("rng_state", state, tuple(_layout()), offset, replica_id=0)
+def _rng_sharded_object(states: Optional[list]) -> ShardedObject:
+    """Megatron-LM's RNG entry: one object per (pipeline, tensor) rank holding the list of its
+    data-parallel ranks' states (written by DP rank 0, the others are its replicas)."""
+    return ShardedObject("rng_state", states,
+                         (parallel_state.get_pipeline_model_parallel_world_size(),
+                          parallel_state.get_tensor_model_parallel_world_size()),
+                         (parallel_state.get_pipeline_model_parallel_rank(),
+                          parallel_state.get_tensor_model_parallel_rank()),
+                         replica_id=parallel_state.get_data_parallel_rank())
+
+
+def _gathered_rng_states() -> list:
+    """Every data-parallel rank's RNG states, in DP rank order (collective over DP)."""
+    states: list = [None] * parallel_state.get_data_parallel_world_size()
+    dist.all_gather_object(states, _rng_state(), group=parallel_state.get_data_parallel_group())
+    return states
+
+
+def _own_rng_state(states: list) -> Optional[dict]:
+    """This rank's entry of a loaded RNG list: its own DP rank's when the list has one per DP
+    rank, the single entry of Megatron-LM's list (which holds DP rank 0's), else None."""
+    if len(states) == parallel_state.get_data_parallel_world_size():
+        return states[parallel_state.get_data_parallel_rank()]
+    return states[0] if len(states) == 1 else None
 
 
 def _adam_step_per_parameter(optimizer: MegatronOptimizer) -> bool:
@@ -124,6 +158,10 @@ def _restore_adam_steps(optimizer: MegatronOptimizer) -> None:
                                                               dtype=torch.float32)
 
 
+def _model_key(index: int, chunks: int) -> str:
+    return "model" if chunks == 1 else f"model{index}"
+
+
 def _load_fully_reshardable_without_steps(optimizer: MegatronOptimizer, state: dict) -> None:
     """Load a `fully_reshardable` distributed-optimizer state into torch's Adam.
 
@@ -144,52 +182,49 @@ def _load_fully_reshardable_without_steps(optimizer: MegatronOptimizer, state: d
             inner.optimizer.state[param]["step"] = step
 
 
-def _model_key(index: int, chunks: int) -> str:
-    return "model" if chunks == 1 else f"model{index}"
+def _metadata(content: dict) -> dict:
+    """megatron-core's sharded-state-dict metadata: the checkpoint's content metadata and the
+    data-parallel group the distributed optimizer shards over."""
+    return {**content, "dp_cp_group": parallel_state.get_data_parallel_group()}
 
 
-def _sharded_state_dict(model: list, optimizer: MegatronOptimizer,
-                        scheduler: OptimizerParamScheduler, position: RunPosition,
-                        is_loading: bool, with_rng: bool, optimizer_format: Optional[str]) -> dict:
-    """`optimizer_format`: the distributed optimizer's format (None for the other optimizers)."""
-    state: dict = {_model_key(i, len(model)): unwrap(chunk).sharded_state_dict()
-                   for i, chunk in enumerate(model)}
-    metadata = {"distrib_optim_sharding_type":
-                optimizer_format or checkpoint_resharding.DP_RESHARDABLE,
-                "chained_optim_avoid_prefix": True}
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
-                                                      metadata=metadata)
-    state["opt_param_scheduler"] = scheduler.state_dict()
-    state["iteration"] = position.iteration
-    state["consumed_train_samples"] = position.consumed_train_samples
-    state["consumed_valid_samples"] = position.consumed_valid_samples
-    state["parallel_layout"] = _layout()
-    state["checkpoint_version"] = CHECKPOINT_VERSION
-    state.update(checkpoint_resharding.record_entries(
-        virtual=len(model), padded_vocab_size=getattr(unwrap(model[0]), "vocab_size", None),
-        optimizer_format=optimizer_format))
-    if with_rng:
-        state["rng_state"] = _rng_sharded_object(None if is_loading else _rng_state())
-    return state
+def _model_state(model: list) -> dict:
+    return {_model_key(i, len(model)): unwrap(chunk).sharded_state_dict()
+            for i, chunk in enumerate(model)}
 
 
 def save_checkpoint(save_dir: str, model: list, optimizer: MegatronOptimizer,
                     scheduler: OptimizerParamScheduler, position: RunPosition,
-                    fully_reshardable_optimizer: bool = False) -> str:
+                    args: argparse.Namespace) -> str:
     """Write the checkpoint of `position.iteration` under `save_dir`, atomically; collective.
 
-    `fully_reshardable_optimizer` (--dist-ckpt-optim-fully-reshardable) stores the distributed
-    optimizer's state so that it resumes at another TP/PP/V. Returns the published folder.
+    `args` (the run's validated flags) is stored as Megatron-LM's `args`, with the position's
+    consumed samples; its --dist-ckpt-optim-fully-reshardable stores the distributed optimizer's
+    state so that it resumes at another TP/PP/V. Returns the published folder.
     """
     staging = checkpoint_layout.staging_dir(save_dir, position.iteration)
     if dist.get_rank() == 0:
         checkpoint_layout.prepare_staging(save_dir, position.iteration)
     dist.barrier()
     optimizer_format = checkpoint_resharding.optimizer_format(
-        optimizer.config.use_distributed_optimizer, fully_reshardable_optimizer)
-    state = _sharded_state_dict(model, optimizer, scheduler, position, is_loading=False,
-                                with_rng=True, optimizer_format=optimizer_format)
-    dist_checkpointing.save(state, staging)
+        optimizer.config.use_distributed_optimizer,
+        getattr(args, "dist_ckpt_optim_fully_reshardable", False))
+    content = {**CONTENT_METADATA, "distrib_optim_sharding_type":
+               optimizer_format or checkpoint_resharding.DP_RESHARDABLE}
+    state = _model_state(model)
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False,
+                                                      metadata=_metadata(content))
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    state["rng_state"] = _rng_sharded_object(_gathered_rng_states())
+    state["args"] = saved_args(args, position.consumed_train_samples,
+                               position.consumed_valid_samples)
+    state["checkpoint_version"] = MEGATRON_CHECKPOINT_VERSION
+    state["iteration"] = position.iteration
+    state["parallel_layout"] = _layout()
+    state.update(checkpoint_resharding.record_entries(
+        virtual=len(model), padded_vocab_size=getattr(unwrap(model[0]), "vocab_size", None),
+        optimizer_format=optimizer_format))
+    dist_checkpointing.save(state, staging, content_metadata=content)
     dist.barrier()     # every rank's shards are on disk before the checkpoint becomes visible
     final = checkpoint_layout.iteration_dir(save_dir, position.iteration)
     if dist.get_rank() == 0:
@@ -198,57 +233,91 @@ def save_checkpoint(save_dir: str, model: list, optimizer: MegatronOptimizer,
     return final
 
 
+def _print_rank_0(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
 def load_model_weights(folder: str, model: list) -> None:
     """Load only the model chunks' weights from the checkpoint `folder` (any TP x PP x V layout:
     sharded tensors are keyed by global tensor and layer); collective."""
-    request = {_model_key(i, len(model)): unwrap(chunk).sharded_state_dict()
-               for i, chunk in enumerate(model)}
-    state = dist_checkpointing.load(request, folder)
+    state = dist_checkpointing.load(_model_state(model), folder)
     with torch.no_grad():
         for i, chunk in enumerate(model):
             unwrap(chunk).load_state_dict(state[_model_key(i, len(model))], strict=True)
 
 
-def load_checkpoint(load_dir: str, model: list, optimizer: MegatronOptimizer,
-                    scheduler: OptimizerParamScheduler) -> Optional[RunPosition]:
-    """Restore the newest complete checkpoint under `load_dir` into model, optimizer, scheduler
-    and the RNGs; returns its position, or None when `load_dir` holds no checkpoint yet.
+def load_checkpoint(start: StartingPoint, model: list, optimizer: MegatronOptimizer,
+                    scheduler: OptimizerParamScheduler) -> RunPosition:
+    """Restore the checkpoint `start` names (ours or Megatron-LM's) into the model and, as far as
+    `start` asks and the layouts allow, the optimizer, the LR schedule and the RNGs; collective.
 
-    A release checkpoint restores the weights only and returns iteration 0."""
-    iteration = checkpoint_layout.read_tracker(load_dir)
-    if iteration is None:
-        return None
-    if checkpoint_layout.is_release(load_dir):
-        load_model_weights(checkpoint_layout.release_dir(load_dir), model)
+    Returns the position to continue from (iteration 0 for a fine-tune).
+    """
+    if start.release:
+        load_model_weights(start.folder, model)
         optimizer.reload_model_params()     # main (fp32) copies of bf16/fp16 params follow
         return RunPosition()
-    folder = checkpoint_layout.iteration_dir(load_dir, iteration)
-    common = dist_checkpointing.load_common_state_dict(folder)
-    record = checkpoint_resharding.CheckpointRecord.from_common(common)
-    same_layout = list(common["parallel_layout"]) == _layout()
-    if not same_layout and dist.get_rank() == 0:
-        print(f" resharding the checkpoint saved at {record.layout} (RNG states not restored: "
-              f"they belong to ranks)", flush=True)
-    adam_step_per_parameter = _adam_step_per_parameter(optimizer)
+    common = dist_checkpointing.load_common_state_dict(start.folder)
+    if "args" not in common:
+        raise RuntimeError(f"{start.flag}: {start.folder} has no 'args' in its common state: "
+                           f"not a Megatron-LM torch_dist checkpoint (nor one of ours since "
+                           f"checkpoint_version {MEGATRON_CHECKPOINT_VERSION})")
+    saved = CheckpointLayout.from_args(common["args"])
+    content = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+    load_optimizer = start.restores_optimizer and "opt_param_scheduler" in common
+    if load_optimizer:   # Megatron-LM's --no-save-optim leaves out optimizer and schedule
+        mismatch = CheckpointLayout.from_args(argparse.Namespace(
+            tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            data_parallel_size=parallel_state.get_data_parallel_world_size(),
+            use_distributed_optimizer=optimizer.config.use_distributed_optimizer,
+            bf16=optimizer.config.bf16, fp16=optimizer.config.fp16)).optimizer_mismatch(
+                saved, content.get("distrib_optim_sharding_type"))
+        if mismatch is not None:
+            _print_rank_0(f" {start.flag}: optimizer state not loaded ({mismatch}): Adam starts "
+                          f"afresh, the LR schedule and the iteration continue")
+            load_optimizer = False
+    load_rng = start.restores_rng and not getattr(common["args"], "no_save_rng", False) and \
+        (saved.pipeline_parallel, saved.tensor_parallel) == (
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size())
+    if start.restores_rng and not load_rng:
+        _print_rank_0(f" {start.flag}: resharding the checkpoint saved at TP="
+                      f"{saved.tensor_parallel} PP={saved.pipeline_parallel} (RNG states not "
+                      f"restored: they belong to ranks)")
+    request = _model_state(model)
+    adam_step_per_parameter = load_optimizer and _adam_step_per_parameter(optimizer)
     if adam_step_per_parameter:
         _allocate_adam_state(optimizer)
-    request = _sharded_state_dict(model, optimizer, scheduler, RunPosition(), is_loading=True,
-                                  with_rng=same_layout, optimizer_format=record.optimizer_format)
-    state = dist_checkpointing.load(request, folder)
+    if load_optimizer:
+        request["optimizer"] = optimizer.sharded_state_dict(
+            request, is_loading=True, metadata=_metadata(content or CONTENT_METADATA))
+    if load_rng:
+        request["rng_state"] = _rng_sharded_object(None)
+    state = dist_checkpointing.load(request, start.folder)
     # no_grad: with fp32 parameters the distributed optimizer's main shards are views of the
     # parameters, which megatron copies into in place.
     with torch.no_grad():
         for i, chunk in enumerate(model):
             unwrap(chunk).load_state_dict(state[_model_key(i, len(model))], strict=True)
-        if adam_step_per_parameter and \
-                record.optimizer_format == checkpoint_resharding.FULLY_RESHARDABLE:
+        if adam_step_per_parameter and content.get("distrib_optim_sharding_type") == \
+                checkpoint_resharding.FULLY_RESHARDABLE:
             _load_fully_reshardable_without_steps(optimizer, state["optimizer"])
-        else:
+        elif load_optimizer:
             optimizer.load_state_dict(state["optimizer"])
+        else:       # mixed precision: the fp32 main parameters copy the loaded weights
+            optimizer.reload_model_params()
     if adam_step_per_parameter:
         _restore_adam_steps(optimizer)
-    scheduler.load_state_dict(state["opt_param_scheduler"])
-    if same_layout:
-        _set_rng_state(state["rng_state"])
-    return RunPosition(int(state["iteration"]), int(state["consumed_train_samples"]),
-                       int(state["consumed_valid_samples"]))
+    if "opt_param_scheduler" in common and start.restores_optimizer:
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    if load_rng:
+        own = _own_rng_state(state["rng_state"])
+        if own is not None:
+            _set_rng_state(own)
+    if start.finetune:
+        return RunPosition()
+    return RunPosition(int(common["iteration"]),
+                       int(getattr(common["args"], "consumed_train_samples", 0)),
+                       int(getattr(common["args"], "consumed_valid_samples", 0)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from dataclasses import asdict
 from typing import Callable, Iterator
 
 import torch
@@ -22,6 +23,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.training.lr_schedule import ScheduleSettings
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.runtime.wgrad import has_split_backward
 
@@ -134,14 +136,16 @@ def build_optimizer(args: argparse.Namespace, config: TransformerConfig,
 
 def build_lr_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer
                        ) -> OptimizerParamScheduler:
-    """Warm-up then decay to --min-lr, counted in samples (iterations x global batch)."""
-    samples = args.global_batch_size
+    """Warm-up then decay to --min-lr, counted in samples (iterations x global batch).
+
+    On resume, megatron-core's own rule decides between the flags' schedule and the checkpoint's:
+    --override-opt_param-scheduler keeps the flags', --use-checkpoint-opt_param-scheduler takes
+    the checkpoint's, neither requires them to agree (validation has checked they do).
+    """
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * samples,
-        lr_decay_steps=args.lr_decay_iters * samples, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+        optimizer, init_lr=0.0, **asdict(ScheduleSettings.from_args(args)),
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
 
 
 def reads_data_on_every_stage(args: object) -> bool:

@@ -6,7 +6,8 @@ DP rank, let megatron's optimizer step (grad finalisation over DP/TP/PP happened
 schedule; clipping and, with --fp16, loss scaling happen in `optimizer.step()`), advance the LR
 schedule by one global batch. Around it: log every --log-interval, evaluate every --eval-interval
 (forward only, same schedule and spans), save every --save-interval and at the end, stop at
---exit-interval. The flow follows Megatron-LM's `pretrain()`; the user supplies the same three
+--exit-interval, on --exit-signal-handler's signal or after --exit-duration-in-mins (saving
+first). The flow follows Megatron-LM's `pretrain()`; the user supplies the same three
 functions a Megatron `pretrain_gpt.py` does.
 
 Observability, as in Megatron-LM: the log line (logging_utils) and, after it with
@@ -32,7 +33,9 @@ from megatron.core.timers import Timers
 from megatron.core.utils import get_model_config
 
 from megatron.training import checkpointing, model_setup, numerics
+from megatron.training.checkpoint_common import starting_point
 from megatron.training.data import MicroBatchIterator, train_valid_test_num_samples
+from megatron.training.exit_conditions import ExitConditions
 from megatron.training.global_vars import get_args, get_tokenizer, set_global_variables
 from megatron.training.initialize import finish_megatron, initialize_megatron
 from megatron.training.logging_utils import (IntervalReport, PeakMemory, throughput,
@@ -75,6 +78,8 @@ class TrainingSummary:
     validation: list[tuple[object, dict[str, float]]] = field(default_factory=list)
     """(iteration, or "end/valid" / "end/test", reduced losses) of each evaluation."""
     checkpoints: list[str] = field(default_factory=list)
+    stopped_by: Optional[str] = None
+    """Why training stopped before --train-iters (--exit-interval, a signal, the duration)."""
 
 
 def print_rank_0(message: str) -> None:
@@ -103,8 +108,10 @@ class _Run:
     def __init__(self, args: argparse.Namespace, forward_step_func: ForwardStep,
                  model: list, optimizer: MegatronOptimizer,
                  scheduler: OptimizerParamScheduler,
-                 position: checkpointing.RunPosition, timers: Timers) -> None:
+                 position: checkpointing.RunPosition, timers: Timers,
+                 exits: ExitConditions) -> None:
         self.args = args
+        self.exits = exits
         self.forward_step_func = forward_step_func
         self.model = model
         self.optimizer = optimizer
@@ -242,8 +249,7 @@ class _Run:
             folder = checkpointing.save_checkpoint(
                 self.args.save, self.model, self.optimizer, self.scheduler,
                 checkpointing.RunPosition(self.iteration, self.consumed_train_samples,
-                                          self.consumed_valid_samples),
-                fully_reshardable_optimizer=self.args.dist_ckpt_optim_fully_reshardable)
+                                          self.consumed_valid_samples), self.args)
         self.summary.checkpoints.append(folder)
         print_rank_0(f"  saved checkpoint at iteration {self.iteration:7d} to {folder} "
                      f"in {time.perf_counter() - start:.2f} s")
@@ -302,7 +308,8 @@ def _peaks_per_stage(local_bytes: int) -> list[int]:
 
 
 def _train(run: _Run, train_iterators: list, valid_iterators: Optional[list]) -> bool:
-    """The loop; returns whether it reached --train-iters (False: stopped by --exit-interval)."""
+    """The loop; returns whether it reached --train-iters (False: stopped early, saved with
+    --save, the reason in run.summary.stopped_by)."""
     args = run.args
     saved_at = run.iteration       # a resumed run's starting point is saved already
     while run.iteration < args.train_iters:
@@ -318,11 +325,15 @@ def _train(run: _Run, train_iterators: list, valid_iterators: Optional[list]) ->
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             run.save()
             saved_at = iteration
-        if args.exit_interval and iteration % args.exit_interval == 0:
+        stop = run.exits.check()
+        if stop is None and args.exit_interval and iteration % args.exit_interval == 0:
+            stop = "--exit-interval"
+        if stop is not None and iteration < args.train_iters:
             if args.save and saved_at != iteration:
                 run.save()
-            print_rank_0(f" exiting program at iteration {iteration} (--exit-interval)")
-            return iteration >= args.train_iters
+            print_rank_0(f" exiting program at iteration {iteration} ({stop})")
+            run.summary.stopped_by = stop
+            return False
     if args.save and saved_at != run.iteration:
         run.save()
     return True
@@ -336,18 +347,21 @@ def pretrain(args: argparse.Namespace, train_valid_test_datasets_provider: Datas
     Collective: every rank of the torchrun / srun world calls it. Callable again in the same
     process (the process group is reused, parallel_state rebuilt).
     """
-    set_global_variables(args)
-    initialize_megatron(args)
+    exits = ExitConditions(args.exit_signal if args.exit_signal_handler else None,
+                           args.exit_duration_in_mins)    # the signal is caught from here on
     try:
+        set_global_variables(args)
+        initialize_megatron(args)
         return _pretrain(args, train_valid_test_datasets_provider, model_provider,
-                         forward_step_func)
+                         forward_step_func, exits)
     finally:
+        exits.release()
         finish_megatron()
 
 
 def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
               model_provider: model_setup.ModelProvider,
-              forward_step_func: ForwardStep) -> TrainingSummary:
+              forward_step_func: ForwardStep, exits: ExitConditions) -> TrainingSummary:
     print_rank_0(f"> training with {args.world_size} processes: TP={args.tensor_model_parallel_size}"
                  f" PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}"
                  f" V={args.virtual_pipeline_model_parallel_size or 1}, schedule "
@@ -367,20 +381,21 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
     scheduler = model_setup.build_lr_scheduler(args, optimizer)
 
     position = checkpointing.RunPosition()
-    if args.load:
-        loaded = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler)
-        if loaded is None:
-            print_rank_0(f" no checkpoint in --load {args.load}; starting from iteration 0")
-        else:
-            position = loaded
-            print_rank_0(f" loaded checkpoint from {args.load} at iteration {loaded.iteration}")
+    start = starting_point(args)
+    if start is not None:
+        position = checkpointing.load_checkpoint(start, model, optimizer, scheduler)
+        print_rank_0(f" loaded checkpoint from {start.flag} {start.folder}"
+                     + (" for fine-tuning (weights only)" if start.finetune else "")
+                     + f"; starting at iteration {position.iteration}")
+    elif args.load:
+        print_rank_0(f" no checkpoint in --load {args.load}; starting from iteration 0")
 
     train_ds, valid_ds, test_ds = datasets_provider(train_valid_test_num_samples(
         args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters))
     has_train, has_valid, has_test = _splits_present((train_ds, valid_ds, test_ds))
     if not has_train:
         raise RuntimeError("the datasets provider returned no training dataset")
-    run = _Run(args, forward_step_func, model, optimizer, scheduler, position, timers)
+    run = _Run(args, forward_step_func, model, optimizer, scheduler, position, timers, exits)
     valid_iterators = run.iterators(valid_ds, position.consumed_valid_samples) \
         if has_valid and args.eval_iters else None
     try:

@@ -28,7 +28,16 @@
   optimizer);
 - observability: the log line's timestamp and nan-iteration count, megatron's timers at
   --timing-log-level 2 after each line, and --profile's chrome traces on the ranks asked for,
-  holding the executor's actions by name.
+  holding the executor's actions by name;
+- preemption: SIGTERM on one rank with --exit-signal-handler stops every rank after that
+  iteration with a checkpoint, and resuming from it logs what the straight run logged;
+  --exit-duration-in-mins stops and saves after the first iteration past its budget;
+- extending a finished run to twice its iterations with --override-opt_param-scheduler follows
+  the new schedule (megatron-core's own scheduler, built fresh for 2 x 2N iterations, gives the
+  expected rates); --use-checkpoint-opt_param-scheduler keeps the old one (its minimum);
+- starting points: --no-load-optim --no-load-rng continues from the checkpoint's weights and data
+  position (the next loss is the straight run's) with fresh Adam; --finetune and
+  --pretrained-checkpoint start at iteration 0 from the same weights and log the same figures.
 """
 import json
 import os
@@ -191,29 +200,35 @@ def results(data_prefix, tmp_path_factory):
     cases = {}
     for layout in RESUME_LAYOUTS:
         flags, checkpoints = _resume_flags(data_prefix, layout), str(root / layout)
-        cases[(layout, "straight")] = flags
-        cases[(layout, "first_half")] = flags + ["--save", checkpoints, "--exit-interval", str(N)]
-        cases[(layout, "resumed")] = flags + ["--load", checkpoints, "--save", checkpoints]
-    cases.update(_reshard_cases(data_prefix, root))
+        cases[(layout, "straight")] = {"argv": flags}
+        cases[(layout, "first_half")] = {
+            "argv": flags + ["--save", checkpoints, "--exit-interval", str(N)]}
+        if layout == "dp2_distopt":      # from the checkpoint at N, before the next save
+            cases["no_load_optim"] = {"argv": flags + ["--load", checkpoints, "--no-load-optim",
+                                                       "--no-load-rng"]}
+        cases[(layout, "resumed")] = {"argv": flags + ["--load", checkpoints, "--save",
+                                                       checkpoints]}
+    cases.update({name: {"argv": argv} for name, argv in _reshard_cases(data_prefix, root).items()})
+    cases.update(_preemption_cases(data_prefix, root))
     cases.update({
-        "1f1b": _schedule_flags(data_prefix, "1f1b", 1) + [
+        "1f1b": {"argv": _schedule_flags(data_prefix, "1f1b", 1) + [
             "--tensorboard-dir", str(root / "tensorboard"), "--wandb-project", "seq1f1b-tests",
             "--wandb-exp-name", "1f1b", "--wandb-save-dir", str(root / "wandb"),
             "--profile", "--profile-step-start", "2", "--profile-step-end", "3",
-            "--profile-ranks", "0", "3"],
-        "seq1f1b": _schedule_flags(data_prefix, "seq1f1b", 4),
-        "megatron-1f1b": _schedule_flags(data_prefix, "megatron-1f1b", 1),
-        "documents-1f1b": _document_flags(data_prefix, "1f1b", 1),
-        "documents-seq1f1b": _document_flags(data_prefix, "seq1f1b", 4),
+            "--profile-ranks", "0", "3"]},
+        "seq1f1b": {"argv": _schedule_flags(data_prefix, "seq1f1b", 4)},
+        "megatron-1f1b": {"argv": _schedule_flags(data_prefix, "megatron-1f1b", 1)},
+        "documents-1f1b": {"argv": _document_flags(data_prefix, "1f1b", 1)},
+        "documents-seq1f1b": {"argv": _document_flags(data_prefix, "seq1f1b", 4)},
     })
     for layout in OVERLAP_LAYOUTS:
         for overlapped in (False, True):
-            cases[("overlap", layout, overlapped)] = _overlap_flags(data_prefix, layout,
-                                                                    overlapped)
+            cases[("overlap", layout, overlapped)] = {
+                "argv": _overlap_flags(data_prefix, layout, overlapped)}
     fake = root / "fake_wandb"
     fake.mkdir()
     (fake / "wandb.py").write_text(FAKE_WANDB)
-    out = run_cases(WORLD, "training_worker.py", [{"argv": argv} for argv in cases.values()],
+    out = run_cases(WORLD, "training_worker.py", list(cases.values()),
                     env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(fake)]),
                          "WANDB_MODE": "offline"})
     by_name = dict(zip(cases, out))
@@ -223,6 +238,40 @@ def results(data_prefix, tmp_path_factory):
     by_name["checkpoint_root"] = str(root)
     by_name["data_prefix"] = data_prefix
     return by_name
+
+
+SIGTERM_AT = (1, 2)
+"""Rank 1 (not the last, which logs) receives SIGTERM as iteration 2 starts."""
+
+
+def _preemption_cases(data_prefix: str, root) -> dict:
+    """Cases on the dp2_distopt layout, run after its straight / first_half / resumed cases (its
+    checkpoint folder then holds iterations N and 2N, the tracker at 2N)."""
+    flags = _resume_flags(data_prefix, "dp2_distopt")
+    finished, signalled = str(root / "dp2_distopt"), str(root / "signalled")
+    fine_tune = ["--train-iters", "3", "--eval-interval", "100"]
+    return {
+        "sigterm": {"argv": flags + ["--save", signalled, "--exit-signal-handler"],
+                    "sigterm": list(SIGTERM_AT)},
+        "after_sigterm": {"argv": flags + ["--load", signalled, "--save", signalled,
+                                           "--exit-signal-handler"]},
+        "duration": {"argv": flags + ["--save", str(root / "duration"),
+                                      "--exit-duration-in-mins", "1e-6"]},
+        "override": {"argv": _extended(flags, 4 * N) + [
+            "--load", finished, "--override-opt_param-scheduler", "--eval-iters", "0"]},
+        "use_checkpoint": {"argv": _extended(flags, 2 * N + 1) + [
+            "--load", finished, "--use-checkpoint-opt_param-scheduler", "--eval-iters", "0"]},
+        "finetune": {"argv": flags + fine_tune + ["--load", finished, "--finetune"]},
+        "pretrained": {"argv": flags + fine_tune + [
+            "--load", str(root / "finetuned"), "--save", str(root / "finetuned"),
+            "--pretrained-checkpoint", finished]},
+    }
+
+
+def _extended(flags: list[str], train_iters: int) -> list[str]:
+    """The same run asked to train to `train_iters` (the LR decays over them)."""
+    at = flags.index("--train-iters")
+    return flags[:at] + ["--train-iters", str(train_iters)] + flags[at + 2:]
 
 
 def _losses(result: dict) -> list[float]:
@@ -473,3 +522,68 @@ def test_a_distributed_optimizers_state_is_not_read_by_another_optimizer(results
                                             "--use-distributed-optimizer; its optimizer state"):
         validate_args(parse_args(flags + ["--load", f"{results['checkpoint_root']}/dp2_distopt"]),
                       WORLD)
+
+
+def test_sigterm_on_one_rank_stops_all_after_the_iteration_and_resumes_exactly(results):
+    first, resumed = results["sigterm"], results["after_sigterm"]
+    straight = results[("dp2_distopt", "straight")]
+    at = SIGTERM_AT[1]
+    assert first["iteration"] == at and first["stopped_by"] == "received SIGTERM"
+    assert first["checkpoints"] == [f"{results['checkpoint_root']}/signalled/iter_{at:07d}"]
+    assert resumed["start_iteration"] == at and resumed["stopped_by"] is None
+    assert first["history"] + resumed["history"] == straight["history"]
+
+
+def test_exit_duration_stops_and_saves(results):
+    result = results["duration"]
+    assert result["iteration"] == 1 and result["stopped_by"].startswith("--exit-duration-in-mins")
+    assert result["checkpoints"] == [f"{results['checkpoint_root']}/duration/iter_0000001"]
+
+
+def _schedule(train_iters: int) -> list[float]:
+    """The LR each iteration of a fresh run of the dp2_distopt flags uses, by megatron-core's
+    scheduler: warm-up 2, cosine 2e-3 -> 2e-4 over `train_iters`, 8 samples per iteration."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    group: dict = {}
+    scheduler = OptimizerParamScheduler(
+        SimpleNamespace(param_groups=[group]), init_lr=0.0, max_lr=2e-3, min_lr=2e-4,
+        lr_warmup_steps=2 * 8, lr_decay_steps=train_iters * 8, lr_decay_style="cosine",
+        start_wd=0.01, end_wd=0.01, wd_incr_steps=train_iters * 8, wd_incr_style="constant")
+    rates = []
+    for _ in range(train_iters):
+        rates.append(group["lr"])
+        scheduler.step(increment=8)
+    return rates
+
+
+def test_extending_a_run_follows_the_schedule_the_flags_choose(results):
+    override, kept = results["override"], results["use_checkpoint"]
+    assert override["start_iteration"] == 2 * N and override["iteration"] == 4 * N
+    rates = [r["learning_rate"] for r in override["history"]]
+    assert rates == pytest.approx(_schedule(4 * N)[2 * N:], rel=1e-12)
+    assert min(rates) > 2e-4          # the old schedule had reached its minimum
+    assert [r["learning_rate"] for r in kept["history"]] == [2e-4]
+    straight = results[("dp2_distopt", "straight")]["history"]
+    assert [r["learning_rate"] for r in straight] == pytest.approx(_schedule(2 * N), rel=1e-12)
+
+
+def test_no_load_optim_continues_the_weights_and_data_with_fresh_adam(results):
+    result, straight = results["no_load_optim"], results[("dp2_distopt", "straight")]["history"]
+    assert result["start_iteration"] == N
+    history = result["history"]
+    assert history[0]["losses"] == straight[N]["losses"]       # W_N on batch N + 1
+    assert history[0]["learning_rate"] == 0.0                  # Megatron: schedule not loaded
+    assert history[2]["losses"] != straight[N + 2]["losses"]
+
+
+def test_finetune_and_pretrained_checkpoint_start_from_the_weights(results):
+    finetune, pretrained = results["finetune"], results["pretrained"]
+    assert finetune["start_iteration"] == pretrained["start_iteration"] == 0
+    assert [r["learning_rate"] for r in finetune["history"]] == [0.0, 1e-3, 2e-3]
+    assert finetune["history"] == pretrained["history"]
+    fresh = results[("dp2_distopt", "straight")]["history"][0]
+    assert finetune["history"][0]["losses"]["lm loss"] < fresh["losses"]["lm loss"]
+    assert pretrained["checkpoints"] == [f"{results['checkpoint_root']}/finetuned/iter_0000003"]

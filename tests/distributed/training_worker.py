@@ -1,12 +1,14 @@
 """torchrun worker: runs pretrain_gpt.py's training for each case in turn, in one launch.
 
-A case is {"argv": [flags]}; the flags are validated for this world and trained with
-pretrain_gpt.py's own model provider, forward step and datasets provider. The last rank (which
-holds the losses) writes one result per case: the per-iteration history, the evaluations, the
-start and end iteration, what the case printed on that rank (the log lines), how many gradient
-bucket reductions (after the first iteration, which only learns the buckets) were launched while
-the schedule ran versus after it (`--overlap-grad-reduce` must launch them all while it runs) and
-the seconds it took, or the error.
+A case is {"argv": [flags]}, optionally with "sigterm": [rank, iteration]: that rank sends
+itself SIGTERM as that iteration starts (as Slurm or torchrun would, on one rank only). The flags
+are validated for this world and trained with pretrain_gpt.py's own model provider, forward step
+and datasets provider. The last rank (which holds the losses) writes one result per case: the
+per-iteration history, the evaluations, the start and end iteration, why it stopped early, what
+the case printed on that rank (the log lines), how many gradient bucket reductions (after the
+first iteration, which only learns the buckets) were launched while the schedule ran versus after
+it (`--overlap-grad-reduce` must launch them all while it runs) and the seconds it took, or the
+error.
 
 Imports of megatron-core happen inside the functions: a checkpoint save starts a `spawn` helper
 process that re-imports this file, and each of the four ranks would pay for them again.
@@ -14,13 +16,36 @@ process that re-imports this file, and each of the four ranks would pay for them
 import contextlib
 import io
 import json
+import os
+import signal
 import sys
 import time
 import traceback
 import warnings
 
 
-def run(argv: list) -> dict:
+@contextlib.contextmanager
+def sigterm_at(rank: int, iteration: int):
+    """While active, rank `rank` sends itself SIGTERM just before it starts `iteration`."""
+    import torch.distributed as dist
+
+    from megatron.training import training
+
+    original = training._Run.train_step
+
+    def train_step(run, iterators):
+        if dist.get_rank() == rank and run.iteration == iteration - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(run, iterators)
+
+    training._Run.train_step = train_step
+    try:
+        yield
+    finally:
+        training._Run.train_step = original
+
+
+def run(argv: list, sigterm: list = None) -> dict:
     import torch.distributed as dist
 
     import pretrain_gpt
@@ -28,12 +53,13 @@ def run(argv: list) -> dict:
     from megatron.training.training import pretrain
 
     args = validate_args(parse_args(argv), dist.get_world_size())
-    summary = pretrain(args, pretrain_gpt.train_valid_test_datasets_provider,
-                       pretrain_gpt.model_provider, pretrain_gpt.forward_step)
+    with sigterm_at(*sigterm) if sigterm else contextlib.nullcontext():
+        summary = pretrain(args, pretrain_gpt.train_valid_test_datasets_provider,
+                           pretrain_gpt.model_provider, pretrain_gpt.forward_step)
     return {"start_iteration": summary.start_iteration, "iteration": summary.iteration,
             "history": [vars(record) for record in summary.history],
             "validation": [[where, losses] for where, losses in summary.validation],
-            "checkpoints": summary.checkpoints}
+            "checkpoints": summary.checkpoints, "stopped_by": summary.stopped_by}
 
 
 class ReductionProbe:
@@ -84,7 +110,7 @@ def main(cases_path: str, results_path: str) -> None:
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
-                result = run(case["argv"])
+                result = run(case["argv"], case.get("sigterm"))
         except Exception as err:  # reported per case; the other cases still run
             result = {"error": f"{type(err).__name__}: {err}",
                       "traceback": traceback.format_exc()[-3000:]}

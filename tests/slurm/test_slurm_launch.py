@@ -110,18 +110,28 @@ class Job:
         return dict(item.split("=", 1) for item in lines[-1].split()[1:])
 
 
-def _shell(cluster, command: str) -> subprocess.Popen:
-    """`command` in bash from the repository root, after `export` of TINY_MODEL."""
-    return subprocess.Popen(["bash", "-c", command], cwd=REPO, env={**cluster.env, **TINY_MODEL},
+NO_EARLY_SIGNAL = {"SBATCH_SIGNAL": "TERM@1"}
+"""For jobs that are about launching, not preemption (test_slurm_preemption is): sbatch's
+environment overrides the scripts' `#SBATCH --signal=TERM@120`, so that on a slow machine a job
+nearing its 6-minute limit is not stopped early by the warning."""
+
+
+def _shell(cluster, command: str, early_signal: bool = False) -> subprocess.Popen:
+    """`command` in bash from the repository root, after `export` of TINY_MODEL (and, unless
+    `early_signal`, of NO_EARLY_SIGNAL)."""
+    env = {**cluster.env, **TINY_MODEL, **({} if early_signal else NO_EARLY_SIGNAL)}
+    return subprocess.Popen(["bash", "-c", command], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _submit(cluster, work: Path, name: str, launch: Launch) -> Job:
-    """The launch's command line, with a job name, output file and run folder of this test."""
-    output, run_dir = work / f"{name}.out", work / name
+def _submit(cluster, work: Path, name: str, launch: Launch, run_dir: Optional[Path] = None,
+            early_signal: bool = False) -> Job:
+    """The launch's command line, with a job name, output file and run folder (default: one
+    named after the job) of this test."""
+    output, run_dir = work / f"{name}.out", run_dir or work / name
     command = launch.command().replace(
         " sbatch ", f" RUN_DIR={run_dir} sbatch --job-name={name} --output={output} ", 1)
-    return Job(name, _shell(cluster, command), output, run_dir)
+    return Job(name, _shell(cluster, command, early_signal), output, run_dir)
 
 
 @pytest.fixture(scope="module")

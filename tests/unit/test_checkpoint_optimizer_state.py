@@ -13,12 +13,15 @@ here as an installed TE sets them.
 """
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron.training.checkpoint_common import StartingPoint
 from megatron.training.checkpointing import RunPosition, load_checkpoint, save_checkpoint
 from seq1f1b.megatron_adapter import build_model_chunk, make_transformer_config
 
@@ -122,10 +125,13 @@ def test_resume_restores_adam_state_in_each_layout(adam, tmp_path):
     model, optimizer, scheduler = _training_state()
     _steps(model, optimizer, 2)
     saved = _adam_state(optimizer)
-    save_checkpoint(str(tmp_path), model, optimizer, scheduler, RunPosition(iteration=2))
+    flags = argparse.Namespace(position_embedding_type="rope", use_distributed_optimizer=True)
+    save_checkpoint(str(tmp_path), model, optimizer, scheduler, RunPosition(iteration=2), flags)
 
     model, optimizer, scheduler = _training_state()
-    assert load_checkpoint(str(tmp_path), model, optimizer, scheduler).iteration == 2
+    start = StartingPoint(str(tmp_path), 2, "--load", finetune=False, load_optim=True,
+                          load_rng=True)
+    assert load_checkpoint(start, model, optimizer, scheduler).iteration == 2
     tensors, group_steps = _adam_state(optimizer)
     assert [sorted(t) for t in tensors] == [sorted(t) for t in saved[0]]
     for loaded, before in zip(tensors, saved[0]):

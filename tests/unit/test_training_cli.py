@@ -73,6 +73,13 @@ CLI_CASES = [  # (changes to the base flags, world size, flag the message must n
     (lambda f, t: {**f, "--wandb-project": "p", "--wandb-exp-name": "e"}, 1, "--wandb-project"),
     # the suite runs without a GPU
     (lambda f, t: {**f, "--record-memory-history": None}, 1, "--record-memory-history"),
+    (lambda f, t: {**f, "--finetune": None}, 1, "--finetune"),
+    (lambda f, t: {**f, "--pretrained-checkpoint": str(t)}, 1, "--pretrained-checkpoint"),
+    (lambda f, t: {**f, "--override-opt_param-scheduler": None,
+                   "--use-checkpoint-opt_param-scheduler": None}, 1,
+     "--use-checkpoint-opt_param-scheduler"),
+    (lambda f, t: {**f, "--exit-signal": "SIGUSR1"}, 1, "--exit-signal-handler"),
+    (lambda f, t: {**f, "--exit-duration-in-mins": "0"}, 1, "--exit-duration-in-mins"),
 ]
 
 
@@ -145,3 +152,49 @@ def test_null_tokenizer_gives_mock_data_a_real_vocabulary(tmp_path):
 def test_null_tokenizer_flags_are_checked(tmp_path, flags, flag):
     with pytest.raises(ArgumentError, match=flag):
         validate_args(parse_args(_argv({**_base(tmp_path), **flags})), 1)
+
+
+def _checkpoint_after(tmp_path: Path, train_iters: int) -> str:
+    """A real checkpoint (ours, one process) of a run of `train_iters` iterations of the base
+    flags, saved at its end: its LR schedule is the one build_lr_scheduler made for them."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron.training import model_setup
+    from megatron.training.checkpointing import RunPosition, save_checkpoint
+    from seq1f1b.megatron_adapter import build_model_chunk
+
+    flags = {**_base(tmp_path), "--train-iters": str(train_iters)}
+    args = validate_args(parse_args(_argv(flags)), 1)
+    config = model_setup.core_transformer_config_from_args(args)
+    chunk = build_model_chunk(config, vocab_size=args.padded_vocab_size, max_sequence_length=64)
+    model = [DistributedDataParallel(config, DistributedDataParallelConfig(), chunk)]
+    optimizer = model_setup.build_optimizer(args, config, model)
+    scheduler = model_setup.build_lr_scheduler(args, optimizer)
+    scheduler.step(increment=train_iters * args.global_batch_size)
+    root = tmp_path / "old_run"
+    save_checkpoint(str(root), model, optimizer, scheduler,
+                    RunPosition(train_iters, train_iters * args.global_batch_size), args)
+    return str(root)
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_extending_a_run_needs_a_word_on_its_lr_schedule(tmp_path):
+    """The checkpoint decays over 2 iterations, the flags over 4: Megatron-LM stops; so does
+    the entry point, in one line naming both values and both flags, before anything is
+    written. Either flag, or the same schedule, lets the run start."""
+    load = _checkpoint_after(tmp_path, 2)
+    flags = {**_base(tmp_path), "--load": load}
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    proc = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *_argv(flags)],
+                          cwd=tmp_path, env={**os.environ, "WORLD_SIZE": "1"},
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "lr_decay_steps 4 in the checkpoint, 8 from the flags" in lines[0]
+    assert "--override-opt_param-scheduler" in lines[0]
+    assert "--use-checkpoint-opt_param-scheduler" in lines[0]
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+    for extra in (["--override-opt_param-scheduler"], ["--use-checkpoint-opt_param-scheduler"],
+                  ["--no-load-optim"], ["--finetune"]):
+        validate_args(parse_args(_argv(flags) + extra), 1)
+    validate_args(parse_args(_argv({**flags, "--train-iters": "2"})), 1)
