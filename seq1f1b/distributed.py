@@ -36,6 +36,21 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     return rank, world
 
 
+def join_gloo_world() -> None:
+    """Join torchrun's world when RANK is set, else a gloo world of one over an in-memory store
+    (no port to collide on), with the CPU platform layer active: for tests and single-process
+    tools that build megatron-core models on the host."""
+    from seq1f1b import platform
+
+    platform.activate()
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 def _process_groups(value, found: dict) -> None:
     if isinstance(value, dist.ProcessGroup):
         found[id(value)] = value

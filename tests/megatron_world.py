@@ -5,11 +5,9 @@ A module of its own, not conftest.py: several conftest.py files exist under test
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from seq1f1b.distributed import release_model_parallel
 
@@ -28,15 +26,10 @@ def init_megatron(tensor_model_parallel_size: int = 1, pipeline_model_parallel_s
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    from seq1f1b import platform
+    from seq1f1b.distributed import join_gloo_world
 
     torch.set_num_threads(1)
-    platform.activate()
-    if not dist.is_initialized():
-        if "RANK" in os.environ:
-            dist.init_process_group("gloo")
-        else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    join_gloo_world()
     if parallel_state.model_parallel_is_initialized():
         release_model_parallel()
     parallel_state.initialize_model_parallel(

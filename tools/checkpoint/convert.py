@@ -56,17 +56,11 @@ def parse_args(argv) -> argparse.Namespace:
 
 def _single_process_world() -> None:
     """A gloo world of one (or torchrun's) and TP = PP = 1, for the whole model."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from seq1f1b import platform
+    from seq1f1b.distributed import join_gloo_world
 
-    platform.activate()
-    if not dist.is_initialized():
-        if "RANK" in os.environ:
-            dist.init_process_group("gloo")
-        else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    join_gloo_world()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
 
