@@ -516,7 +516,8 @@ def test_a_dp_reshardable_optimizer_at_another_layout_is_refused_in_one_line(res
         r"pretrain_gpt.py: error: --load: \S+/iter_0000006 holds the distributed optimizer's "
         r"state in the dp_reshardable format, which reshards across DP only; it was saved at "
         r"TP1 x PP2 x V1 x DP2, this run is TP1 x PP4 x V1 x DP1 \(save with "
-        r"--dist-ckpt-optim-fully-reshardable to change TP, PP or V\)\n", proc.stderr), proc.stderr
+        r"--dist-ckpt-optim-fully-reshardable to change TP, PP or V, or give --no-load-optim\)\n",
+        proc.stderr), proc.stderr
     assert proc.stdout == ""
     assert {path: path.stat().st_mtime_ns for path in checkpoints.rglob("*")} == before
 
