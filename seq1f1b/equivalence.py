@@ -141,6 +141,19 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
         help="document masking: a token attends only to its own document")
     add("--reset-position-ids", action="store_true",
         help="positions restart at 0 with each document")
+    parser.add_argument("--untie-embeddings-and-output-weights", dest="untie_embeddings",
+                        action="store_true",
+                        help="separate output-layer weights (V placements need them)")
+
+
+def check_placement(schedule: str, untie_embeddings: bool) -> None:
+    """A V placement with tied embeddings, refused before any work (ValueError, one line):
+    megatron_adapter would refuse it only when the model is built."""
+    if schedule not in MEGATRON_SCHEDULES and not untie_embeddings \
+            and registry.get(schedule).placement == "vshape":
+        raise ValueError(f"{schedule} places the embedding and the output layer in two chunks of "
+                         "pipeline rank 0, which megatron cannot tie: add "
+                         "--untie-embeddings-and-output-weights")
 
 
 def check_documents(case: "EquivalenceCase") -> None:

@@ -5,13 +5,15 @@
         --num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \\
         --schedules 1f1b seq1f1b --partition compute --plot timelines.png
 
-Schedules with the same chunk count share one set of model chunks and are timed round-robin
+Schedules with the same chunk count and placement share one set of model chunks and are timed
+round-robin
 (each round runs every schedule once, so load changes on a shared machine hit all alike):
 --warmup untimed rounds, then --iterations timed ones (a barrier before each iteration; its time
 is the slowest rank's forward-backward, grad finalisation included, no optimizer step), then one
 iteration each with the saved-tensor meter on (memory is measured apart so that the meter's hooks
 do not slow the timed iterations). Per schedule it reports: median iteration time, tokens/s, the
-ratio to the first schedule (of medians, and of the fastest iterations), the measured bubble
+ratio to the first schedule (of medians; paired: the median of per-round ratios, which a slow
+drift of the machine's speed does not move; of the fastest iterations), the measured bubble
 (idle / (P x makespan) from the per-action timeline, waits for a neighbour counted as idle), the
 simulator's bubble, makespan and ratio for the same plan with per-action costs calibrated from
 the measured ones (median F and B per stage and span), what uniform span costs would predict,
@@ -27,6 +29,9 @@ timed iterations run the cut balanced in that measured time, which the output re
 traced entry's JSON carries its measured spans (`spans`: start, end, forward_s, backward_s), so
 the output is itself a calibration file for `plan.py partition --method fit --calibration`. megatron-core's own schedules
 (megatron-*) run without a trace: they are timed as a whole.
+V-shaped schedules (zbv, seq1f1b-zbv, seq1f1b-zb-auto) need --untie-embeddings-and-output-weights
+and --chunks 2. The searched seq1f1b-zb-auto is placed with its default budget, or under
+--schedule-memory-cap with this model's FLOP and byte costs.
 Output: a markdown table on rank 0; --json prints JSON instead; --output FILE also writes it.
 """
 from __future__ import annotations
@@ -64,6 +69,16 @@ class Run:
     partition: str = "even"        # even | compute | explicit (--span-lengths) | fit
 
     @property
+    def group(self) -> tuple[int, str]:
+        """Runs of one group share model chunks: the same count, placed the same way (a V
+        puts the last stage on rank 0)."""
+        from seq1f1b.plan import registry
+        from seq1f1b.runtime.forward_backward import MEGATRON_SCHEDULES
+
+        loop = self.schedule in MEGATRON_SCHEDULES
+        return self.chunks, "loop" if loop else registry.get(self.schedule).placement
+
+    @property
     def label(self) -> str:
         return self.schedule if self.splits == 1 else f"{self.schedule}@{self.partition}"
 
@@ -83,6 +98,10 @@ def build_parser() -> Parser:
     add("--iterations", type=int, default=3, help="timed iterations per schedule")
     add("--threads", type=int, default=1, help="torch intra-op threads per process")
     add("--json", action="store_true", help="print JSON instead of the markdown table")
+    add("--schedule-memory-cap", metavar="CAP", default=None,
+        help="searched schedules (seq1f1b-zb-auto): per-rank cap on held activations and K/V, "
+             "bytes (e.g. 512MiB) or a fraction of 1F1B's rank-0 peak (e.g. 0.5x), placed with "
+             "this model's FLOP and byte costs; default: the schedule's own budget")
     add("--output", metavar="FILE.json", help="also write the JSON here")
     add("--plot", metavar="FILE.png", help="measured vs simulated timelines of traced schedules")
     return parser
@@ -90,9 +109,17 @@ def build_parser() -> Parser:
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, list[Run]]:
     """Parse and check everything that can be checked before the processes meet."""
+    from seq1f1b.equivalence import check_placement
+    from seq1f1b.plan.actions import ScheduleError
+    from seq1f1b.plan.budget import MemoryCap
     from seq1f1b.runtime.forward_backward import MEGATRON_SCHEDULES, schedule_names
 
     args = build_parser().parse_args(argv)
+    if args.schedule_memory_cap is not None:
+        try:
+            MemoryCap.parse(args.schedule_memory_cap)
+        except ScheduleError as err:
+            raise UsageError(str(err)) from None
     if args.span_lengths:
         args.partition = "explicit"
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -125,6 +152,13 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
         if args.span_lengths and k != len(args.span_lengths):
             raise UsageError(f"--schedules {entry}: k = {k} but --span-lengths gives "
                              f"{len(args.span_lengths)} spans")
+        try:
+            check_placement(name, args.untie_embeddings)
+        except ValueError as err:
+            raise UsageError(f"--schedules {entry}: {err}") from None
+        if cut == "fit" and args.schedule_memory_cap and is_searched(name):
+            raise UsageError(f"--schedules {entry}: a searched schedule is placed before the "
+                             "warm-up, with the compute or even cut's costs: use @compute")
         chunks = args.chunks if is_chunked(name) else 1
         if is_chunked(name) and (chunks < 2 or args.num_layers % (args.pp * chunks)):
             raise UsageError(f"--chunks {chunks}: {name} needs >= 2 chunks that divide the "
@@ -132,9 +166,27 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
         if k > args.seq_length:
             raise UsageError(f"--schedules {entry}: k = {k} exceeds --seq-length")
         runs.append(Run(name, k, chunks, cut or args.partition))
+    if args.schedule_memory_cap is not None and not any(is_searched(run.schedule)
+                                                          for run in runs):
+        raise UsageError("--schedule-memory-cap: no searched schedule (seq1f1b-zb-auto) in "
+                         "--schedules")
+    for run in runs:
+        if is_searched(run.schedule):
+            try:            # placed here: a cap no order fits is refused before any work
+                _plan(args, run)
+            except ScheduleError as err:
+                raise UsageError(f"--schedules {run.label}: {err}") from None
     if any(run.partition == "fit" for run in runs) and args.warmup < 1:
         raise UsageError("a fit partition calibrates from the warm-up: --warmup must be >= 1")
     return args, runs
+
+
+def is_searched(name: str) -> bool:
+    """Whether schedule `name` is placed by a search under a memory budget."""
+    from seq1f1b.plan import registry
+    from seq1f1b.runtime.forward_backward import MEGATRON_SCHEDULES
+
+    return name not in MEGATRON_SCHEDULES and registry.get(name).searched
 
 
 def is_chunked(name: str) -> bool:
@@ -189,7 +241,6 @@ def _fitted_cut(args: argparse.Namespace, run: Run, traces: list, representative
     result on all ranks: every rank fits the same gathered times)."""
     import torch.distributed as dist
 
-    from seq1f1b.plan import registry
     from seq1f1b.plan.partition import partition
     from seq1f1b.plan.span_fit import fit_span_times
 
@@ -198,9 +249,7 @@ def _fitted_cut(args: argparse.Namespace, run: Run, traces: list, representative
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     ranks = [actions for _, rep, actions in sorted(g for g in gathered if g[1])]
-    schedule = registry.build(run.schedule, args.pp, args.num_microbatches, run.splits,
-                              run.chunks)
-    fit = fit_span_times(span_timings(schedule, ranks, traces[0].span_bounds))
+    fit = fit_span_times(span_timings(_plan(args, run), ranks, traces[0].span_bounds))
     lengths = partition(args.seq_length, run.splits, "fit", tp=args.tp,
                         sequence_parallel=args.sequence_parallel, fit=fit)
     return tuple(lengths), fit.describe()
@@ -233,15 +282,16 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
     mine = batches[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
 
     cuts: dict[Run, tuple[tuple[int, ...], str]] = {}     # fit entries, after the warm-up
+    budgets = {run: _budget(args, run) for run in runs}
 
     def settings_of(run: Run, trace: Optional[ExecutionTrace]) -> SpanSettings:
         if run.partition == "fit":          # compute until the warm-up has been fitted
             lengths = cuts[run][0] if run in cuts else None
             return SpanSettings(run.splits, "explicit" if lengths else "compute", lengths,
-                                trace=trace)
+                                trace=trace, budget=budgets[run])
         return SpanSettings(run.splits, run.partition,
                             tuple(case.span_lengths) if case.span_lengths else None,
-                            trace=trace)
+                            trace=trace, budget=budgets[run])
 
     def iteration(run: Run, trace: Optional[ExecutionTrace]) -> float:
         settings = settings_of(run, trace)
@@ -298,27 +348,67 @@ def _plan_name(schedule: str) -> str:
     return MEGATRON_PLANS.get(schedule, schedule)
 
 
+def _cost_model(args: argparse.Namespace):
+    """The benchmark's model as the cost model sees it."""
+    from seq1f1b.plan.costs import ModelConfig
+
+    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads,
+                       ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
+                       num_query_groups=args.num_query_groups, swiglu=args.swiglu,
+                       normalization=args.normalization,
+                       add_bias_linear=not args.disable_bias_linear,
+                       add_qkv_bias=args.add_qkv_bias)
+
+
+def _budget(args: argparse.Namespace, run: Run):
+    """A searched schedule's budget under --schedule-memory-cap: this model's FLOPs as durations
+    (at a nominal rate: only their proportions steer the search) and its fp32 bytes, with the
+    cut the run starts with (a fit entry's compute cut). None: the schedule's default build."""
+    if args.schedule_memory_cap is None or not is_searched(run.schedule):
+        return None
+    from seq1f1b.plan.budget import MemoryCap, model_budget
+    from seq1f1b.plan.partition import partition
+    from seq1f1b.plan.simulate import model_costs
+
+    model = _cost_model(args)
+    cut = "compute" if run.partition == "fit" else run.partition
+    spans = partition(args.seq_length, run.splits, cut, model, tp=args.tp,
+                      sequence_parallel=args.sequence_parallel,
+                      lengths=list(args.span_lengths) if args.span_lengths else None)
+
+    def costs_of(schedule, whole: bool):
+        return model_costs(schedule, model, [args.seq_length] if whole else spans,
+                           flops_per_second=1e12, tp=args.tp,
+                           sequence_parallel=args.sequence_parallel,
+                           batch=args.micro_batch_size, bytes_per_element=4)
+
+    return model_budget(run.schedule, args.pp, args.num_microbatches, run.splits, run.chunks,
+                        MemoryCap.parse(args.schedule_memory_cap), costs_of)
+
+
+def _plan(args: argparse.Namespace, run: Run):
+    """The plan `run` executes (its budget included), as the analysis replays it."""
+    from seq1f1b.plan import registry
+
+    return registry.build(_plan_name(run.schedule), args.pp, args.num_microbatches, run.splits,
+                          run.chunks, budget=_budget(args, run))
+
+
 def _memory_estimate(args: argparse.Namespace, run: Run, dp: int, lengths: tuple[int, ...]):
     """The estimator's figures for `run` with the spans it ran (`lengths`)."""
-    from seq1f1b.plan.costs import ModelConfig
     from seq1f1b.plan.memory import TrainingSetup, estimate_memory
 
-    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads,
-                        ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
-                        num_query_groups=args.num_query_groups, swiglu=args.swiglu,
-                        normalization=args.normalization,
-                        add_bias_linear=not args.disable_bias_linear,
-                        add_qkv_bias=args.add_qkv_bias)
     setup = TrainingSetup(
-        model=model, seq_length=args.seq_length, schedule=run.schedule, pp=args.pp,
+        model=_cost_model(args), seq_length=args.seq_length, schedule=run.schedule, pp=args.pp,
         microbatches=args.num_microbatches, splits=run.splits, chunks=run.chunks, tp=args.tp,
         dp=dp, micro_batch_size=args.micro_batch_size,
         sequence_parallel=args.sequence_parallel, partition="explicit",
         span_lengths=lengths,
         precision="fp32", make_vocab_size_divisible_by=1,   # the benchmark's model: unpadded
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers)
+        recompute_num_layers=args.recompute_num_layers,
+        schedule_memory_cap=args.schedule_memory_cap if is_searched(run.schedule) else None)
     return estimate_memory(setup)
 
 
@@ -342,14 +432,12 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
 
     `measured[n][pp_rank]` is what pipeline rank `pp_rank` measured for run n.
     """
-    from seq1f1b.plan import registry
     from seq1f1b.plan.simulate import calibrated_costs, measured_report, simulate
 
     tokens = args.num_microbatches * args.micro_batch_size * args.seq_length * dp
     rows, pairs = [], []
     for run, ranks in zip(runs, measured):
-        schedule = registry.build(_plan_name(run.schedule), args.pp, args.num_microbatches,
-                                  run.splits, run.chunks)
+        schedule = _plan(args, run)
         seconds = ranks[0].seconds
         median = statistics.median(seconds)
         row = {"schedule": run.schedule, "splits": run.splits, "chunks": run.chunks,
@@ -386,9 +474,12 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
             pairs.append((reports[len(reports) // 2], predicted))
         rows.append(row)
     base = rows[0]
-    for row in rows:
+    for run, row in zip(runs, rows):
         row["ratio_to_first"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["best_ratio_to_first"] = base["best_iteration_s"] / row["best_iteration_s"]
+        row["paired_ratio_to_first"] = (statistics.median(
+            first / mine for first, mine in zip(base["iterations_s"], row["iterations_s"]))
+            if run.group == runs[0].group else None)
         if "simulated_makespan_s" in row and "simulated_makespan_s" in base:
             row["simulated_ratio_to_first"] = (base["simulated_makespan_s"]
                                                / row["simulated_makespan_s"])
@@ -421,21 +512,23 @@ def markdown(result: dict) -> str:
              f"h={c['hidden_size']} heads={c['num_attention_heads']} vocab={c['vocab_size']} "
              f"partition={c['partition']} recompute={_recompute_text(c)} threads={c['threads']} "
              f"warmup={c['warmup']} "
-             f"iterations={c['iterations']}. iter ms, tokens/s, ratio: medians; best-of ratio: "
-             "of the fastest iterations (interference only adds time); bubble diff = "
+             f"iterations={c['iterations']}. iter ms, tokens/s, ratio: medians; paired ratio: "
+             "median over rounds of the first schedule's time over this one's in the same round "
+             "(same V and placement only: each such group runs its own rounds); best-of ratio: of the fastest "
+             "iterations (interference only adds time); bubble diff = "
              "(measured - simulated) / simulated", "",
-             "| schedule | k | V | iter ms | tokens/s | ratio | best-of ratio | sim ratio | "
-             "uniform-cost ratio | bubble meas | bubble sim | bubble diff | makespan meas/sim | "
-             "rank-0 peak MiB | rank-0 est MiB |",
-             "|" + "---|" * 15]
+             "| schedule | k | V | iter ms | tokens/s | ratio | paired ratio | best-of ratio | "
+             "sim ratio | uniform-cost ratio | bubble meas | bubble sim | bubble diff | "
+             "makespan meas/sim | rank-0 peak MiB | rank-0 est MiB |",
+             "|" + "---|" * 16]
     for r in result["runs"]:
         makespans = (f"{r['measured_makespan_s'] * 1e3:.0f}/{r['simulated_makespan_s'] * 1e3:.0f}"
                      if "measured_makespan_s" in r else "-")
         lines.append(
             f"| {r['label']} | {r['splits']} | {r['chunks']} | {r['iteration_s'] * 1e3:.1f} | "
             f"{r['tokens_per_s']:.0f} | {r['ratio_to_first']:.3f} | "
-            f"{r['best_ratio_to_first']:.3f} | {ratio(r.get('simulated_ratio_to_first'))} | "
-            f"{r['uniform_cost_ratio']:.3f} | "
+            f"{ratio(r.get('paired_ratio_to_first'))} | {r['best_ratio_to_first']:.3f} | "
+            f"{ratio(r.get('simulated_ratio_to_first'))} | {r['uniform_cost_ratio']:.3f} | "
             f"{pct(r.get('measured_bubble'))} | {pct(r.get('simulated_bubble'))} | "
             f"{pct(r.get('bubble_rel_diff'))} | {makespans} | "
             f"{mib(r.get('peak_saved_bytes'))} | {mib(r.get('estimated_held_bytes'))} |")
@@ -468,8 +561,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     weights = whole_model_weights(_case(args, runs[0]))
     batches = global_batch(_case(args, runs[0]), dp)
     mine: list[Optional[Measured]] = [None] * len(runs)
-    for chunks in dict.fromkeys(run.chunks for run in runs):        # in order of appearance
-        members = [n for n, run in enumerate(runs) if run.chunks == chunks]
+    for group in dict.fromkeys(run.group for run in runs):          # in order of appearance
+        members = [n for n, run in enumerate(runs) if run.group == group]
         for n, result in zip(members, _run_group(args, [runs[n] for n in members], weights,
                                                  batches)):
             mine[n] = result

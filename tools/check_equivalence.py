@@ -28,7 +28,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     add = parser.add_argument
     add("--schedule", default="seq1f1b", choices=schedule_names())
     add_model_flags(parser)
-    add("--untie-embeddings-and-output-weights", action="store_true")
     add("--init-method-std", type=float, default=0.2,
         help="weight init std (0.2: sharp attention, so a wrong position or K/V shows)")
     add("--hidden-dropout", type=float, default=0.0)
@@ -45,10 +44,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.span_lengths:
         args.partition = "explicit"
-    from seq1f1b.equivalence import check_documents
+    from seq1f1b.equivalence import check_documents, check_placement
 
     try:
         check_documents(case_from_args(args))
+        check_placement(args.schedule, args.untie_embeddings)
     except ValueError as err:      # one line, before any process group exists
         print(f"check_equivalence.py: error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -58,8 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def case_from_args(args: argparse.Namespace):
     from seq1f1b.equivalence import EquivalenceCase, case_fields
 
-    return EquivalenceCase(**case_fields(args),
-                           untie_embeddings=args.untie_embeddings_and_output_weights)
+    return EquivalenceCase(**case_fields(args))
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,8 @@ from seq1f1b.plan.calibration import CalibrationError, read_device_check
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-SCHEDULES = ["1f1b", "seq1f1b", "megatron-1f1b", "seq1f1b-interleaved", "seq1f1b@fit"]
+SCHEDULES = ["1f1b", "seq1f1b", "megatron-1f1b", "seq1f1b-interleaved", "seq1f1b@fit",
+             "seq1f1b-zb-auto"]
 
 
 def _free_port() -> int:
@@ -31,7 +32,8 @@ def benchmark(tmp_path_factory):
            str(ROOT / "tools" / "benchmark.py"), "--pp", "2", "--num-layers", "4",
            "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
            "--vocab-size", "64", "--num-microbatches", "2", "--splits", "2", "--warmup", "1",
-           "--iterations", "1", "--schedules", *SCHEDULES, "--output", str(out / "result.json"),
+           "--iterations", "2", "--schedules", *SCHEDULES, "--output", str(out / "result.json"),
+           "--untie-embeddings-and-output-weights", "--schedule-memory-cap", "0.7x",
            "--plot", str(out / "timelines.png")]
     proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -42,9 +44,16 @@ def test_every_schedule_is_reported_in_order(benchmark):
     stdout, result, _ = benchmark
     runs = result["runs"]
     assert [r["schedule"] for r in runs] == [entry.split("@")[0] for entry in SCHEDULES]
-    assert [(r["splits"], r["chunks"]) for r in runs] == [(1, 1), (2, 1), (1, 1), (2, 2), (2, 1)]
-    assert [r["partition"] for r in runs[1:]] == ["even", "even", "even", "fit"]
+    assert [(r["splits"], r["chunks"]) for r in runs] == [(1, 1), (2, 1), (1, 1), (2, 2), (2, 1),
+                                                          (2, 2)]
+    assert [r["partition"] for r in runs[1:]] == ["even", "even", "even", "fit", "even"]
     assert runs[0]["ratio_to_first"] == 1.0
+    for run in runs:        # paired by round only with the first schedule's chunks
+        paired = run["paired_ratio_to_first"]
+        assert (paired is None) == (run["chunks"] != 1)       # V, or V-shaped
+        if paired is not None:
+            rounds = sorted(a / b for a, b in zip(runs[0]["iterations_s"], run["iterations_s"]))
+            assert paired == pytest.approx((rounds[0] + rounds[1]) / 2)    # 2 rounds
     tokens = result["config"]["tokens_per_iteration"]
     assert tokens == 2 * 32
     for run in runs:
@@ -70,7 +79,7 @@ def test_traced_schedules_have_bubbles_predictions_and_memory(benchmark):
 
 def test_a_fit_entry_is_cut_by_its_warm_up_and_the_output_calibrates_plan_py(benchmark):
     _, result, out = benchmark
-    fitted = result["runs"][-1]
+    fitted = result["runs"][4]
     assert fitted["label"] == "seq1f1b@fit" and "fitted to 2 spans" in fitted["fit"]
     assert sum(fitted["span_lengths"]) == 32 and len(fitted["spans"]) == 2
     for span in fitted["spans"]:
@@ -94,6 +103,36 @@ def test_bad_schedule_is_one_line_exit_2():
                           timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("benchmark.py: error: --schedules")
+
+
+def test_searched_schedule_is_placed_under_the_cap_and_estimated_alike(benchmark):
+    _, result, _ = benchmark
+    searched = result["runs"][-1]
+    assert searched["label"] == "seq1f1b-zb-auto@even"
+    for measured, estimated in zip(searched["peak_saved_bytes"], searched["estimated_held_bytes"]):
+        assert measured == pytest.approx(estimated, rel=0.15)
+
+
+def test_a_v_placement_with_tied_embeddings_is_one_line_exit_2():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "benchmark.py"), "--schedules",
+                           "1f1b", "zbv", "--pp", "2", "--chunks", "2"], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("benchmark.py: error: --schedules zbv:")
+    assert "--untie-embeddings-and-output-weights" in last
+
+
+def test_a_cap_no_order_fits_is_one_line_exit_2():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "benchmark.py"), "--schedules",
+                           "seq1f1b-zb-auto", "--pp", "2", "--splits", "2", "--seq-length", "32",
+                           "--untie-embeddings-and-output-weights", "--schedule-memory-cap",
+                           "0.5x"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("benchmark.py: error: --schedules seq1f1b-zb-auto@even: "
+                           "--schedule-memory-cap")
 
 
 def test_device_check_tiny_runs_on_cpu(tmp_path):
