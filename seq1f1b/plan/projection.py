@@ -159,19 +159,24 @@ def _crosses_nodes(setup: TrainingSetup, device: DeviceModel, rank: int, peer: i
                for t in range(setup.tp) for d in range(setup.dp))
 
 
+def stage_links(setup: TrainingSetup, device: DeviceModel, schedule: Schedule) -> list[Link]:
+    """The link between virtual stages v and v+1, for each v: InfiniBand when their ranks sit
+    on different nodes, else NVLink (two stages of one rank never use theirs)."""
+    links = []
+    for stage in range(schedule.num_stages - 1):
+        rank, peer = schedule.owner_of(stage)[0], schedule.owner_of(stage + 1)[0]
+        links.append(device.infiniband if _crosses_nodes(setup, device, rank, peer)
+                     else device.nvlink)
+    return links
+
+
 def _hops(setup: TrainingSetup, device: DeviceModel, schedule: Schedule, model: ModelConfig,
           spans: list[int]) -> Table:
     """Seconds of the p2p between virtual stages v and v+1 for each span: its activation (or
-    gradient), [s, b, h] in 16 bits (/TP with sequence parallelism), over the link between the
-    two stages' ranks."""
+    gradient), [s, b, h] in 16 bits (/TP with sequence parallelism), over their link."""
     divisor = setup.tp if setup.sequence_parallel else 1
-    table = []
-    for stage in range(schedule.num_stages - 1):
-        rank, peer = schedule.owner_of(stage)[0], schedule.owner_of(stage + 1)[0]
-        link = device.infiniband if _crosses_nodes(setup, device, rank, peer) else device.nvlink
-        table.append(tuple(link.seconds(n * setup.micro_batch_size * model.hidden_size * 2
-                                        / divisor) for n in spans))
-    return tuple(table)
+    return tuple(tuple(link.seconds(n * setup.micro_batch_size * model.hidden_size * 2 / divisor)
+                       for n in spans) for link in stage_links(setup, device, schedule))
 
 
 def _span_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule,
