@@ -656,7 +656,8 @@ def build_parser() -> Parser:
                              "A100 80 GB)")
     parser.add_argument("--device-check", metavar="FILE",
                         help="device_check.json of tools/device_check.py: its measured GEMM and "
-                             "attention efficiencies replace the A100 model's, and the OOM "
+                             "attention efficiencies replace the A100 model's saturated ones "
+                             "(their printed source then names FILE), and the OOM "
                              "verdicts judge allocated bytes times its measured "
                              "reserved/allocated ratio")
     mode = parser.add_mutually_exclusive_group()
