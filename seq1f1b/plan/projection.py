@@ -70,9 +70,12 @@ class DeviceModel:
 
     def describe(self) -> list[str]:
         """One line per field; the k-dependent terms with their values and sources."""
-        return [f"{f.name}: {describe(value)}" if hasattr(value, "source")
-                else f"{f.name} = {value}"
-                for f in fields(self) for value in (getattr(self, f.name),)]
+        lines = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            lines.append(f"{f.name}: {describe(value)}" if hasattr(value, "source")
+                         else f"{f.name} = {value}")
+        return lines
 
     def without(self, *terms: str) -> "DeviceModel":
         """This device with the k-dependent `terms` (field names) costing nothing."""
