@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The paper's tables from our plans: memory with OOM verdicts, projected throughput, ablation.
 
-    reproduce_paper.py                  three tables and their assumptions
-    reproduce_paper.py --json           {"memory": [...], "throughput": [...], "ablation": [...]}
+    reproduce_paper.py                  the tables and their assumptions
+    reproduce_paper.py --json           {"memory": [...], "throughput": [...],
+                                         "microbatch_sweep": [...], "ablation": [...]}
     reproduce_paper.py --device-check OUT/device_check.json
                                         the same with what tools/device_check.py measured on
                                         a GPU: its efficiencies in the cost model, and OOM
@@ -23,8 +24,12 @@
     max_memory_reserved; the estimate counts allocated bytes until --device-check gives a
     measured reserve); (b) TFLOPS/GPU and
     tokens/s projected by the simulator with an A100 cost model
-    (seq1f1b.plan.projection.DeviceModel, printed); (c) the partition ablation: Seq1F1B and
-    Seq1F1B-I with even spans vs computation-balanced spans.
+    (seq1f1b.plan.projection.DeviceModel, printed with each term's value and source), then the
+    7B / 32-GPU panel at 8, 16 and 32 micro-batches, each row with its simulated bubble and
+    what each cost term that grows with k adds to the iteration (fixed cost per span, p2p,
+    GEMM and attention efficiency lost to short spans: seq1f1b/plan/overheads.py);
+    (c) the partition ablation: Seq1F1B and Seq1F1B-I with even spans vs computation-balanced
+    spans.
 The paper does not state TP/PP per panel; `PANELS` holds what we assume and why, and the
 shipped sbatch scripts' defaults are these layouts (tests/unit/test_reproduce_paper.py checks).
 
@@ -47,7 +52,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -59,13 +64,17 @@ from seq1f1b.plan.memory import (GIB, MemoryEstimate, TrainingSetup,  # noqa: E4
                                  estimate_memory)
 from seq1f1b.plan.calibration import (Calibration, CalibrationError,  # noqa: E402
                                       read_device_check)
-from seq1f1b.plan.projection import A100, DeviceModel, project  # noqa: E402
+from seq1f1b.plan.projection import A100, DeviceModel, Projection, project  # noqa: E402
 
 PROG = "reproduce_paper.py"
 REPO = Path(__file__).resolve().parents[1]
 JOB_RESULTS = REPO / "examples" / "slurm" / "job_results.py"
 SPLITS = 4                  # k of the authors' scripts (--pipe-sp-splits 4)
 CHUNKS = 2                  # V of the interleaved runs (the authors' VPP 2)
+SWEPT_PANEL = ("7b", 32)    # the panel whose throughput is shown by micro-batch count
+MICROBATCH_COUNTS = (8, 16, 32)
+"""The paper measured 8 and 16 micro-batches (PAPER.md holds none of its throughput figures);
+32 is the authors' 7B script's."""
 
 
 @dataclass(frozen=True)
@@ -170,10 +179,10 @@ def _cell(panel: Panel, seq_length: int, schedule: str) -> dict:
             "microbatches": panel.microbatches}
 
 
-def _cells() -> Iterator[tuple[dict, TrainingSetup]]:
-    """Every (panel, sequence length, schedule) cell of the paper's tables: the keys its rows
-    start with (k and V included) and the setup it assumes."""
-    for panel in PANELS:
+def _cells(panels: tuple[Panel, ...] = ()) -> Iterator[tuple[dict, TrainingSetup]]:
+    """Every (panel, sequence length, schedule) cell of the paper's tables (of `panels`, when
+    given): the keys its rows start with (k and V included) and the setup it assumes."""
+    for panel in panels or PANELS:
         for seq_length in panel.seq_lengths:
             for _, schedule in SCHEDULES:
                 setup = _setup(panel, seq_length, schedule)
@@ -218,15 +227,27 @@ def memory_rows(models: Models) -> list[dict]:
     return rows
 
 
+def _throughput_row(cell: dict, setup: TrainingSetup, models: Models) -> tuple[dict, Projection]:
+    projection = project(setup, models.device)
+    return {**cell, "tflops_per_gpu": projection.tflops_per_gpu,
+            "tokens_per_s": projection.tokens_per_s, "iteration_s": projection.iteration_s,
+            "bubble_ratio": projection.report.bubble_ratio,
+            "oom": not models.fits(estimate_memory(setup)), "paper_tflops": None}, projection
+
+
 def throughput_rows(models: Models) -> list[dict]:
+    return [_throughput_row(cell, setup, models)[0] for cell, setup in _cells()]
+
+
+def microbatch_rows(models: Models) -> list[dict]:
+    """SWEPT_PANEL's throughput at each of MICROBATCH_COUNTS, each row with the seconds each
+    k-dependent term adds to its iteration (`Projection.overheads`); none without the panel."""
+    panels = [panel for panel in PANELS if (panel.model, panel.gpus) == SWEPT_PANEL]
     rows = []
-    for cell, setup in _cells():
-        projection = project(setup, models.device)
-        rows.append({**cell, "tflops_per_gpu": projection.tflops_per_gpu,
-                     "tokens_per_s": projection.tokens_per_s,
-                     "iteration_s": projection.iteration_s,
-                     "bubble_ratio": projection.report.bubble_ratio,
-                     "oom": not models.fits(estimate_memory(setup)), "paper_tflops": None})
+    for cell, setup in _cells(tuple(replace(panel, microbatches=m) for panel in panels
+                                    for m in MICROBATCH_COUNTS)):
+        row, projection = _throughput_row(cell, setup, models)
+        rows.append({**row, "overheads_s": projection.overheads()})
     return rows
 
 
@@ -356,15 +377,27 @@ def print_tables(result: dict, models: Models) -> None:
           "* = the memory estimate says OOM)")
     print("\n".join(_grid(result["throughput"], lambda r: f"{r['tflops_per_gpu']:.0f} TF "
                           f"{r['tokens_per_s']:.0f} tok/s{' *' if r['oom'] else ''}")))
-    print("Cost model: " + "; ".join(models.device.describe()))
+    print()
+    model, gpus = SWEPT_PANEL
+    print(f"(b) {model} on {gpus} GPUs by micro-batch count m: projected TFLOPS per GPU, "
+          "simulated bubble, and the seconds each cost term that grows with k adds to the "
+          "iteration (its time with the term minus without it)")
+    print("\n".join(_microbatch_table(result["microbatch_sweep"])))
+    print("Cost model (each term's value [source]):")
+    for line in models.device.describe():
+        print(f"  {line}")
     if models.calibration:
         print(f"  efficiencies {models.calibration.describe()}; assumed to carry over to "
               f"{models.device.name} as fractions of its peak")
-    print("  B = 2 x F FLOPs; TP collectives per layer 4 forward + 4 backward, not overlapped; "
-          "p2p hop = latency + span activations / link; DP: fp32 grad reduce-scatter + bf16 "
-          "param all-gather once per iteration; no optimizer-step time; TFLOPS counted as the "
-          "paper does (3 x forward FLOPs, embedding as a GEMM). The paper's TFLOPS are not in "
-          "PAPER.md: no paper column.")
+    print("  B = 2 x F FLOPs; per span: GEMM FLOPs at gemm.at(tokens), attention at "
+          "attention.forward/backward(queries, keys), plus span_fixed per layer; TP "
+          "collectives per layer 4 forward + 4 backward, not overlapped; p2p hop = latency + "
+          "span activations / bandwidth of NVLink or InfiniBand by where the two stages sit "
+          "(megatron's rank order: TP, DP, PP); DP: fp32 grad reduce-scatter + bf16 param "
+          "all-gather once per iteration; no optimizer-step time; TFLOPS counted as the paper "
+          "does (3 x forward FLOPs, embedding as a GEMM). None of the terms is fitted to the "
+          "paper's throughput. The paper's TFLOPS are not in PAPER.md (for m = 8 and 16 "
+          "either): no paper column.")
     print()
     print("(c) Partition ablation: projected TFLOPS per GPU, even vs computation-balanced spans")
     print("\n".join(_ablation_table(result["ablation"], [
@@ -373,6 +406,25 @@ def print_tables(result: dict, models: Models) -> None:
         ("compute spans", lambda r: " ".join(map(str, r["compute_spans"]))),
         ("TFLOPS", lambda r: f"{r['tflops_compute']:.1f}"),
         ("gain", lambda r: f"{r['gain']:+.1%}")])))
+
+
+def _microbatch_table(rows: list[dict]) -> list[str]:
+    """One line per (L, m, schedule) of the micro-batch sweep."""
+    names = _paper_names()
+    terms = (("fixed", "span_fixed"), ("p2p", "p2p"), ("GEMM eff.", "gemm"),
+             ("attention eff.", "attention"))
+    lines = ["| L | m | schedule | k | TFLOPS | tok/s | iteration s | bubble | "
+             + " | ".join(heading for heading, _ in terms) + " |",
+             "|" + "---|" * (8 + len(terms))]
+    for r in sorted(rows, key=lambda r: (r["seq_length"], r["microbatches"])):
+        cost = " | ".join(f"{r['overheads_s'][key]:.2f} s "
+                          f"({r['overheads_s'][key] / r['iteration_s']:.1%})"
+                          for _, key in terms)
+        lines.append(f"| {r['seq_length'] // 1024}K | {r['microbatches']} | "
+                     f"{names[r['schedule']]} | {r['splits']} | {r['tflops_per_gpu']:.0f}"
+                     f"{' *' if r['oom'] else ''} | {r['tokens_per_s']:.0f} | "
+                     f"{r['iteration_s']:.2f} | {r['bubble_ratio']:.1%} | {cost} |")
+    return lines
 
 
 def print_measured(result: dict) -> None:
@@ -604,7 +656,8 @@ def build_parser() -> Parser:
                              "A100 80 GB)")
     parser.add_argument("--device-check", metavar="FILE",
                         help="device_check.json of tools/device_check.py: its measured GEMM and "
-                             "attention efficiencies replace the A100 model's, and the OOM "
+                             "attention efficiencies replace the A100 model's saturated ones "
+                             "(their printed source then names FILE), and the OOM "
                              "verdicts judge allocated bytes times its measured "
                              "reserved/allocated ratio")
     mode = parser.add_mutually_exclusive_group()
@@ -678,6 +731,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             models = Models(args.gpu_memory, read_device_check(args.device_check)
                             if args.device_check else None)
             result = {"memory": memory_rows(models), "throughput": throughput_rows(models),
+                      "microbatch_sweep": microbatch_rows(models),
                       "ablation": ablation_rows(models)}
             if models.calibration:
                 result["calibration"] = models.calibration.to_dict()

@@ -58,9 +58,16 @@ class Calibration:
     reserve_ratio: Optional[float]      # None: device_check measured no allocator peaks
 
     def device_model(self, base: DeviceModel) -> DeviceModel:
-        """`base` with the measured efficiencies (its peak, links and name unchanged)."""
-        return replace(base, gemm_efficiency=round(self.gemm_efficiency, 3),
-                       attention_efficiency=round(self.attention_efficiency, 3))
+        """`base` with the measured efficiencies as its saturated ones, sourced to this file
+        (its peak, links, fixed cost, curve shapes and name unchanged). device_check's spans
+        are thousands of tokens long, near saturation, where the curves still take a few
+        percent off: the saturated values read that much low."""
+        source = f"device_check {self.source}"
+        return replace(
+            base, gemm=replace(base.gemm, saturated=round(self.gemm_efficiency, 3),
+                               source=source),
+            attention=replace(base.attention, saturated=round(self.attention_efficiency, 3),
+                              source=source))
 
     def describe(self) -> str:
         reserve = ("not measured" if self.reserve_ratio is None

@@ -1,22 +1,56 @@
 """Projected iteration time, TFLOPS per GPU and tokens/s of a setup on a modelled device.
 
-The pipeline is replayed by the simulator with per-action durations from costs.py's FLOPs at the
-device's GEMM and attention rates, plus the tensor-parallel collectives of each action; the
-pipeline p2p hop and the data-parallel gradient exchange of the distributed optimizer come from
-link bandwidths. Every rate is a field of `DeviceModel`, printed with every projection: the
+The pipeline is replayed by the simulator with per-action durations from costs.py's FLOPs at
+the device's GEMM and attention efficiencies for each span's shape, plus a fixed host cost per
+span and layer and the tensor-parallel collectives of each action; each pipeline hop costs the
+latency and bandwidth of the link its two stages sit across, and the data-parallel gradient
+exchange of the distributed optimizer comes from link bandwidths. The terms that grow with the
+span count k live in overheads.py with their sources; `Projection.overheads` says what each one
+costs an iteration. Every rate is a field of `DeviceModel`, printed with every projection: the
 numbers are a model's, to be replaced by measured ones (tools/device_check.py measures span
 kernels and per-span stage times on a GPU).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from seq1f1b.plan import registry
-from seq1f1b.plan.costs import iteration_flops, stage_parameters
+from seq1f1b.plan.actions import Schedule
+from seq1f1b.plan.costs import ModelConfig, iteration_flops, stage_parameters
 from seq1f1b.plan.memory import TrainingSetup
+from seq1f1b.plan.overheads import (AttentionEfficiency, GemmEfficiency, Link, SpanFixedCost,
+                                    describe)
 from seq1f1b.plan.partition import partition
-from seq1f1b.plan.simulate import (SimulationReport, SpanCosts, Table, layers_per_stage,
-                                   model_costs, simulate)
+from seq1f1b.plan.simulate import (Efficiency, SimulationReport, SpanCosts, Table,
+                                   layers_per_stage, model_costs, simulate)
+
+A100_GEMM = GemmEfficiency(
+    saturated=0.6, half_tokens=1024, width=512,
+    source="saturated: ~55-60% of bf16 peak is what Megatron-LM's published A100 GPT runs reach "
+           "per GPU with the layers' memory-bound ops included (Narayanan et al. 2021: 52% at "
+           "scale, comms included); half_tokens at width h/TP = 512 (7B, TP 8): estimate from "
+           "cuBLAS tile counts (see GemmEfficiency), not measured")
+A100_ATTENTION = AttentionEfficiency(
+    saturated=0.56, half_rows=8192, half_loop=600,
+    source="saturated and half_loop: flash-attention 2 on A100 (Dao 2023, causal, head dim 128, "
+           "fwd+bwd) runs ~175 TFLOPS at 8-16K tokens and about half that at 512, read from the "
+           "paper's figure; half_rows: estimate, half a wave of 108 SMs in 128-row blocks")
+A100_SPAN_FIXED = SpanFixedCost(
+    s_per_layer=150e-6, backward_factor=2.0,
+    source="estimate: ~30 kernels in a layer's forward with TP and SP (norms, 2 all-gathers, 2 "
+           "reduce-scatters, 4 GEMMs, unfused RoPE, flash attention, K/V cache writes, "
+           "bias-dropout-adds) at ~5 us host launch each (PyTorch eager dispatch + "
+           "cudaLaunchKernel, CUDA_DEVICE_MAX_CONNECTIONS=1); backward ~2x the kernels")
+A100_NVLINK = Link(
+    latency_s=10e-6, gbps=100.0,
+    source="NVLink3 gives 300 GB/s per direction per A100 (NVIDIA datasheet: 600 GB/s total); "
+           "one NCCL send between two GPUs reaches a fraction: 100 GB/s and ~10 us for a "
+           "small message are estimates of nccl-tests' order of magnitude")
+A100_INFINIBAND = Link(
+    latency_s=20e-6, gbps=24.0,
+    source="one 200 Gb/s HDR NIC per GPU (DGX A100): 25 GB/s line rate, ~24 GB/s as "
+           "nccl-tests reports across nodes; latency a few us on the wire plus NCCL's proxy "
+           "and launch, ~20 us estimated")
 
 
 @dataclass(frozen=True)
@@ -24,21 +58,35 @@ class DeviceModel:
     """Rates of one GPU and its links. Defaults: A100 SXM 80 GB in 8-GPU HDR InfiniBand nodes."""
 
     name: str = "A100-SXM4-80GB"
-    peak_tflops: float = 312.0            # bf16 dense
-    gemm_efficiency: float = 0.6          # of peak in the layers' GEMMs, memory-bound ops folded in
-    attention_efficiency: float = 0.5     # of peak in flash-attention 2 (causal, fwd and bwd)
+    peak_tflops: float = 312.0                      # bf16 dense
+    gemm: GemmEfficiency = A100_GEMM
+    attention: AttentionEfficiency = A100_ATTENTION
+    span_fixed: SpanFixedCost = A100_SPAN_FIXED     # per span, per layer
+    nvlink: Link = A100_NVLINK                      # pipeline hop inside a node
+    infiniband: Link = A100_INFINIBAND              # pipeline hop across nodes; DP across nodes
     tp_bus_gbps: float = 200.0            # NCCL bus bandwidth of all-gather/reduce-scatter, NVLink3
-    intra_node_p2p_gbps: float = 100.0    # pipeline send between GPUs of one node
-    inter_node_gbps: float = 25.0         # per GPU across nodes: one 200 Gb/s HDR NIC per GPU
-    p2p_latency_s: float = 20e-6
     gpus_per_node: int = 8
     memory_gib: float = 79.25             # total capacity as torch reports it (its OOM messages)
 
     def describe(self) -> list[str]:
-        return [f"{key} = {value}" for key, value in asdict(self).items()]
+        """One line per field; the k-dependent terms with their values and sources."""
+        lines = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            lines.append(f"{f.name}: {describe(value)}" if hasattr(value, "source")
+                         else f"{f.name} = {value}")
+        return lines
+
+    def without(self, *terms: str) -> "DeviceModel":
+        """This device with the k-dependent `terms` (field names) costing nothing."""
+        return replace(self, **{term: getattr(self, term).ideal() for term in terms})
 
 
 A100 = DeviceModel()
+
+TERMS = {"span_fixed": ("span_fixed",), "p2p": ("nvlink", "infiniband"), "gemm": ("gemm",),
+         "attention": ("attention",)}
+"""The k-dependent terms `Projection.overheads` prices, by the DeviceModel fields they are."""
 
 
 @dataclass
@@ -46,6 +94,7 @@ class Projection:
     """One projected setup."""
 
     setup: TrainingSetup
+    device: DeviceModel
     span_lengths: list[int]
     gpus: int
     pipeline_s: float          # makespan of the pipeline (forwards, backwards, p2p, TP comm)
@@ -71,9 +120,18 @@ class Projection:
         flops = iteration_flops(model, self.setup.seq_length, self.global_batch)
         return flops / self.iteration_s / self.gpus / 1e12
 
+    def overheads(self) -> dict[str, float]:
+        """Seconds each of TERMS adds to the iteration: this makespan minus the one projected
+        with that term alone costing nothing (fixed cost 0, free links, saturated efficiency).
+        Terms interact through the pipeline, so they need not add up to the difference from a
+        run without all of them."""
+        return {name: self.pipeline_s - project(self.setup,
+                                                self.device.without(*terms)).pipeline_s
+                for name, terms in TERMS.items()}
 
-def _add(table: Table, extra: Table) -> Table:
-    return tuple(tuple(a + b for a, b in zip(row, more)) for row, more in zip(table, extra))
+
+def _add(table: Table, extra: tuple[float, ...]) -> Table:
+    return tuple(tuple(a + b for a, b in zip(row, extra)) for row in table)
 
 
 def _tp_seconds(setup: TrainingSetup, device: DeviceModel, spans: list[int], layers: int,
@@ -93,10 +151,61 @@ def _tp_seconds(setup: TrainingSetup, device: DeviceModel, spans: list[int], lay
                  for n in spans)
 
 
-def _crosses_nodes(setup: TrainingSetup, device: DeviceModel) -> bool:
-    """megatron orders ranks TP fastest, then DP, then PP: one pipeline stage spans TP x DP
-    consecutive GPUs, so neighbouring stages sit on different nodes once that fills a node."""
-    return setup.tp * setup.dp >= device.gpus_per_node
+def _crosses_nodes(setup: TrainingSetup, device: DeviceModel, rank: int, peer: int) -> bool:
+    """Whether pipeline ranks `rank` and `peer` exchange across nodes. megatron orders GPUs TP
+    fastest, then DP, then PP (global rank t + TP*(d + DP*r)); a p2p pairs equal (t, d) of the
+    two stages, so the hop crosses nodes when any such pair sits on different nodes."""
+    def node(t: int, d: int, r: int) -> int:
+        return (t + setup.tp * (d + setup.dp * r)) // device.gpus_per_node
+
+    return any(node(t, d, rank) != node(t, d, peer)
+               for t in range(setup.tp) for d in range(setup.dp))
+
+
+def stage_links(setup: TrainingSetup, device: DeviceModel, schedule: Schedule) -> list[Link]:
+    """The link between virtual stages v and v+1, for each v: InfiniBand when their ranks sit
+    on different nodes, else NVLink (two stages of one rank never use theirs)."""
+    links = []
+    for stage in range(schedule.num_stages - 1):
+        rank, peer = schedule.owner_of(stage)[0], schedule.owner_of(stage + 1)[0]
+        links.append(device.infiniband if _crosses_nodes(setup, device, rank, peer)
+                     else device.nvlink)
+    return links
+
+
+def _hops(setup: TrainingSetup, device: DeviceModel, schedule: Schedule, model: ModelConfig,
+          spans: list[int]) -> Table:
+    """Seconds of the p2p between virtual stages v and v+1 for each span: its activation (or
+    gradient), [s, b, h] in 16 bits (/TP with sequence parallelism), over their link."""
+    divisor = setup.tp if setup.sequence_parallel else 1
+    return tuple(tuple(link.seconds(n * setup.micro_batch_size * model.hidden_size * 2 / divisor)
+                       for n in spans) for link in stage_links(setup, device, schedule))
+
+
+def _span_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule,
+                model: ModelConfig, spans: list[int]) -> SpanCosts:
+    """F and B of every (virtual stage, span): FLOPs at the span's efficiencies, the fixed cost
+    of its layers, its TP collectives; and the hops between stages."""
+    batch = setup.micro_batch_size
+    heads = batch * model.num_attention_heads // setup.tp
+
+    def efficiency(start: int, end: int) -> Efficiency:
+        queries = end - start
+        return Efficiency(device.gemm.at(queries * batch, model.hidden_size / setup.tp),
+                          device.attention.forward(queries, end, heads),
+                          device.attention.backward(queries, end, heads))
+
+    peak = device.peak_tflops * 1e12
+    compute = model_costs(schedule, model, spans, flops_per_second=peak, tp=setup.tp,
+                          sequence_parallel=setup.sequence_parallel, batch=batch,
+                          efficiency=efficiency)
+    layers = layers_per_stage(model, schedule)
+    tp = _tp_seconds(setup, device, spans, layers, 4)
+    fixed = device.span_fixed
+    return SpanCosts(
+        forward=_add(compute.forward, tuple(t + fixed.forward_s(layers) for t in tp)),
+        backward=_add(compute.backward, tuple(t + fixed.backward_s(layers) for t in tp)),
+        weight=None, hop=_hops(setup, device, schedule, model, spans))
 
 
 def project(setup: TrainingSetup, device: DeviceModel = A100) -> Projection:
@@ -107,26 +216,14 @@ def project(setup: TrainingSetup, device: DeviceModel = A100) -> Projection:
     spans = partition(setup.seq_length, setup.splits, setup.partition, model, tp=setup.tp,
                       sequence_parallel=setup.sequence_parallel,
                       lengths=list(setup.span_lengths) if setup.span_lengths else None)
-    peak = device.peak_tflops * 1e12
-    compute = model_costs(schedule, model, spans, flops_per_second=peak * device.gemm_efficiency,
-                          attention_flops_per_second=peak * device.attention_efficiency,
-                          tp=setup.tp, sequence_parallel=setup.sequence_parallel,
-                          batch=setup.micro_batch_size)
+    report = simulate(schedule, _span_costs(setup, device, schedule, model, spans))
     layers = layers_per_stage(model, schedule)
-    tp_forward = (_tp_seconds(setup, device, spans, layers, 4),) * schedule.num_stages
-    costs = SpanCosts(forward=_add(compute.forward, tp_forward),
-                      backward=_add(compute.backward, tp_forward), weight=None)
-    hop_bytes = (setup.seq_length / setup.splits * setup.micro_batch_size
-                 * model.hidden_size * 2 / (setup.tp if setup.sequence_parallel else 1))
-    link = device.inter_node_gbps if _crosses_nodes(setup, device) else \
-        device.intra_node_p2p_gbps
-    report = simulate(schedule, costs, device.p2p_latency_s + hop_bytes / (link * 1e9))
     params = max(sum(stage_parameters(model, layers, first=schedule.stage_of(r, c) == 0,
                                       last=schedule.stage_of(r, c) == schedule.num_stages - 1,
                                       tp=setup.tp) for c in range(schedule.chunks))
                  for r in range(schedule.pp))
-    dp_link = device.inter_node_gbps if setup.tp * setup.dp > device.gpus_per_node else \
+    dp_link = device.infiniband.gbps if setup.tp * setup.dp > device.gpus_per_node else \
         device.tp_bus_gbps
     dp_seconds = params * (4 + 2) * (setup.dp - 1) / setup.dp / (dp_link * 1e9)
     gpus = setup.tp * setup.pp * setup.dp
-    return Projection(setup, spans, gpus, report.makespan, dp_seconds, report)
+    return Projection(setup, device, spans, gpus, report.makespan, dp_seconds, report)

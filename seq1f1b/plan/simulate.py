@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from seq1f1b.plan.actions import (Action, Schedule, ScheduleError, dependencies,
                                   parse_action)
@@ -35,6 +35,15 @@ from seq1f1b.plan.validate import execution_graph, validate
 
 Table = tuple[tuple[float, ...], ...]
 """Indexed [virtual stage][span]."""
+
+
+class Efficiency(NamedTuple):
+    """Fractions of the given FLOP rates one span reaches: its GEMMs, its core attention's
+    forward and backward (different kernels, split along different axes)."""
+
+    gemm: float
+    attention_forward: float
+    attention_backward: float
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,8 @@ class SpanCosts:
                                            # non-zero on the last stage only
     kv_accumulator_bytes: Table | None = None  # dK/dV accumulated for each span's rows (fp32
                                                # whatever the precision); None: kv_cache_bytes
+    hop: Table | None = None   # [v][span]: p2p seconds between virtual stages v and v+1 (either
+                               # way, P*V - 1 rows); None: simulate's flat p2p_latency
 
     def duration(self, stage: int, action: Action) -> float:
         table = {"F": self.forward, "B": self.backward, "W": self.weight}[action.op]
@@ -86,7 +97,8 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                 flops_per_second: float, tp: int = 1, sequence_parallel: bool = False,
                 batch: int = 1, bytes_per_element: int = 2,
                 attention_flops_per_second: float | None = None,
-                recompute: Recompute | None = None) -> SpanCosts:
+                recompute: Recompute | None = None,
+                efficiency: Callable[[int, int], Efficiency] | None = None) -> SpanCosts:
     """Durations and bytes from costs.py for `model` with the sequence cut into `span_lengths`.
 
     A virtual stage runs N/(P*V) layers on each span; the last one also runs the output layer
@@ -97,7 +109,9 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
     (2: bf16/fp16); a virtual stage keeps what costs.chunk_activation_bytes says under
     `recompute` (None: no activation recompute), and its B also re-runs the recomputed forward:
     every layer (full, uniform), the first N layers (full, block) or the core attention of every
-    layer (selective).
+    layer (selective). `efficiency(start, end)` (None: all 1) gives the fractions of the rates
+    the span [start, end) reaches (`Efficiency`): how short spans run slower
+    (projection.DeviceModel's curves).
     """
     if len(span_lengths) != schedule.splits:
         raise ScheduleError(f"--splits is {schedule.splits} but {len(span_lengths)} span "
@@ -126,17 +140,24 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
     grid = [[stage_flops(stage, start, end) for start, end in bounds]
             for stage in range(schedule.num_stages)]
     rerun = [recomputed_flops(start, end) for start, end in bounds]
-    # The TP group shares each span's FLOPs.
-    linear_rate, attention_rate = tp * flops_per_second, tp * attention_flops_per_second
+    shares = [efficiency(start, end) if efficiency else Efficiency(1.0, 1.0, 1.0)
+              for start, end in bounds]
 
-    def duration(flops: SpanFlops, kind: Callable[[SpanFlops], float]) -> float:
-        return (kind(SpanFlops(flops.linear, 0.0)) / linear_rate
-                + kind(SpanFlops(0.0, flops.attention)) / attention_rate)
+    def duration(flops: SpanFlops, kind: Callable[[SpanFlops], float], span: int,
+                 backward: bool) -> float:
+        # The TP group shares each span's FLOPs.
+        share = shares[span]
+        attention = share.attention_backward if backward else share.attention_forward
+        return (kind(SpanFlops(flops.linear, 0.0)) / (tp * flops_per_second * share.gemm)
+                + kind(SpanFlops(0.0, flops.attention))
+                / (tp * attention_flops_per_second * attention))
 
-    def seconds(kind: Callable[[SpanFlops], float], recomputed: bool = False) -> Table:
-        return tuple(tuple(duration(cell, kind)
-                           + (duration(rerun[j], lambda f: f.forward) if recomputed else 0.0)
-                           for j, cell in enumerate(row)) for row in grid)
+    def seconds(kind: Callable[[SpanFlops], float], backward: bool = False,
+                recomputed: bool = False) -> Table:
+        return tuple(tuple(
+            duration(cell, kind, j, backward)
+            + (duration(rerun[j], lambda f: f.forward, j, False) if recomputed else 0.0)
+            for j, cell in enumerate(row)) for row in grid)
 
     def per_span_bytes(kind: Callable[[int], float]) -> Table:
         row = tuple(float(kind(length)) for length in span_lengths)
@@ -151,8 +172,9 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
     split = schedule.split_backward
     return SpanCosts(
         forward=seconds(lambda f: f.forward),
-        backward=seconds(lambda f: f.input_grad if split else f.backward, recomputed=True),
-        weight=seconds(lambda f: f.weight_grad) if split else None,
+        backward=seconds(lambda f: f.input_grad if split else f.backward, backward=True,
+                         recomputed=True),
+        weight=seconds(lambda f: f.weight_grad, backward=True) if split else None,
         activation_bytes=per_span_bytes(
             lambda n: chunk_activation_bytes(model, layers, n, batch, tp, sequence_parallel,
                                              bytes_per_element, recompute)),
@@ -235,12 +257,26 @@ def timelines(schedule: Schedule, costs: SpanCosts, p2p_latency: float = 0.0
     for step in graph.order:
         rank, action = graph.steps[step]
         start = max([free_at[rank]] + [
-            finished[need] + (p2p_latency if graph.steps[need][0] != rank else 0.0)
+            finished[need] + _p2p(schedule, costs, p2p_latency, graph.steps[need], rank)
             for need in graph.needs[step]])
         end = start + costs.duration(schedule.stage_of(rank, action.chunk), action)
         finished[step] = free_at[rank] = end
         ranks[rank].append(TimedAction(action, start, end))
     return ranks
+
+
+def _p2p(schedule: Schedule, costs: SpanCosts, p2p_latency: float,
+         sender: tuple[int, Action], rank: int) -> float:
+    """Delay from `sender` finishing to its dependant on `rank` starting: none on its own rank,
+    else the hop between the two virtual stages (`costs.hop`) or the flat `p2p_latency`. Only
+    activations (F on v-1 -> v) and gradients (B on v+1 -> v) cross ranks."""
+    sender_rank, action = sender
+    if sender_rank == rank:
+        return 0.0
+    if costs.hop is None:
+        return p2p_latency
+    stage = schedule.stage_of(sender_rank, action.chunk)
+    return costs.hop[stage if action.op == "F" else stage - 1][action.span]
 
 
 ACCUMULATOR_BYTES = 4

@@ -85,7 +85,11 @@ def test_a_device_check_file_gives_efficiencies_and_the_largest_reserve(tmp_path
     assert held.reserve_ratio == 1.3          # the GPipe run's counts too
     device = calibration.device_model(A100)
     assert (device.name, device.peak_tflops) == (A100.name, A100.peak_tflops)
-    assert (device.gemm_efficiency, device.attention_efficiency) == (0.55, 0.45)
+    assert (device.gemm.saturated, device.attention.saturated) == (0.55, 0.45)
+    assert device.gemm.source == device.attention.source == \
+        f"device_check {tmp_path / 'device_check.json'}"
+    assert (device.span_fixed, device.nvlink, device.infiniband) == \
+        (A100.span_fixed, A100.nvlink, A100.infiniband)
 
 
 def test_peaks_by_device_name():
@@ -162,7 +166,9 @@ def test_reproduce_paper_judges_reserved_bytes_and_uses_the_measured_rates(
     assert any(a["tflops_per_gpu"] != b["tflops_per_gpu"]
                for a, b in zip(plain["throughput"], calibrated["throughput"]))
     text = run("--device-check", path)
-    assert "gemm_efficiency = 0.7; attention_efficiency = 0.35" in text
+    assert f"gemm: saturated 0.7, half_tokens 1024, width 512 [device_check {path}]" in text
+    assert f"attention: saturated 0.35, half_rows 8192, half_loop 600 [device_check {path}]" \
+        in text
     assert "allocated x 1.600 measured by device_check" in text
 
 

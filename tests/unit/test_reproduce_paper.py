@@ -20,6 +20,7 @@ from megatron.training.logging_utils import IntervalReport, Throughput
 from seq1f1b.plan import registry
 from seq1f1b.plan.calibration import Calibration
 from seq1f1b.plan.costs import preset
+from seq1f1b.plan.projection import TERMS
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("reproduce_paper", REPO / "tools" /
@@ -96,13 +97,15 @@ def test_the_papers_orderings_hold_in_every_panel(memory):
 def test_json_schema(capsys, small_panels):
     assert rp.main(["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"memory", "throughput", "ablation"}
+    assert set(data) == {"memory", "throughput", "microbatch_sweep", "ablation"}
     memory_keys = {"model", "gpus", "seq_length", "schedule", "tp", "pp", "microbatches",
                    "estimate_gb", "oom", "paper_gb"}
     throughput_keys = {"model", "gpus", "seq_length", "microbatches", "schedule",
                        "tflops_per_gpu", "tokens_per_s", "paper_tflops"}
     assert all(memory_keys <= set(r) for r in data["memory"])
     assert all(throughput_keys <= set(r) for r in data["throughput"])
+    assert all(throughput_keys | {"bubble_ratio", "overheads_s"} <= set(r)
+               for r in data["microbatch_sweep"])
     names = set(registry.names())
     assert {r["schedule"] for r in data["memory"] + data["throughput"]} <= names
     paper = {r["schedule"]: r for r in data["memory"]}
@@ -123,12 +126,37 @@ def test_projections_favour_seq1f1b_and_the_balanced_partition(small_panels):
     assert ablation["seq1f1b"]["gain"] > 0
 
 
-def test_text_prints_three_tables_and_the_assumptions(capsys, small_panels):
+def test_the_7b_table_has_every_microbatch_count_with_its_bubble_and_terms(small_panels):
+    """8, 16 and 32 micro-batches for every schedule, each with a finite bubble and a finite,
+    non-negative price for each k-dependent term; more micro-batches, less bubble."""
+    rows = rp.microbatch_rows(rp.Models())
+    assert {(r["microbatches"], r["schedule"]) for r in rows} == {
+        (m, name) for m in rp.MICROBATCH_COUNTS for _, name in rp.SCHEDULES}
+    assert rp.MICROBATCH_COUNTS == (8, 16, 32)
+    for row in rows:
+        assert (row["model"], row["gpus"]) == rp.SWEPT_PANEL
+        assert 0 < row["bubble_ratio"] < 1 and row["paper_tflops"] is None
+        assert set(row["overheads_s"]) == set(TERMS)
+        assert all(0 <= seconds < row["iteration_s"] for seconds in row["overheads_s"].values())
+    for _, name in rp.SCHEDULES:
+        bubbles = [r["bubble_ratio"] for r in sorted(rows, key=lambda r: r["microbatches"])
+                   if r["schedule"] == name]
+        assert bubbles == sorted(bubbles, reverse=True)
+    seq1f1b = next(r for r in rows if r["schedule"] == "seq1f1b")
+    plain = next(r for r in rows if r["schedule"] == "1f1b"
+                 and r["microbatches"] == seq1f1b["microbatches"])
+    assert seq1f1b["overheads_s"]["span_fixed"] > plain["overheads_s"]["span_fixed"]
+
+
+def test_text_prints_the_tables_and_each_terms_source(capsys, small_panels):
     assert rp.main([]) == 0
     out = capsys.readouterr().out
-    for heading in ("(a) Peak memory", "(b) Projected TFLOPS", "(c) Partition ablation",
-                    "Assumed layouts", "Cost model: name = A100"):
+    for heading in ("(a) Peak memory", "(b) Projected TFLOPS", "(b) 7b on 32 GPUs by micro-batch",
+                    "(c) Partition ablation", "Assumed layouts", "  name = A100"):
         assert heading in out
+    for field in ("gemm", "attention", "span_fixed", "nvlink", "infiniband"):
+        line = next(line for line in out.splitlines() if line.startswith(f"  {field}: "))
+        assert line.endswith("]") and "[" in line      # value, then [source]
 
 
 # -- the shipped sbatch scripts: their defaults are PANELS, their jobs are the sweep's cells ---

@@ -1,6 +1,7 @@
 """The simulator: closed-form bubbles and memory peaks of the registry's schedules, latency, model
 costs, deadlocks."""
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -9,7 +10,7 @@ from seq1f1b.plan.actions import Schedule, ScheduleError, dependencies
 from seq1f1b.plan.costs import (ModelConfig, Recompute, activation_bytes, kv_cache_bytes,
                                 layer_flops, layer_input_bytes, logits_flops, preset)
 from seq1f1b.plan.partition import partition
-from seq1f1b.plan.simulate import model_costs, simulate, uniform_costs
+from seq1f1b.plan.simulate import Efficiency, model_costs, simulate, uniform_costs
 
 GRID = [(pp, m, k) for pp in (1, 2, 3, 4) for m in (1, 2, 3, 8) for k in (1, 2, 3, 4)]
 
@@ -114,6 +115,41 @@ def test_kv_cache_is_freed_after_the_micro_batchs_last_backward():
     assert rank.held_at_peak["activation"] == 2 * activation_bytes(model, 24) + \
         activation_bytes(model, 8)
     assert rank.held_at_peak["kv_cache"] == kv_cache_bytes(model, 32)
+
+
+def test_span_efficiencies_divide_each_kind_of_flops_rate():
+    """model_costs' `efficiency`: a span's GEMMs at gemm x the rate, its attention forward and
+    backward at their own fractions; all 1 is the same as none."""
+    model = preset("7b")
+    spans = partition(32768, 2, "even", model)
+    schedule = registry.build("seq1f1b", 2, 2, 2)
+    plain = model_costs(schedule, model, spans, flops_per_second=1e12)
+    assert model_costs(schedule, model, spans, flops_per_second=1e12,
+                       efficiency=lambda start, end: Efficiency(1.0, 1.0, 1.0)) == plain
+    slow = model_costs(schedule, model, spans, flops_per_second=1e12,
+                       efficiency=lambda start, end: Efficiency(0.5, 0.25, 0.1))
+    ends = [sum(spans[:j + 1]) for j in range(2)]
+    for j, (length, end) in enumerate(zip(spans, ends)):
+        flops = layer_flops(model, length, end).scaled(16)
+        assert slow.forward[0][j] == pytest.approx(
+            (flops.linear / 0.5 + flops.attention / 0.25) / 1e12)
+        assert slow.backward[0][j] == pytest.approx(
+            (2 * flops.linear / 0.5 + 2 * flops.attention / 0.1) / 1e12)
+
+
+def test_hops_replace_the_flat_latency_between_ranks():
+    """SpanCosts.hop times each crossing by the pair of virtual stages and the span; equal hops
+    replay as the flat latency, and a slower hop delays only what crosses it."""
+    schedule = registry.build("seq1f1b-interleaved", 2, 4, 2, 2)
+    costs = uniform_costs(schedule, 1.0, 2.0)
+
+    def with_hops(*rows: float):
+        return simulate(schedule, replace(costs, hop=tuple((h, h) for h in rows)))
+
+    assert with_hops(0.25, 0.25, 0.25).makespan == simulate(schedule, costs, 0.25).makespan
+    slower = [with_hops(0.25, 0.25, 0.25)] + [
+        with_hops(*[1.0 if row == slow else 0.25 for row in range(3)]) for slow in range(3)]
+    assert all(report.makespan > slower[0].makespan for report in slower[1:])
 
 
 def test_model_costs_follow_the_cost_formula():
