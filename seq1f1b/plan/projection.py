@@ -185,7 +185,8 @@ def _hops(setup: TrainingSetup, device: DeviceModel, schedule: Schedule, model: 
 def _span_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule,
                 model: ModelConfig, spans: list[int]) -> SpanCosts:
     """F and B of every (virtual stage, span): FLOPs at the span's efficiencies, the fixed cost
-    of its layers, its TP collectives; and the hops between stages."""
+    of its layers, its TP collectives; W (split-backward schedules) at the GEMM efficiency; and
+    the hops between stages."""
     batch = setup.micro_batch_size
     heads = batch * model.num_attention_heads // setup.tp
 
@@ -205,7 +206,7 @@ def _span_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule,
     return SpanCosts(
         forward=_add(compute.forward, tuple(t + fixed.forward_s(layers) for t in tp)),
         backward=_add(compute.backward, tuple(t + fixed.backward_s(layers) for t in tp)),
-        weight=None, hop=_hops(setup, device, schedule, model, spans))
+        weight=compute.weight, hop=_hops(setup, device, schedule, model, spans))
 
 
 def project(setup: TrainingSetup, device: DeviceModel = A100) -> Projection:

@@ -141,3 +141,11 @@ def test_describe_prints_each_terms_values_and_source():
     custom = GemmEfficiency(saturated=0.5, half_tokens=10, width=64, source="S")
     assert replace(A100, gemm=custom).describe()[2] == \
         "gemm: saturated 0.5, half_tokens 10, width 64 [S]"
+
+
+def test_a_split_backward_schedule_projects_its_w_actions():
+    """zb-h1 defers W: its projection runs the same work as 1F1B with W filling the bubble."""
+    one, zero = project(_setup("1f1b")), project(_setup("zb-h1"))
+    assert zero.report.bubble_ratio < one.report.bubble_ratio
+    busy = [sum(r.busy for r in p.report.ranks) for p in (one, zero)]
+    assert busy[1] == pytest.approx(busy[0], rel=1e-9)
