@@ -217,42 +217,14 @@ class Measured:
     fit: Optional[str] = None                         # a fit entry: the fit it was cut by
 
 
-def span_timings(schedule, rank_traces: list[list[list[tuple[str, float, float]]]],
-                 bounds) -> list:
-    """Each span's median F and B (B + W when the backward is split) summed over the virtual
-    stages, from `rank_traces[pp_rank][iteration]` of every pipeline rank: the records a time
-    fit takes (seq1f1b/plan/span_fit.py)."""
-    from seq1f1b.plan.simulate import calibrated_costs, measured_report
-    from seq1f1b.plan.span_fit import SpanTiming
+def _fitted_cut(args: argparse.Namespace, run: Run, traces: list) -> tuple[tuple[int, ...], str]:
+    """The fit partition from a fit entry's traced warm-up iterations on every rank (collective:
+    the same result on all ranks)."""
+    from seq1f1b.runtime.traced_iterations import calibrate_fit
 
-    reports = [measured_report(schedule, [ranks[n] for ranks in rank_traces])
-               for n in range(len(rank_traces[0]))]
-    costs = calibrated_costs(schedule, reports)
-    stages = range(schedule.num_stages)
-    return [SpanTiming(start, end, sum(costs.forward[v][j] for v in stages),
-                       sum(costs.backward[v][j] + (costs.weight[v][j] if costs.weight else 0.0)
-                           for v in stages))
-            for j, (start, end) in enumerate(bounds)]
-
-
-def _fitted_cut(args: argparse.Namespace, run: Run, traces: list, representative: bool,
-                pp_rank: int) -> tuple[tuple[int, ...], str]:
-    """The fit partition from a fit entry's traced warm-up iterations on every rank (the same
-    result on all ranks: every rank fits the same gathered times)."""
-    import torch.distributed as dist
-
-    from seq1f1b.plan.partition import partition
-    from seq1f1b.plan.span_fit import fit_span_times
-
-    mine = (pp_rank, representative, [[(a.action, a.start, a.end) for a in t.actions]
-                                      for t in traces])
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    ranks = [actions for _, rep, actions in sorted(g for g in gathered if g[1])]
-    fit = fit_span_times(span_timings(_plan(args, run), ranks, traces[0].span_bounds))
-    lengths = partition(args.seq_length, run.splits, "fit", tp=args.tp,
-                        sequence_parallel=args.sequence_parallel, fit=fit)
-    return tuple(lengths), fit.describe()
+    lengths, fit = calibrate_fit(_plan(args, run), traces, args.seq_length, args.tp,
+                                 args.sequence_parallel)
+    return lengths, fit.describe()
 
 
 def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
@@ -321,7 +293,7 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
             if trace is not None:
                 warm[run].append(trace)
     for run, traces in warm.items():
-        cuts[run] = _fitted_cut(args, run, traces, representative, pp_rank)
+        cuts[run] = _fitted_cut(args, run, traces)
     for _ in range(args.iterations):
         for run, result in zip(runs, measured):
             trace = None if run.schedule in MEGATRON_SCHEDULES else ExecutionTrace()
@@ -432,7 +404,8 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
 
     `measured[n][pp_rank]` is what pipeline rank `pp_rank` measured for run n.
     """
-    from seq1f1b.plan.simulate import calibrated_costs, measured_report, simulate
+    from seq1f1b.plan.simulate import (calibrated_costs, measured_report, simulate,
+                                       span_timings)
 
     tokens = args.num_microbatches * args.micro_batch_size * args.seq_length * dp
     rows, pairs = [], []
@@ -467,8 +440,7 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
                 estimated_held_bytes=held,
                 measured_over_estimated=[p / e if e else None for p, e in zip(peaks, held)],
                 span_lengths=[end - start for start, end in ranks[0].span_bounds],
-                spans=[vars(t) for t in span_timings(schedule, [r.traces for r in ranks],
-                                                     ranks[0].span_bounds)])
+                spans=[vars(t) for t in span_timings(schedule, reports, ranks[0].span_bounds)])
             if ranks[0].fit is not None:
                 row["fit"] = ranks[0].fit
             pairs.append((reports[len(reports) // 2], predicted))

@@ -31,7 +31,8 @@ from megatron.training.tokenizer import (
 MEGATRON_SCHEDULES = {"megatron-1f1b": False, "megatron-interleaved-1f1b": True}
 """megatron-core's unmodified schedules (full sequences): name -> interleaves model chunks."""
 DEFAULT_SCHEDULE = "seq1f1b"
-PARTITIONS = ("even", "compute", "explicit")   # what seq1f1b.plan.partition implements
+PARTITIONS = ("even", "compute", "fit", "explicit")   # what seq1f1b.plan.partition implements
+DEFAULT_FIT_ITERATIONS = 2
 PIPE_SP_STRATEGIES = {"average": "even", "uniform_comp": "compute"}  # reference fork's names
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -159,7 +160,14 @@ def _add_schedule_args(parser: ArgumentParser) -> None:
     g.add_argument("--seq1f1b-splits", type=int,
                    help="k: spans each sequence is cut into (default: 1)")
     g.add_argument("--seq1f1b-partition", choices=PARTITIONS,
-                   help="where the span boundaries go (default: even)")
+                   help="where the span boundaries go: even lengths, compute (equal FLOPs by "
+                        "the cost model), fit (equal time as measured over the run's first "
+                        "--seq1f1b-fit-iterations iterations, which run the compute cut), or "
+                        "explicit (--seq1f1b-span-lengths) (default: even)")
+    g.add_argument("--seq1f1b-fit-iterations", type=int, metavar="N",
+                   help="with --seq1f1b-partition fit: the first N iterations of the run (a "
+                        "resumed run's too) are traced and the spans are fitted to their times "
+                        f"(default: {DEFAULT_FIT_ITERATIONS})")
     g.add_argument("--seq1f1b-span-lengths", type=int, nargs="+", metavar="L",
                    help="explicit span lengths L1 ... Lk (sum = --seq-length)")
     g.add_argument("--pipe-sp-splits", type=int, help="alias of --seq1f1b-splits")
@@ -277,6 +285,12 @@ def _add_observability_args(parser: ArgumentParser) -> None:
     g.add_argument("--no-barrier-with-level-1-timing", dest="barrier_with_L1_time",
                    action="store_false",
                    help="level-1 timers start and stop without a barrier across ranks")
+    g.add_argument("--timeline-path", metavar="FILE.png",
+                   help="trace one training iteration on every rank and draw each pipeline "
+                        "rank's measured actions (seconds of this run) to FILE.png, with the "
+                        "actions as JSON in FILE.json (written by the last rank)")
+    g.add_argument("--timeline-iteration", type=int, metavar="N",
+                   help="the iteration --timeline-path draws (default: --train-iters, the last)")
 
 
 EXIT_SIGNALS = tuple(sorted(s.name for s in signal.valid_signals()
@@ -395,7 +409,8 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "ffn_hidden_size", "max_position_embeddings", "micro_batch_size",
                  "global_batch_size", "train_iters", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-                 "seq1f1b_splits", "pipe_sp_splits", "make_vocab_size_divisible_by",
+                 "seq1f1b_splits", "pipe_sp_splits", "seq1f1b_fit_iterations",
+                 "make_vocab_size_divisible_by",
                  "lr_decay_iters", "save_interval", "eval_interval", "log_interval",
                  "exit_interval", "vocab_size", "num_query_groups", "rotary_base",
                  "rotary_seq_len_interpolation_factor"):
@@ -573,6 +588,33 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     elif args.seq_length // tp_unit < k:
         _fail(f"--seq1f1b-splits {k}: --seq-length {args.seq_length} has fewer than {k} spans of "
               f"--tensor-model-parallel-size {tp_unit} tokens (needed by --sequence-parallel)")
+    _validate_fit(args)
+
+
+def _validate_fit(args: argparse.Namespace) -> None:
+    """--seq1f1b-partition fit calibrates from the executor's trace of this run's first
+    iterations: it needs a schedule that records one, boundaries to place and iterations left to
+    run the fitted cut."""
+    if args.seq1f1b_partition != "fit":
+        if args.seq1f1b_fit_iterations is not None:
+            _fail("--seq1f1b-fit-iterations needs --seq1f1b-partition fit")
+        return
+    _refuse_untraced_schedule(args, "--seq1f1b-partition fit")
+    if args.seq1f1b_splits < 2:
+        _fail("--seq1f1b-partition fit needs --seq1f1b-splits >= 2: one span has no boundary "
+              "to place")
+    if args.seq1f1b_fit_iterations is None:
+        args.seq1f1b_fit_iterations = DEFAULT_FIT_ITERATIONS
+    if args.seq1f1b_fit_iterations >= args.train_iters:
+        _fail(f"--seq1f1b-fit-iterations {args.seq1f1b_fit_iterations} leaves none of the "
+              f"--train-iters {args.train_iters} iterations to run the fitted cut")
+
+
+def _refuse_untraced_schedule(args: argparse.Namespace, flag: str) -> None:
+    """`flag` reads the executor's trace, which megatron-core's own schedules do not record."""
+    if args.pipeline_schedule in MEGATRON_SCHEDULES:
+        _fail(f"{flag}: --pipeline-schedule {args.pipeline_schedule} is megatron-core's own "
+              f"schedule, which records no actions to measure; use one of the registry's")
 
 
 def _validate_optimisation(args: argparse.Namespace) -> None:
@@ -713,11 +755,35 @@ def _validate_observability(args: argparse.Namespace) -> None:
         if outside:
             _fail(f"--profile-ranks {' '.join(map(str, outside))}: ranks are 0 to "
                   f"{args.world_size - 1}")
+    _validate_timeline(args)
     if args.record_memory_history:
         import torch
         if not torch.cuda.is_available():
             _fail("--record-memory-history records the CUDA caching allocator: GPU only "
                   "(no CUDA device here)")
+
+
+def _validate_timeline(args: argparse.Namespace) -> None:
+    path, iteration = args.timeline_path, args.timeline_iteration
+    if path is None:
+        if iteration is not None:
+            _fail("--timeline-iteration needs --timeline-path")
+        return
+    _refuse_untraced_schedule(args, "--timeline-path")
+    if not path.endswith(".png"):
+        _fail(f"--timeline-path {path}: name a .png file (its actions are written beside it as "
+              f".json)")
+    if os.path.isdir(path):
+        _fail(f"--timeline-path {path} is a directory; name a .png file")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):         # the folders it lacks are made when it is drawn
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        _fail(f"--timeline-path {path}: {folder} is not a directory")
+    args.timeline_iteration = args.train_iters if iteration is None else iteration
+    if not 1 <= args.timeline_iteration <= args.train_iters:
+        _fail(f"--timeline-iteration {args.timeline_iteration} is not one of the iterations 1 to "
+              f"--train-iters {args.train_iters}")
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -727,7 +793,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     (None or V >= 2), padded_vocab_size (the --load checkpoint's when it has one: see
     checkpoint_resharding), params_dtype ("float32"/"bfloat16"/"float16"), and resolves defaults
     of ffn_hidden_size, max_position_embeddings, global_batch_size, lr_decay_iters,
-    seq1f1b_splits (1) and seq1f1b_partition ("even"; "explicit" when span lengths are given).
+    seq1f1b_splits (1), seq1f1b_partition ("even"; "explicit" when span lengths are given),
+    seq1f1b_fit_iterations (2 with the fit partition) and timeline_iteration (--train-iters with
+    --timeline-path).
     The --pipe-sp-* aliases are folded into seq1f1b_* and removed.
     Raises ArgumentError (one line, naming the flag).
     """

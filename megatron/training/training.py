@@ -1,14 +1,15 @@
 """`pretrain`: Megatron's training loop, with every pipeline schedule of the registry.
 
 One iteration: zero megatron DDP's grad buffers, run the forward-backward function of
-`--pipeline-schedule` (spans cut by `--seq1f1b-*`) over `num_micro_batches` micro-batches of this
-DP rank, let megatron's optimizer step (grad finalisation over DP/TP/PP happened inside the
-schedule; clipping and, with --fp16, loss scaling happen in `optimizer.step()`), advance the LR
-schedule by one global batch. Around it: log every --log-interval, evaluate every --eval-interval
-(forward only, same schedule and spans), save every --save-interval and at the end, stop at
---exit-interval, on --exit-signal-handler's signal or after --exit-duration-in-mins (saving
-first). The flow follows Megatron-LM's `pretrain()`; the user supplies the same three
-functions a Megatron `pretrain_gpt.py` does.
+`--pipeline-schedule` (spans cut by `--seq1f1b-*`; schedule_function, which also traces the
+iterations that calibrate `--seq1f1b-partition fit` or draw `--timeline-path`) over
+`num_micro_batches` micro-batches of this DP rank, let megatron's optimizer step (grad
+finalisation over DP/TP/PP happened inside the schedule; clipping and, with --fp16, loss scaling
+happen in `optimizer.step()`), advance the LR schedule by one global batch. Around it: log
+every --log-interval, evaluate every --eval-interval (forward only, same schedule and spans), save
+every --save-interval and at the end, stop at --exit-interval, on --exit-signal-handler's signal
+or after --exit-duration-in-mins (saving first). The flow follows Megatron-LM's `pretrain()`;
+the user supplies the same three functions a Megatron `pretrain_gpt.py` does.
 
 Observability, as in Megatron-LM: the log line (logging_utils) and, after it with
 --timing-log-level 1 or 2, megatron's timers (min/max over ranks, ms per iteration); the same
@@ -41,10 +42,10 @@ from megatron.training.initialize import finish_megatron, initialize_megatron
 from megatron.training.logging_utils import (IntervalReport, PeakMemory, throughput,
                                              validation_lines)
 from megatron.training.profiling import Profiler
+from megatron.training.schedule_function import ScheduleFunction
 from megatron.training.writers import ScalarWriters
 from seq1f1b import platform
 from seq1f1b.plan.costs import ModelConfig
-from seq1f1b.runtime.forward_backward import SpanSettings, get_forward_backward_func
 
 DatasetsProvider = Callable[[Sequence[int]], Sequence[Optional[object]]]
 """`provider([train, valid, test] sample counts) -> (train, valid, test) datasets (or None)`."""
@@ -119,10 +120,7 @@ class _Run:
         self.iteration = position.iteration
         self.consumed_train_samples = position.consumed_train_samples
         self.consumed_valid_samples = position.consumed_valid_samples
-        self.forward_backward = get_forward_backward_func(args.pipeline_schedule, SpanSettings(
-            splits=args.seq1f1b_splits, partition=args.seq1f1b_partition,
-            span_lengths=tuple(args.seq1f1b_span_lengths) if args.seq1f1b_span_lengths else None,
-            p2p_timeout_s=args.p2p_timeout))
+        self.schedule = ScheduleFunction(args, position.iteration, is_last_rank())
         self.memory = PeakMemory()
         self.timers = timers
         self.writers = ScalarWriters(args, enabled=is_last_rank())
@@ -145,9 +143,9 @@ class _Run:
                     model_setup.reads_data_on_every_stage(args))]
 
     # -- one iteration -----------------------------------------------------------------------
-    def _run_schedule(self, iterators: list, forward_only: bool) -> list:
+    def _run_schedule(self, function: Callable, iterators: list, forward_only: bool) -> list:
         args = self.args
-        return self.forward_backward(
+        return function(
             forward_step_func=self.forward_step_func, data_iterator=iterators,
             model=self.model, num_microbatches=args.num_micro_batches,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
@@ -158,8 +156,9 @@ class _Run:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         learning_rate = self.optimizer.param_groups[0]["lr"]
+        function = self.schedule.for_iteration(self.iteration + 1)
         with self.memory.measure():
-            losses = self._run_schedule(iterators, forward_only=False)
+            losses = self._run_schedule(function, iterators, forward_only=False)
         if self.args.check_for_nan_in_loss_and_grad:
             self._check_numerics(losses)
         self.timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
@@ -232,7 +231,8 @@ class _Run:
         totals: list = []
         with torch.no_grad(), model_setup.parameters_gathered(self.model):
             for _ in range(self.args.eval_iters):
-                totals.append(self._run_schedule(iterators, forward_only=True))
+                totals.append(self._run_schedule(self.schedule.function, iterators,
+                                                 forward_only=True))
         for chunk in self.model:
             chunk.train()
         losses = reduce_losses([entry for batch in totals for entry in batch])
@@ -317,6 +317,7 @@ def _train(run: _Run, train_iterators: list, valid_iterators: Optional[list]) ->
         start = time.perf_counter()
         record = run.train_step(train_iterators)
         run.record(record, time.perf_counter() - start)
+        run.schedule.finished(run.iteration)     # after the log line, outside the iteration's time
         iteration = run.iteration
         if valid_iterators is not None and args.eval_iters and iteration % args.eval_interval == 0:
             run.summary.validation.append(

@@ -1,7 +1,8 @@
 """Draw a simulated schedule: a timeline PNG (matplotlib, Agg) and a chrome-trace JSON.
 
 Both read a `SimulationReport`, so what is drawn is exactly what was simulated; a measured
-iteration (`simulate.measured_report`) is drawn the same way, beside its prediction.
+iteration (`simulate.measured_report`) is drawn the same way, beside its prediction
+(`benchmark.py --plot`) or alone with its actions as JSON (`pretrain_gpt.py --timeline-path`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from seq1f1b.plan.simulate import SimulationReport  # noqa: E402
+from seq1f1b.plan.actions import Schedule  # noqa: E402
+from seq1f1b.plan.simulate import (MeasuredActions, SimulationReport,  # noqa: E402
+                                   measured_report, span_timings)
 
 OP_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 OP_NAMES = {"F": "F forward", "B": "B backward", "W": "W weight grad"}
@@ -84,12 +87,14 @@ def _draw_timeline(ax, report: SimulationReport, makespan: float, width_in: floa
         ax.spines[side].set_visible(False)
 
 
-def plot_timeline(report: SimulationReport, path: str | Path, time_unit: str = "") -> Path:
-    """Write the timeline of `report` to `path` (PNG): one row per rank, rank 0 on top."""
+def plot_timeline(report: SimulationReport, path: str | Path, time_unit: str = "",
+                  heading: str | None = None) -> Path:
+    """Write the timeline of `report` to `path` (PNG): one row per rank, rank 0 on top; the
+    heading defaults to `title(report)`."""
     makespan = report.makespan or 1.0
     width = _figure_width([report], makespan)
     fig, ax = plt.subplots(figsize=(width, 0.55 * report.pp + 1.6), dpi=120)
-    _draw_timeline(ax, report, makespan, width, title(report), time_unit)
+    _draw_timeline(ax, report, makespan, width, heading or title(report), time_unit)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
@@ -120,6 +125,26 @@ def plot_measured_vs_simulated(pairs: list[tuple[SimulationReport, SimulationRep
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def write_measured_timeline(schedule: Schedule, ranks: list[MeasuredActions],
+                            bounds: list[tuple[int, int]], iteration: int,
+                            path: str | Path) -> tuple[Path, Path]:
+    """One measured iteration: its timeline to `path` (PNG, in seconds) and beside it, with the
+    suffix .json, what the picture shows: each pipeline rank's actions with start and end in
+    seconds from the iteration's start, makespan, busy, idle and bubble (`measured_report`:
+    waiting for a neighbour inside an action counts as idle, so an action starts when its inputs
+    were there), the span boundaries, and each span's F and B summed over the stages (`spans`:
+    a calibration file for `plan.py partition --method fit --calibration`)."""
+    report = measured_report(schedule, ranks)
+    png = plot_timeline(report, path, time_unit="s",
+                        heading=f"measured, iteration {iteration}: {title(report)}")
+    record = {"iteration": iteration, "span_bounds": [list(b) for b in bounds],
+              "spans": [vars(t) for t in span_timings(schedule, [report], bounds)],
+              **report.to_dict()}
+    actions = png.with_suffix(".json")
+    actions.write_text(json.dumps(record, indent=1))
+    return png, actions
 
 
 def chrome_trace(report: SimulationReport, microseconds_per_unit: float = 1.0) -> dict:

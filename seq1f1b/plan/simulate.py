@@ -16,7 +16,8 @@ micro-batch in flight holds all of its spans' K/V however few of them have run.
 
 Measured iterations enter through `measured_report` (the same report built from a runtime trace)
 and `calibrated_costs` (per-action costs taken from measured reports), so a measured run and its
-prediction are compared on one footing.
+prediction are compared on one footing; `span_timings` sums those costs per span, the records a
+time fit of the spans takes (span_fit.py).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from seq1f1b.plan.costs import (ModelConfig, Recompute, SpanFlops, chunk_activat
                                 kv_cache_bytes, layer_flops, logits_bytes, logits_flops,
                                 output_layer_input_bytes)
 from seq1f1b.plan.partition import span_bounds
+from seq1f1b.plan.span_fit import SpanTiming
 from seq1f1b.plan.validate import execution_graph, validate
 
 Table = tuple[tuple[float, ...], ...]
@@ -427,3 +429,15 @@ def calibrated_costs(schedule: Schedule, measured: Sequence[SimulationReport]) -
                      for stage in range(schedule.num_stages))
 
     return SpanCosts(table("F"), table("B"), table("W") if schedule.split_backward else None)
+
+
+def span_timings(schedule: Schedule, measured: Sequence[SimulationReport],
+                 bounds: Sequence[tuple[int, int]]) -> list[SpanTiming]:
+    """Each span [start, end) of `bounds`: its calibrated F and B (B + W when the backward is
+    split) summed over the virtual stages, from measured iterations (`calibrated_costs`)."""
+    costs = calibrated_costs(schedule, measured)
+    stages = range(schedule.num_stages)
+    return [SpanTiming(start, end, sum(costs.forward[v][j] for v in stages),
+                       sum(costs.backward[v][j] + (costs.weight[v][j] if costs.weight else 0.0)
+                           for v in stages))
+            for j, (start, end) in enumerate(bounds)]

@@ -29,6 +29,10 @@
 - observability: the log line's timestamp and nan-iteration count, megatron's timers at
   --timing-log-level 2 after each line, and --profile's chrome traces on the ranks asked for,
   holding the executor's actions by name;
+- measured spans: --seq1f1b-partition fit calibrates on the first two iterations, logs the fit
+  and boundaries that cut the sequence, and the run trains on with the losses of the even cut;
+  --timeline-path draws a later iteration from every pipeline rank's actions, with the actions
+  as JSON beside it, in seconds within that iteration;
 - preemption: SIGTERM on one rank with --exit-signal-handler stops every rank after that
   iteration with a checkpoint, and resuming from it logs what the straight run logged;
   --exit-duration-in-mins stops and saves after the first iteration past its budget;
@@ -40,6 +44,7 @@
   --pretrained-checkpoint start at iteration 0 from the same weights and log the same figures.
 """
 import json
+import math
 import os
 import re
 import subprocess
@@ -59,6 +64,9 @@ found), so one launch for all ~40 runs ended with ~1,000 polling threads per ran
 keep that bounded for ~10 s of start-up each."""
 N = 3
 SCHEDULE_ITERS = 10
+FIT_ITERS = 2
+TIMELINE_AT = FIT_ITERS + 1
+"""The fit case's timeline: the first iteration of the fitted cut."""
 
 
 def _model_flags(data_prefix: str, micro_batch_size: int = 2) -> list[str]:
@@ -222,6 +230,10 @@ def results(data_prefix, tmp_path_factory):
             "--profile", "--profile-step-start", "2", "--profile-step-end", "3",
             "--profile-ranks", "0", "3"]},
         "seq1f1b": {"argv": _schedule_flags(data_prefix, "seq1f1b", 4)},
+        "fit": {"argv": _schedule_flags(data_prefix, "seq1f1b", 4) + [
+            "--seq1f1b-partition", "fit", "--seq1f1b-fit-iterations", str(FIT_ITERS),
+            "--timeline-path", str(root / "timeline" / "timeline.png"),
+            "--timeline-iteration", str(TIMELINE_AT)]},
         "megatron-1f1b": {"argv": _schedule_flags(data_prefix, "megatron-1f1b", 1)},
         "documents-1f1b": {"argv": _document_flags(data_prefix, "1f1b", 1)},
         "documents-seq1f1b": {"argv": _document_flags(data_prefix, "seq1f1b", 4)},
@@ -378,10 +390,12 @@ def test_wandb_gets_the_tensorboard_scalars(results):
         assert [(s, pytest.approx(v, rel=1e-6)) for s, v in logged[tag]] == _scalars(events, tag)
 
 
-def _program_labels(rank_stage: int) -> set[str]:
-    """What one iteration of 1f1b runs on a stage of PP2 with two micro-batches."""
+def _program_labels(rank_stage: int, k: int = 1) -> set[str]:
+    """What one iteration of (seq)1f1b with k spans runs on a stage of PP2 with two
+    micro-batches."""
     from seq1f1b.plan import registry
-    return {a.format() for a in registry.build("1f1b", 2, 2, 1, 1).programs[rank_stage]}
+    name = "seq1f1b" if k > 1 else "1f1b"
+    return {a.format() for a in registry.build(name, 2, 2, k, 1).programs[rank_stage]}
 
 
 def test_profile_traces_name_the_executors_actions(results):
@@ -406,6 +420,49 @@ def test_log_lines_carry_a_timestamp_and_the_nan_iteration_count(results):
         assert abs((datetime.now() - datetime.fromisoformat(stamp.group(1))).total_seconds()) \
             < 3600
         assert " number of skipped iterations:   0 | number of nan iterations:   0 |" in line
+
+
+def _fit_line(stdout: str) -> tuple[str, list[int], list[tuple[int, int]]]:
+    """The fit partition's log line, its span lengths and its boundaries."""
+    lines = [line for line in stdout.splitlines() if line.startswith(" fit partition ")]
+    assert len(lines) == 1, stdout[-3000:]
+    found = re.fullmatch(r" fit partition from iterations 1-2: F .* fitted to 4 spans within "
+                         r"\d+%; span lengths ([\d ]+): ((?:\[\d+, \d+\) ?)+)", lines[0])
+    assert found, lines[0]
+    bounds = [tuple(map(int, pair)) for pair in re.findall(r"\[(\d+), (\d+)\)", found[2])]
+    return lines[0], [int(n) for n in found[1].split()], bounds
+
+
+def test_fit_partition_logs_its_cut_and_trains_on_exactly(results):
+    fit, even = results["fit"], results["seq1f1b"]
+    line, lengths, bounds = _fit_line(fit["stdout"])
+    print(line)
+    assert sum(lengths) == 64 and len(lengths) == 4 and all(n % 2 == 0 for n in lengths)  # SP
+    assert bounds[0][0] == 0 and bounds[-1][1] == 64
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    after = fit["stdout"].split(line)[0]          # logged before the line: iterations 1 and 2
+    assert re.findall(r"iteration +(\d+)/", after) == ["1", "2"]
+    assert len(_losses(fit)) == SCHEDULE_ITERS and all(map(math.isfinite, _losses(fit)))
+    assert _losses(fit) == pytest.approx(_losses(even), rel=1e-5, abs=0)   # any cut is exact
+
+
+def test_timeline_draws_the_measured_iteration_with_its_actions(results):
+    folder = Path(results["checkpoint_root"], "timeline")
+    assert (folder / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    record = json.loads((folder / "timeline.json").read_text())
+    stdout = results["fit"]["stdout"]
+    _, _, bounds = _fit_line(stdout)
+    assert record["iteration"] == TIMELINE_AT
+    assert [tuple(b) for b in record["span_bounds"]] == bounds       # drawn with the fitted cut
+    elapsed_ms = float(re.search(rf"iteration +{TIMELINE_AT}/.*?elapsed time per iteration "
+                                 r"\(ms\): ([\d.]+)", stdout)[1])
+    assert [rank["rank"] for rank in record["ranks"]] == [0, 1]
+    for rank in record["ranks"]:
+        assert {a["action"] for a in rank["actions"]} == _program_labels(rank["rank"], k=4)
+        for action in rank["actions"]:
+            assert 0 <= action["start"] < action["end"] <= elapsed_ms / 1e3
+    assert 0 < record["makespan"] <= elapsed_ms / 1e3 and 0 <= record["bubble_ratio"] < 1
+    assert f"measured timeline of iteration {TIMELINE_AT} written to {folder}" in stdout
 
 
 def test_timers_follow_each_log_line_at_level_2(results):

@@ -80,6 +80,21 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
     ({"seq1f1b_partition": "explicit"}, WORLD, "--seq1f1b-span-lengths"),
     ({"seq1f1b_partition": "compute", "seq1f1b_span_lengths": [16] * 4}, WORLD,
      "--seq1f1b-span-lengths"),
+    ({"seq1f1b_partition": "fit", "seq1f1b_splits": 1}, WORLD, "--seq1f1b-splits"),
+    ({"pipeline_schedule": "megatron-1f1b", "seq1f1b_splits": 1, "seq1f1b_partition": "fit"},
+     WORLD, "--seq1f1b-partition fit: --pipeline-schedule megatron-1f1b"),
+    ({"seq1f1b_fit_iterations": 2}, WORLD, "--seq1f1b-fit-iterations needs"),
+    ({"seq1f1b_partition": "fit", "seq1f1b_fit_iterations": 0}, WORLD,
+     "--seq1f1b-fit-iterations"),
+    ({"seq1f1b_partition": "fit", "seq1f1b_fit_iterations": 10}, WORLD,
+     "--seq1f1b-fit-iterations 10 leaves none"),
+    ({"timeline_iteration": 3}, WORLD, "--timeline-path"),
+    ({"timeline_path": "{tmp}/timeline.svg"}, WORLD, "--timeline-path"),
+    ({"timeline_path": "{tmp}/a_file/timeline.png"}, WORLD, "--timeline-path"),
+    ({"timeline_path": "{tmp}/timeline.png", "timeline_iteration": 11}, WORLD,
+     "--timeline-iteration 11"),
+    ({"timeline_path": "{tmp}/timeline.png", "pipeline_schedule": "megatron-1f1b",
+      "seq1f1b_splits": 1}, WORLD, "--timeline-path"),
     ({"pipe_sp_splits": 2}, WORLD, "--pipe-sp-splits"),
     ({"seq1f1b_partition": "even", "pipe_sp_strategy": "uniform_comp"}, WORLD,
      "--pipe-sp-strategy"),
@@ -204,6 +219,19 @@ def test_interleaving_and_global_batch_default(tmp_path):
     assert args.virtual_pipeline_model_parallel_size == 2
     assert (args.global_batch_size, args.num_micro_batches) == (4, 1)
     assert args.params_dtype == "bfloat16"
+
+
+def test_fit_partition_and_timeline_defaults(tmp_path):
+    """Two calibrating iterations; the timeline draws the last iteration, its folder made only
+    when it is drawn."""
+    timeline = tmp_path / "new" / "timeline.png"
+    args = validate_args(parse_args(_argv(_with(tmp_path, seq1f1b_partition="fit",
+                                                timeline_path=str(timeline)))), WORLD)
+    assert (args.seq1f1b_partition, args.seq1f1b_fit_iterations) == ("fit", 2)
+    assert args.timeline_iteration == 10 and not timeline.parent.exists()
+    args = validate_args(parse_args(_argv(_base(tmp_path))), WORLD)
+    assert (args.seq1f1b_fit_iterations, args.timeline_path, args.timeline_iteration) == \
+        (None, None, None)
 
 
 def test_reference_fork_aliases_fold_into_seq1f1b_flags(tmp_path):

@@ -1,11 +1,15 @@
 """Measured iterations in the simulator's terms: waits inside actions count as idle, per-action
-costs calibrated from measurements reproduce the timeline, and the comparison plot."""
+costs calibrated from measurements reproduce the timeline and sum into span timings, the
+comparison plot, and a measured iteration's picture with its actions as JSON beside it."""
+import json
+
 import pytest
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.simulate import (SpanCosts, calibrated_costs, measured_report, simulate,
-                                   uniform_costs)
+                                   span_timings, uniform_costs)
+from seq1f1b.plan.span_fit import read_span_timings
 
 
 def _as_measured(report):
@@ -100,3 +104,38 @@ def test_measured_vs_simulated_plot(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="nothing to plot"):
         plot_measured_vs_simulated([], tmp_path / "none.png")
+
+
+def test_span_timings_sum_each_spans_costs_over_the_stages():
+    schedule = registry.build("seq1f1b-interleaved", 2, 2, 2, 2)
+    costs = _uneven_costs(schedule)
+    measured = measured_report(schedule, _as_measured(simulate(schedule, costs)))
+    timings = span_timings(schedule, [measured], [(0, 40), (40, 64)])
+    stages = range(schedule.num_stages)
+    assert [(t.start, t.end) for t in timings] == [(0, 40), (40, 64)]
+    assert [t.forward_s for t in timings] == pytest.approx(
+        [sum(costs.forward[v][j] for v in stages) for j in range(2)])
+    assert [t.backward_s for t in timings] == pytest.approx(
+        [sum(costs.backward[v][j] for v in stages) for j in range(2)])
+
+
+def test_a_measured_iteration_is_drawn_with_its_actions_beside_it(tmp_path):
+    from seq1f1b.plan.render import write_measured_timeline
+
+    schedule = registry.build("seq1f1b", 2, 2, 2)
+    simulated = simulate(schedule, _uneven_costs(schedule))
+    bounds = [(0, 40), (40, 64)]
+    png, actions = write_measured_timeline(schedule, _as_measured(simulated), bounds, 7,
+                                           tmp_path / "timeline.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and actions == tmp_path / "timeline.json"
+    record = json.loads(actions.read_text())
+    assert (record["iteration"], record["span_bounds"]) == (7, [[0, 40], [40, 64]])
+    assert record["makespan"] == pytest.approx(simulated.makespan)
+    assert record["bubble_ratio"] == pytest.approx(simulated.bubble_ratio)
+    for got, want in zip(record["ranks"], simulated.ranks):
+        assert [a["action"] for a in got["actions"]] == [t.action.format() for t in want.timeline]
+        assert _flat((a["start"], a["end"]) for a in got["actions"]) == \
+            pytest.approx(_flat((t.start, t.end) for t in want.timeline))
+    # the JSON is a calibration file for plan.py partition --method fit
+    assert read_span_timings(actions) == span_timings(
+        schedule, [measured_report(schedule, _as_measured(simulated))], bounds)

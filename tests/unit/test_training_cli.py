@@ -60,6 +60,7 @@ CLI_CASES = [  # (changes to the base flags, world size, flag the message must n
     (lambda f, t: {**f, "--pipeline-schedule": "zigzag"}, 1, "--pipeline-schedule"),
     (lambda f, t: {**f, "--seq1f1b-splits": "65"}, 1, "--seq1f1b-splits"),
     (lambda f, t: {**f, "--seq1f1b-partition": "fit"}, 1, "--seq1f1b-partition"),
+    (lambda f, t: {**f, "--timeline-path": str(t / "timeline.svg")}, 1, "--timeline-path"),
     (lambda f, t: {**_no_mock(f), "--data-path": str(t / "missing_text_document")}, 1,
      "--data-path"),
     (lambda f, t: {**_no_mock(f), "--data-path": _corrupt_dataset(t)}, 1, "--data-path"),
