@@ -17,7 +17,7 @@ drift of the machine's speed does not move; of the fastest iterations), the meas
 (idle / (P x makespan) from the per-action timeline, waits for a neighbour counted as idle), the
 simulator's bubble, makespan and ratio for the same plan with per-action costs calibrated from
 the measured ones (median F and B per stage and span), what uniform span costs would predict,
-and per rank the measured peak bytes held for backward beside the memory estimator's figure.
+the work per rank (busy seconds, idle excluded) against the first schedule's, and per rank the measured peak bytes held for backward beside the memory estimator's figure.
 
 A schedule takes --splits when its name starts with "seq1f1b" and k=1 otherwise; "NAME:K" sets k
 for one entry (e.g. `--schedules megatron-1f1b seq1f1b:1`), and "NAME[:K]@PARTITION" its span
@@ -443,6 +443,8 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
                 spans=[vars(t) for t in span_timings(schedule, reports, ranks[0].span_bounds)])
             if ranks[0].fit is not None:
                 row["fit"] = ranks[0].fit
+            # Busy seconds of the average rank: what the spans' own cost grows (idle excluded).
+            row["busy_per_rank_s"] = row["measured_makespan_s"] * (1 - bubble)
             pairs.append((reports[len(reports) // 2], predicted))
         rows.append(row)
     base = rows[0]
@@ -456,6 +458,8 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
             row["simulated_ratio_to_first"] = (base["simulated_makespan_s"]
                                                / row["simulated_makespan_s"])
         row["uniform_cost_ratio"] = base["uniform_cost_makespan"] / row["uniform_cost_makespan"]
+        if "busy_per_rank_s" in row and "busy_per_rank_s" in base:
+            row["work_ratio_to_first"] = row["busy_per_rank_s"] / base["busy_per_rank_s"]
     config = {k: v for k, v in vars(args).items() if k not in ("json", "output", "plot")}
     return {"config": {**config, "dp": dp, "tokens_per_iteration": tokens}, "runs": rows}, pairs
 
@@ -488,11 +492,12 @@ def markdown(result: dict) -> str:
              "median over rounds of the first schedule's time over this one's in the same round "
              "(same V and placement only: each such group runs its own rounds); best-of ratio: of the fastest "
              "iterations (interference only adds time); bubble diff = "
-             "(measured - simulated) / simulated", "",
+             "(measured - simulated) / simulated; work: busy seconds per rank, median makespan x "
+             "(1 - median bubble), over the first schedule's", "",
              "| schedule | k | V | iter ms | tokens/s | ratio | paired ratio | best-of ratio | "
              "sim ratio | uniform-cost ratio | bubble meas | bubble sim | bubble diff | "
-             "makespan meas/sim | rank-0 peak MiB | rank-0 est MiB |",
-             "|" + "---|" * 16]
+             "makespan meas/sim | work | rank-0 peak MiB | rank-0 est MiB |",
+             "|" + "---|" * 17]
     for r in result["runs"]:
         makespans = (f"{r['measured_makespan_s'] * 1e3:.0f}/{r['simulated_makespan_s'] * 1e3:.0f}"
                      if "measured_makespan_s" in r else "-")
@@ -503,6 +508,7 @@ def markdown(result: dict) -> str:
             f"{ratio(r.get('simulated_ratio_to_first'))} | {r['uniform_cost_ratio']:.3f} | "
             f"{pct(r.get('measured_bubble'))} | {pct(r.get('simulated_bubble'))} | "
             f"{pct(r.get('bubble_rel_diff'))} | {makespans} | "
+            f"{ratio(r.get('work_ratio_to_first'))} | "
             f"{mib(r.get('peak_saved_bytes'))} | {mib(r.get('estimated_held_bytes'))} |")
     return "\n".join(lines)
 

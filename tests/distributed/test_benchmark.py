@@ -75,6 +75,10 @@ def test_traced_schedules_have_bubbles_predictions_and_memory(benchmark):
         assert all(len(row) == run["splits"] for row in run["calibrated_backward_s"])
         assert len(run["peak_saved_bytes"]) == 2 and min(run["peak_saved_bytes"]) > 0
         assert len(run["estimated_held_bytes"]) == 2 and min(run["estimated_held_bytes"]) > 0
+        assert run["busy_per_rank_s"] == pytest.approx(
+            run["measured_makespan_s"] * (1 - run["measured_bubble"]))
+        assert run["work_ratio_to_first"] == pytest.approx(
+            run["busy_per_rank_s"] / result["runs"][0]["busy_per_rank_s"])
 
 
 def test_a_fit_entry_is_cut_by_its_warm_up_and_the_output_calibrates_plan_py(benchmark):
