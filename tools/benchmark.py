@@ -6,18 +6,18 @@
         --schedules 1f1b seq1f1b --partition compute --plot timelines.png
 
 Schedules with the same chunk count and placement share one set of model chunks and are timed
-round-robin
-(each round runs every schedule once, so load changes on a shared machine hit all alike):
---warmup untimed rounds, then --iterations timed ones (a barrier before each iteration; its time
-is the slowest rank's forward-backward, grad finalisation included, no optimizer step), then one
-iteration each with the saved-tensor meter on (memory is measured apart so that the meter's hooks
-do not slow the timed iterations). Per schedule it reports: median iteration time, tokens/s, the
+round-robin (each round runs every schedule once, so load changes on a shared machine hit all
+alike): --warmup untimed rounds, then --iterations timed ones (a barrier before each iteration;
+its time is the slowest rank's forward-backward, grad finalisation included, no optimizer step),
+then one iteration each with the saved-tensor meter on (memory is measured apart so that the
+meter's hooks do not slow the timed iterations). Per schedule it reports: median iteration time, tokens/s, the
 ratio to the first schedule (of medians; paired: the median of per-round ratios, which a slow
 drift of the machine's speed does not move; of the fastest iterations), the measured bubble
 (idle / (P x makespan) from the per-action timeline, waits for a neighbour counted as idle), the
 simulator's bubble, makespan and ratio for the same plan with per-action costs calibrated from
 the measured ones (median F and B per stage and span), what uniform span costs would predict,
-the work per rank (busy seconds, idle excluded) against the first schedule's, and per rank the measured peak bytes held for backward beside the memory estimator's figure.
+the work per rank (busy seconds, idle excluded) against the first schedule's, and per rank the
+measured peak bytes held for backward beside the memory estimator's figure.
 
 A schedule takes --splits when its name starts with "seq1f1b" and k=1 otherwise; "NAME:K" sets k
 for one entry (e.g. `--schedules megatron-1f1b seq1f1b:1`), and "NAME[:K]@PARTITION" its span
@@ -27,8 +27,8 @@ warm-up iterations (at least one): they run with the compute cut and the trace o
 median F and B summed over the pipeline stages are fitted (seq1f1b/plan/span_fit.py), and the
 timed iterations run the cut balanced in that measured time, which the output reports. Each
 traced entry's JSON carries its measured spans (`spans`: start, end, forward_s, backward_s), so
-the output is itself a calibration file for `plan.py partition --method fit --calibration`. megatron-core's own schedules
-(megatron-*) run without a trace: they are timed as a whole.
+the output is itself a calibration file for `plan.py partition --method fit --calibration`.
+megatron-core's own schedules (megatron-*) run without a trace: they are timed as a whole.
 V-shaped schedules (zbv, seq1f1b-zbv, seq1f1b-zb-auto) need --untie-embeddings-and-output-weights
 and --chunks 2. The searched seq1f1b-zb-auto is placed with its default budget, or under
 --schedule-memory-cap with this model's FLOP and byte costs.
@@ -336,7 +336,7 @@ def _cost_model(args: argparse.Namespace):
 def _budget(args: argparse.Namespace, run: Run):
     """A searched schedule's budget under --schedule-memory-cap: this model's FLOPs as durations
     (at a nominal rate: only their proportions steer the search) and its fp32 bytes, with the
-    cut the run starts with (a fit entry's compute cut). None: the schedule's default build."""
+    run's cut (parse_args refuses a fit cut here). None: the schedule's default build."""
     if args.schedule_memory_cap is None or not is_searched(run.schedule):
         return None
     from seq1f1b.plan.budget import MemoryCap, model_budget
@@ -344,8 +344,7 @@ def _budget(args: argparse.Namespace, run: Run):
     from seq1f1b.plan.simulate import model_costs
 
     model = _cost_model(args)
-    cut = "compute" if run.partition == "fit" else run.partition
-    spans = partition(args.seq_length, run.splits, cut, model, tp=args.tp,
+    spans = partition(args.seq_length, run.splits, run.partition, model, tp=args.tp,
                       sequence_parallel=args.sequence_parallel,
                       lengths=list(args.span_lengths) if args.span_lengths else None)
 
