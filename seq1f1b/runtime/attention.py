@@ -238,7 +238,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
         allowed = _additive_causal_mask(sq, sk, q.dtype, q.device)
     else:               # CUDA: the efficient kernel applies it without a materialised mask
         allowed = causal_lower_right(sq, sk)
-    check_sdpa_kernel(q, k, v, allowed)
+    # On CUDA the causal case passes causal_lower_right, which holds no mask tensor.
+    check_sdpa_kernel(q, k, v, allowed if mask is not None else None)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
                                          scale=scale, enable_gqa=gqa)
     return _merge_heads(out)
