@@ -28,11 +28,16 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.distributed import release_model_parallel
+from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan import registry
+from seq1f1b.plan.actions import Schedule
+from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget
+from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.runtime.attention import DOCUMENT_BACKENDS
 from seq1f1b.runtime.documents import document_ids, document_positions
 from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
-                                              get_forward_backward_func, splits_backward)
+                                              get_forward_backward_func, placement_of,
+                                              splits_backward)
 
 
 @dataclass
@@ -83,6 +88,7 @@ class EquivalenceCase:
     document_lengths: Optional[list[int]] = None   # the packing of every sample (EOD ends each)
     reset_attention_mask: bool = False             # document masking
     reset_position_ids: bool = False               # positions restart with each document
+    schedule_memory_cap: Optional[str] = None      # a searched schedule's cap ("0.5x", bytes)
 
 
 def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "explicit"),
@@ -144,6 +150,56 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
     parser.add_argument("--untie-embeddings-and-output-weights", dest="untie_embeddings",
                         action="store_true",
                         help="separate output-layer weights (V placements need them)")
+
+
+def cost_model(flags) -> ModelConfig:
+    """The cost model's shape of an EquivalenceCase, or of a command line with its fields
+    (add_model_flags: benchmark.py's too)."""
+    return ModelConfig(num_layers=flags.num_layers, hidden_size=flags.hidden_size,
+                       num_attention_heads=flags.num_attention_heads,
+                       ffn_hidden_size=flags.ffn_hidden_size, vocab_size=flags.vocab_size,
+                       num_query_groups=flags.num_query_groups, swiglu=flags.swiglu,
+                       normalization=flags.normalization,
+                       add_bias_linear=not flags.disable_bias_linear,
+                       add_qkv_bias=flags.add_qkv_bias)
+
+
+def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
+    """A searched schedule's budget under the case's schedule_memory_cap: the model's FLOP
+    durations and fp32 bytes with the case's cut (None without a cap, and for a schedule that is
+    not searched: an --against baseline)."""
+    if case.schedule_memory_cap is None or case.schedule in MEGATRON_SCHEDULES \
+            or not registry.get(case.schedule).searched:
+        return None
+    model = cost_model(case)
+    lengths = span_partition.partition(
+        case.seq_length, case.splits, "explicit" if case.span_lengths else case.partition, model,
+        tp=case.tp, sequence_parallel=case.sequence_parallel, lengths=case.span_lengths)
+    shape = RunShape(model, case.seq_length, tuple(lengths), tp=case.tp,
+                     sequence_parallel=case.sequence_parallel,
+                     micro_batch_size=case.micro_batch_size, bytes_per_element=4,
+                     recompute=Recompute.from_flags(case.recompute_granularity,
+                                                    case.recompute_method,
+                                                    case.recompute_num_layers))
+    return run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
+                      MemoryCap.parse(case.schedule_memory_cap), shape)
+
+
+def check_budget(case: "EquivalenceCase") -> None:
+    """A memory cap for a schedule that is not searched, or one no order fits, refused before
+    any work (ValueError: ScheduleError, one line)."""
+    if case.schedule_memory_cap is None:
+        return
+    if case.schedule in MEGATRON_SCHEDULES or not registry.get(case.schedule).searched:
+        raise ValueError(f"--schedule-memory-cap: schedule {case.schedule} is not searched; it "
+                         "takes no memory cap (seq1f1b-zb-auto does)")
+    case_plan(case)
+
+
+def case_plan(case: "EquivalenceCase") -> Schedule:
+    """The plan the case's schedule runs (a searched one with its budget)."""
+    return registry.build(case.schedule, case.pp, case.num_microbatches, case.splits,
+                          case.chunks, budget=case_budget(case))
 
 
 def check_placement(schedule: str, untie_embeddings: bool) -> None:
@@ -433,7 +489,8 @@ class ParallelLayout:
         mine = batches[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
         iterators = [iter(mine) for _ in self.chunks]
         settings = SpanSettings(case.splits, "explicit" if case.span_lengths else case.partition,
-                                tuple(case.span_lengths) if case.span_lengths else None)
+                                tuple(case.span_lengths) if case.span_lengths else None,
+                                budget=case_budget(replace(case, schedule=schedule)))
         losses = get_forward_backward_func(schedule, settings)(
             forward_step_func=forward_step,
             data_iterator=iterators if self.chunked else iterators[0],
@@ -498,11 +555,6 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
 
 def _identity(sharded: ShardedTensor) -> tuple:
     return sharded.key, tuple(sharded.global_offset)
-
-
-def placement_of(schedule: str) -> str:
-    """How the schedule maps (rank, chunk) to virtual stages (actions.PLACEMENTS)."""
-    return "loop" if schedule in MEGATRON_SCHEDULES else registry.get(schedule).placement
 
 
 def is_chunked(schedule: str) -> bool:

@@ -42,7 +42,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -322,15 +322,9 @@ def _plan_name(schedule: str) -> str:
 
 def _cost_model(args: argparse.Namespace):
     """The benchmark's model as the cost model sees it."""
-    from seq1f1b.plan.costs import ModelConfig
+    from seq1f1b.equivalence import cost_model
 
-    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads,
-                       ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
-                       num_query_groups=args.num_query_groups, swiglu=args.swiglu,
-                       normalization=args.normalization,
-                       add_bias_linear=not args.disable_bias_linear,
-                       add_qkv_bias=args.add_qkv_bias)
+    return cost_model(args)
 
 
 def _budget(args: argparse.Namespace, run: Run):
@@ -339,23 +333,9 @@ def _budget(args: argparse.Namespace, run: Run):
     run's cut (parse_args refuses a fit cut here). None: the schedule's default build."""
     if args.schedule_memory_cap is None or not is_searched(run.schedule):
         return None
-    from seq1f1b.plan.budget import MemoryCap, model_budget
-    from seq1f1b.plan.partition import partition
-    from seq1f1b.plan.simulate import model_costs
+    from seq1f1b.equivalence import case_budget
 
-    model = _cost_model(args)
-    spans = partition(args.seq_length, run.splits, run.partition, model, tp=args.tp,
-                      sequence_parallel=args.sequence_parallel,
-                      lengths=list(args.span_lengths) if args.span_lengths else None)
-
-    def costs_of(schedule, whole: bool):
-        return model_costs(schedule, model, [args.seq_length] if whole else spans,
-                           flops_per_second=1e12, tp=args.tp,
-                           sequence_parallel=args.sequence_parallel,
-                           batch=args.micro_batch_size, bytes_per_element=4)
-
-    return model_budget(run.schedule, args.pp, args.num_microbatches, run.splits, run.chunks,
-                        MemoryCap.parse(args.schedule_memory_cap), costs_of)
+    return case_budget(replace(_case(args, run), partition=run.partition))
 
 
 def _plan(args: argparse.Namespace, run: Run):

@@ -38,17 +38,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--against", choices=schedule_names(), default=None,
         help="compare with this schedule on the same chunks and data instead of the unsplit "
              "model (e.g. --schedule 1f1b --against megatron-1f1b)")
+    add("--schedule-memory-cap", metavar="CAP", default=None,
+        help="searched schedules (seq1f1b-zb-auto): per-rank cap on held activations and K/V, "
+             "bytes or a fraction of 1F1B's rank-0 peak (e.g. 0.5x), placed with this model's "
+             "FLOP and byte costs")
     add("--loss-tolerance", type=float, default=1e-6)
     add("--grad-tolerance", type=float, default=1e-5)
     add("--json", action="store_true", help="print only the JSON result")
     args = parser.parse_args(argv)
     if args.span_lengths:
         args.partition = "explicit"
-    from seq1f1b.equivalence import check_documents, check_placement
+    from seq1f1b.equivalence import check_budget, check_documents, check_placement
 
     try:
         check_documents(case_from_args(args))
         check_placement(args.schedule, args.untie_embeddings)
+        check_budget(case_from_args(args))
     except ValueError as err:      # one line, before any process group exists
         print(f"check_equivalence.py: error: {err}", file=sys.stderr)
         sys.exit(2)

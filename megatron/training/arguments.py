@@ -170,6 +170,12 @@ def _add_schedule_args(parser: ArgumentParser) -> None:
                         f"(default: {DEFAULT_FIT_ITERATIONS})")
     g.add_argument("--seq1f1b-span-lengths", type=int, nargs="+", metavar="L",
                    help="explicit span lengths L1 ... Lk (sum = --seq-length)")
+    g.add_argument("--schedule-memory-cap", metavar="CAP",
+                   help="searched schedules (seq1f1b-zb-auto): per-rank cap on held activations "
+                        "and K/V, bytes (e.g. 17GiB) or a fraction of 1F1B's rank-0 peak (e.g. "
+                        "0.5x); the schedule is placed with this model's FLOP and byte costs "
+                        "(with --seq1f1b-partition fit: re-placed with the measured times once "
+                        "the fit is in) (default: the schedule's own budget)")
     g.add_argument("--pipe-sp-splits", type=int, help="alias of --seq1f1b-splits")
     g.add_argument("--pipe-sp-strategy", choices=tuple(PIPE_SP_STRATEGIES),
                    help="alias of --seq1f1b-partition: average = even, uniform_comp = compute")
@@ -554,10 +560,9 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     if not chunked and args.virtual_pipeline_model_parallel_size is not None:
         _fail(f"--num-layers-per-virtual-pipeline-stage: --pipeline-schedule {name} runs one "
               f"model chunk per rank; use an interleaved schedule")
-    if name not in MEGATRON_SCHEDULES and _placement(name) != "loop":
-        _fail(f"--pipeline-schedule {name}: the trainer does not run V placements yet (its loss "
-              f"report, NaN checks and data feeding expect the last stage on the last pipeline "
-              f"rank); seq1f1b's forward_backward functions and tools/check_equivalence.py do")
+    if name not in MEGATRON_SCHEDULES and _placement(name) == "vshape":
+        _validate_v_placement(args)
+    _validate_memory_cap(args)
     if name in MEGATRON_SCHEDULES and k != 1:
         _fail(f"--seq1f1b-splits {k}: --pipeline-schedule {name} runs whole sequences (k = 1)")
     if name == "megatron-interleaved-1f1b" and \
@@ -589,6 +594,39 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         _fail(f"--seq1f1b-splits {k}: --seq-length {args.seq_length} has fewer than {k} spans of "
               f"--tensor-model-parallel-size {tp_unit} tokens (needed by --sequence-parallel)")
     _validate_fit(args)
+
+
+def _validate_v_placement(args: argparse.Namespace) -> None:
+    """A V (zbv, seq1f1b-zbv, seq1f1b-zb-auto) has two chunks per rank, chunk 1 of rank 0 the
+    last stage: the embedding and the output layer are on one rank in two chunks, which
+    megatron cannot tie."""
+    name = args.pipeline_schedule
+    if args.virtual_pipeline_model_parallel_size != 2:
+        _fail(f"--num-layers-per-virtual-pipeline-stage: --pipeline-schedule {name} places two "
+              f"model chunks per rank in a V; give --num-layers / (2 x "
+              f"--pipeline-model-parallel-size)")
+    if not args.untie_embeddings_and_output_weights:
+        _fail(f"--pipeline-schedule {name} puts the embedding and the output layer in two "
+              f"chunks of pipeline rank 0, which megatron cannot tie: add "
+              f"--untie-embeddings-and-output-weights")
+
+
+def _validate_memory_cap(args: argparse.Namespace) -> None:
+    """--schedule-memory-cap: parsed here, for a searched schedule only."""
+    if args.schedule_memory_cap is None:
+        return
+    from seq1f1b.plan import registry
+    from seq1f1b.plan.actions import ScheduleError
+    from seq1f1b.plan.budget import MemoryCap
+
+    name = args.pipeline_schedule
+    if name in MEGATRON_SCHEDULES or not registry.get(name).searched:
+        _fail(f"--schedule-memory-cap: --pipeline-schedule {name} is not searched; it takes no "
+              f"memory cap (seq1f1b-zb-auto does)")
+    try:
+        MemoryCap.parse(args.schedule_memory_cap)
+    except ScheduleError as err:
+        _fail(str(err))
 
 
 def _validate_fit(args: argparse.Namespace) -> None:
@@ -786,6 +824,24 @@ def _validate_timeline(args: argparse.Namespace) -> None:
               f"--train-iters {args.train_iters}")
 
 
+def _validate_schedule_budget(args: argparse.Namespace) -> None:
+    """A searched schedule under --schedule-memory-cap is placed now, with the model's costs
+    (the padded vocabulary known): a cap that no order fits is refused before any work."""
+    if args.schedule_memory_cap is None:
+        return
+    from megatron.training.schedule_budget import schedule_budget
+    from seq1f1b.plan import registry
+    from seq1f1b.plan.actions import ScheduleError
+
+    try:
+        registry.build(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                       args.num_micro_batches, args.seq1f1b_splits,
+                       args.virtual_pipeline_model_parallel_size or 1,
+                       budget=schedule_budget(args))
+    except ScheduleError as err:
+        _fail(f"--pipeline-schedule {args.pipeline_schedule}: {err}")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check every flag and combination, fill in Megatron's derived values; write nothing.
 
@@ -809,6 +865,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_run(args)
     _validate_overlap(args)
     _validate_observability(args)
+    _validate_schedule_budget(args)
     return args
 
 
