@@ -21,7 +21,8 @@ measured peak bytes held for backward beside the memory estimator's figure.
 
 A schedule takes --splits when its name starts with "seq1f1b" and k=1 otherwise; "NAME:K" sets k
 for one entry (e.g. `--schedules megatron-1f1b seq1f1b:1`), and "NAME[:K]@PARTITION" its span
-boundaries (even, compute or fit; default --partition), so one run can set cuts side by side:
+boundaries (even, compute or fit; default --partition, which applies to the entries with k >= 2
+only: one span is the whole sequence), so one run can set cuts side by side:
 `--schedules 1f1b seq1f1b@even seq1f1b@compute seq1f1b@fit`. A fit entry calibrates from its own
 warm-up iterations (at least one): they run with the compute cut and the trace on, every span's
 median F and B summed over the pipeline stages are fitted (seq1f1b/plan/span_fit.py), and the
@@ -159,13 +160,17 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
         if cut == "fit" and args.schedule_memory_cap and is_searched(name):
             raise UsageError(f"--schedules {entry}: a searched schedule is placed before the "
                              "warm-up, with the compute or even cut's costs: use @compute")
+        if k == 1 and cut == "fit":
+            raise UsageError(f"--schedules {entry}: one span per micro-batch has no boundary to "
+                             "fit; @fit needs k >= 2")
         chunks = args.chunks if is_chunked(name) else 1
         if is_chunked(name) and (chunks < 2 or args.num_layers % (args.pp * chunks)):
             raise UsageError(f"--chunks {chunks}: {name} needs >= 2 chunks that divide the "
                              f"{args.num_layers} layers over --pp {args.pp}")
         if k > args.seq_length:
             raise UsageError(f"--schedules {entry}: k = {k} exceeds --seq-length")
-        runs.append(Run(name, k, chunks, cut or args.partition))
+        # --partition cuts the span schedules; one span per micro-batch is the whole sequence
+        runs.append(Run(name, k, chunks, cut or (args.partition if k > 1 else "even")))
     if args.schedule_memory_cap is not None and not any(is_searched(run.schedule)
                                                           for run in runs):
         raise UsageError("--schedule-memory-cap: no searched schedule (seq1f1b-zb-auto) in "
