@@ -29,7 +29,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.distributed import release_model_parallel
 from seq1f1b.plan import partition as span_partition
-from seq1f1b.plan import registry
+from seq1f1b.plan import registry, schedule_file
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget
 from seq1f1b.plan.costs import ModelConfig, Recompute
@@ -89,6 +89,7 @@ class EquivalenceCase:
     reset_attention_mask: bool = False             # document masking
     reset_position_ids: bool = False               # positions restart with each document
     schedule_memory_cap: Optional[str] = None      # a searched schedule's cap ("0.5x", bytes)
+    pipeline_schedule_file: Optional[str] = None   # the schedule from this file (schedule_file)
 
 
 def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "explicit"),
@@ -519,6 +520,8 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
     (e.g. our `1f1b` against megatron-core's own `megatron-1f1b`) instead of the unsplit model.
     """
     check_documents(case)
+    if case.pipeline_schedule_file is not None:     # registered in this process under its name
+        case = replace(case, schedule=schedule_file.load(case.pipeline_schedule_file).name)
     world = dist.get_world_size()
     if world % (case.tp * case.pp):
         raise ValueError(f"world size {world} is not divisible by --tp {case.tp} x --pp {case.pp}")

@@ -89,8 +89,12 @@ def build_parser() -> Parser:
 
     parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--schedules", nargs="+", required=True, metavar="NAME[:K][@PARTITION]",
+    add("--schedules", nargs="+", default=[], metavar="NAME[:K][@PARTITION]",
         help="schedules to compare; the first is the baseline of the ratios")
+    add("--pipeline-schedule-file", metavar="FILE.csv",
+        help="also run the schedule in this file, after --schedules (seq1f1b/plan/"
+             "schedule_file.py; checked before any work): its P and micro-batches must be --pp "
+             "and --num-microbatches, its k and V are its own")
     add_model_flags(parser, partitions=("even", "compute", "fit", "explicit"), hidden_size=256,
                     vocab_size=1024, seq_length=512, micro_batch_size=1, num_microbatches=2,
                     chunks=2)
@@ -171,6 +175,10 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
             raise UsageError(f"--schedules {entry}: k = {k} exceeds --seq-length")
         # --partition cuts the span schedules; one span per micro-batch is the whole sequence
         runs.append(Run(name, k, chunks, cut or (args.partition if k > 1 else "even")))
+    if args.pipeline_schedule_file is not None:
+        runs.append(_file_run(args))
+    if not runs:
+        raise UsageError("--schedules or --pipeline-schedule-file is required")
     if args.schedule_memory_cap is not None and not any(is_searched(run.schedule)
                                                           for run in runs):
         raise UsageError("--schedule-memory-cap: no searched schedule (seq1f1b-zb-auto) in "
@@ -184,6 +192,30 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
     if any(run.partition == "fit" for run in runs) and args.warmup < 1:
         raise UsageError("a fit partition calibrates from the warm-up: --warmup must be >= 1")
     return args, runs
+
+
+def _file_run(args: argparse.Namespace) -> Run:
+    """The entry of --pipeline-schedule-file (loaded: checked and registered)."""
+    from seq1f1b.equivalence import check_placement
+    from seq1f1b.plan import registry, schedule_file
+
+    try:
+        schedule = schedule_file.load(args.pipeline_schedule_file)
+        registry.build(schedule.name, args.pp, args.num_microbatches, schedule.splits,
+                       schedule.chunks)
+        check_placement(schedule.name, args.untie_embeddings)
+    except ValueError as err:           # ScheduleError too
+        raise UsageError(str(err)) from None
+    if args.num_layers % (args.pp * schedule.chunks):
+        raise UsageError(f"--num-layers {args.num_layers}: --pipeline-schedule-file "
+                         f"{args.pipeline_schedule_file} needs a multiple of P x V = "
+                         f"{args.pp * schedule.chunks}")
+    if args.span_lengths and schedule.splits != len(args.span_lengths):
+        raise UsageError(f"--pipeline-schedule-file {args.pipeline_schedule_file}: k = "
+                         f"{schedule.splits} but --span-lengths gives {len(args.span_lengths)} "
+                         "spans")
+    return Run(schedule.name, schedule.splits, schedule.chunks,
+               args.partition if schedule.splits > 1 else "even")
 
 
 def is_searched(name: str) -> bool:

@@ -26,7 +26,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--schedule", default="seq1f1b", choices=schedule_names())
+    add("--schedule", default=None, choices=schedule_names(),
+        help="the schedule to check (default: seq1f1b)")
+    add("--pipeline-schedule-file", metavar="FILE.csv", default=None,
+        help="instead of --schedule: the schedule in this file (seq1f1b/plan/schedule_file.py), "
+             "checked before any work; --pp, --num-microbatches, --splits and --chunks are the "
+             "file's (given ones must agree)")
     add_model_flags(parser)
     add("--init-method-std", type=float, default=0.2,
         help="weight init std (0.2: sharp attention, so a wrong position or K/V shows)")
@@ -49,15 +54,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.span_lengths:
         args.partition = "explicit"
     from seq1f1b.equivalence import check_budget, check_documents, check_placement
-
     try:
+        if args.pipeline_schedule_file is not None:
+            _take_schedule_file(args, parser)
+        args.schedule = args.schedule or "seq1f1b"
         check_documents(case_from_args(args))
         check_placement(args.schedule, args.untie_embeddings)
         check_budget(case_from_args(args))
-    except ValueError as err:      # one line, before any process group exists
+    except ValueError as err:      # one line, before any process group exists (ScheduleError too)
         print(f"check_equivalence.py: error: {err}", file=sys.stderr)
         sys.exit(2)
     return args
+
+
+def _take_schedule_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--pipeline-schedule-file: load (check, register) it; its name and shape become the
+    case's. A shape flag given other than its default must be the file's."""
+    from seq1f1b.plan import schedule_file
+
+    path = args.pipeline_schedule_file
+    if args.schedule is not None:
+        raise ValueError("--pipeline-schedule-file replaces --schedule: give one of them")
+    schedule = schedule_file.load(path)
+    for dest, actual in (("pp", schedule.pp), ("num_microbatches", schedule.microbatches),
+                         ("splits", schedule.splits), ("chunks", schedule.chunks)):
+        given = getattr(args, dest)
+        if given != parser.get_default(dest) and given != actual:
+            raise ValueError(f"--{dest.replace('_', '-')} {given}: --pipeline-schedule-file "
+                             f"{path} has {actual}")
+        setattr(args, dest, actual)
+    args.schedule = schedule.name
 
 
 def case_from_args(args: argparse.Namespace):

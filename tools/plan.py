@@ -10,6 +10,9 @@
                     --seq-length 65536 --tp 8 --sequence-parallel --partition compute \\
                     --distributed-optimizer --gpu-memory 79.25 --recompute-granularity full
   plan.py comm      --schedule seq1f1b --pp 4 --microbatches 8 --splits 2
+  plan.py show      --schedule seq1f1b-zbv --pp 4 --microbatches 8 --splits 2 --chunks 2 \
+                    --csv > mine.csv      (edit it, then: plan.py simulate|comm|show
+                                           --pipeline-schedule-file mine.csv ...)
 
 Every subcommand takes --json for other tools. Bad arguments print one line on stderr and exit 2;
 `comm` exits 1 when the communication would deadlock or mismatch under NCCL's rules.
@@ -23,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from seq1f1b.plan import registry  # noqa: E402
+from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
 from seq1f1b.plan.budget import MemoryCap, model_budget, resolve_budget  # noqa: E402
 from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
@@ -52,12 +55,17 @@ class Parser(argparse.ArgumentParser):
 
 
 def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--schedule", required=True, choices=registry.names(), metavar="NAME",
+    parser.add_argument("--schedule", choices=registry.names(), metavar="NAME",
                         help=f"one of: {', '.join(registry.names())}")
-    parser.add_argument("--pp", type=int, required=True, help="pipeline stages P")
-    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
-    parser.add_argument("--splits", type=int, default=1, help="spans per micro-batch k")
-    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank V")
+    parser.add_argument("--pipeline-schedule-file", metavar="FILE.csv",
+                        help="instead of --schedule: the schedule in this file (one row per "
+                             "rank; seq1f1b/plan/schedule_file.py), checked before use; P, m, k "
+                             "and V are the file's")
+    parser.add_argument("--pp", type=int, help="pipeline stages P (required with --schedule)")
+    parser.add_argument("--microbatches", type=int,
+                        help="micro-batches m (required with --schedule)")
+    parser.add_argument("--splits", type=int, help="spans per micro-batch k (default 1)")
+    parser.add_argument("--chunks", type=int, help="model chunks per rank V (default 1)")
     _add_cap_arg(parser)
 
 
@@ -142,6 +150,14 @@ def _spans(args: argparse.Namespace, model: ModelConfig | None, splits: int) -> 
 def _schedule(args: argparse.Namespace, costs_of=None):
     """The schedule of the command line; a searched one gets its budget from
     --schedule-memory-cap and `costs_of(schedule, span_lengths)` (unit costs without it)."""
+    if args.pipeline_schedule_file is not None:
+        return _file_schedule(args)
+    if args.schedule is None:
+        raise UsageError("--schedule NAME or --pipeline-schedule-file FILE is required")
+    for flag in ("pp", "microbatches"):
+        if getattr(args, flag) is None:
+            raise UsageError(f"--{flag} is required with --schedule")
+    args.splits, args.chunks = args.splits or 1, args.chunks or 1
     cap = MemoryCap.parse(args.schedule_memory_cap) if args.schedule_memory_cap else None
     if cap is not None and not registry.get(args.schedule).searched:
         raise UsageError(f"--schedule-memory-cap: schedule {args.schedule} is not searched")
@@ -154,9 +170,30 @@ def _schedule(args: argparse.Namespace, costs_of=None):
                           budget=budget)
 
 
+def _file_schedule(args: argparse.Namespace):
+    """--pipeline-schedule-file: the file's checked schedule; the shape flags, when given, must
+    be the file's."""
+    path = args.pipeline_schedule_file
+    if args.schedule is not None:
+        raise UsageError("--pipeline-schedule-file replaces --schedule: give one of them")
+    if args.schedule_memory_cap is not None:
+        raise UsageError("--schedule-memory-cap: a schedule file is not searched")
+    schedule = schedule_file.load(path)
+    for flag, actual in (("pp", schedule.pp), ("microbatches", schedule.microbatches),
+                         ("splits", schedule.splits), ("chunks", schedule.chunks)):
+        given = getattr(args, flag)
+        if given is not None and given != actual:
+            raise UsageError(f"--{flag} {given}: --pipeline-schedule-file {path} has {actual}")
+        setattr(args, flag, actual)
+    args.schedule = schedule.name
+    return schedule
+
+
 def cmd_show(args: argparse.Namespace) -> None:
     schedule = _schedule(args)
-    if args.json:
+    if args.csv:
+        print(schedule_file.write(schedule), end="")
+    elif args.json:
         print(json.dumps({"schedule": schedule.name, "pp": schedule.pp,
                           "microbatches": schedule.microbatches, "splits": schedule.splits,
                           "chunks": schedule.chunks,
@@ -348,6 +385,8 @@ def build_parser() -> Parser:
     show = commands.add_parser("show", help="print each rank's action list")
     _add_schedule_args(show)
     show.add_argument("--json", action="store_true")
+    show.add_argument("--csv", action="store_true",
+                      help="print the schedule as a --pipeline-schedule-file")
     show.set_defaults(run=cmd_show)
 
     part = commands.add_parser("partition", help="cut a sequence into spans")

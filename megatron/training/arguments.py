@@ -154,9 +154,14 @@ def _add_parallel_args(parser: ArgumentParser) -> None:
 
 def _add_schedule_args(parser: ArgumentParser) -> None:
     g = parser.add_argument_group("pipeline schedule")
-    g.add_argument("--pipeline-schedule", default=DEFAULT_SCHEDULE,
+    g.add_argument("--pipeline-schedule",
                    help="a registered schedule name (seq1f1b.plan.registry), or megatron-1f1b / "
                         f"megatron-interleaved-1f1b (default: {DEFAULT_SCHEDULE})")
+    g.add_argument("--pipeline-schedule-file", metavar="FILE.csv",
+                   help="run the schedule in this file instead (one row per pipeline rank, "
+                        "actions like F0.1, B0.1@1, W0.1; '# placement: vshape' first for a V; "
+                        "seq1f1b/plan/schedule_file.py): its P, micro-batches, k and V must be "
+                        "the run's; checked, also under NCCL's rules, before any work")
     g.add_argument("--seq1f1b-splits", type=int,
                    help="k: spans each sequence is cut into (default: 1)")
     g.add_argument("--seq1f1b-partition", choices=PARTITIONS,
@@ -542,6 +547,9 @@ def _validate_schedule(args: argparse.Namespace) -> None:
                 PIPE_SP_STRATEGIES.get(args.pipe_sp_strategy))
     del args.pipe_sp_splits, args.pipe_sp_strategy
     spans = args.seq1f1b_span_lengths
+    if args.pipeline_schedule_file is not None:
+        _load_schedule_file(args)
+    args.pipeline_schedule = args.pipeline_schedule or DEFAULT_SCHEDULE
     if spans is not None:
         args.seq1f1b_partition = args.seq1f1b_partition or "explicit"
         args.seq1f1b_splits = args.seq1f1b_splits or len(spans)
@@ -563,6 +571,8 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     if name not in MEGATRON_SCHEDULES and _placement(name) == "vshape":
         _validate_v_placement(args)
     _validate_memory_cap(args)
+    if args.pipeline_schedule_file is not None:
+        _check_schedule_file_shape(args)
     if name in MEGATRON_SCHEDULES and k != 1:
         _fail(f"--seq1f1b-splits {k}: --pipeline-schedule {name} runs whole sequences (k = 1)")
     if name == "megatron-interleaved-1f1b" and \
@@ -594,6 +604,36 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         _fail(f"--seq1f1b-splits {k}: --seq-length {args.seq_length} has fewer than {k} spans of "
               f"--tensor-model-parallel-size {tp_unit} tokens (needed by --sequence-parallel)")
     _validate_fit(args)
+
+
+def _load_schedule_file(args: argparse.Namespace) -> None:
+    """--pipeline-schedule-file: read, checked and registered (seq1f1b/plan/schedule_file.py);
+    --pipeline-schedule becomes its registry name, k defaults to the file's."""
+    from seq1f1b.plan import schedule_file
+    from seq1f1b.plan.actions import ScheduleError
+
+    if args.pipeline_schedule is not None:
+        _fail("--pipeline-schedule-file replaces --pipeline-schedule: give one of them")
+    try:
+        schedule = schedule_file.load(args.pipeline_schedule_file)
+    except ScheduleError as err:
+        _fail(str(err))
+    args.pipeline_schedule = schedule.name
+    if args.seq1f1b_splits is None and args.seq1f1b_span_lengths is None:
+        args.seq1f1b_splits = schedule.splits
+
+
+def _check_schedule_file_shape(args: argparse.Namespace) -> None:
+    """The file's P, m, k and V are this run's (its builder refuses any other)."""
+    from seq1f1b.plan import registry
+    from seq1f1b.plan.actions import ScheduleError
+
+    try:
+        registry.build(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                       args.num_micro_batches, args.seq1f1b_splits,
+                       args.virtual_pipeline_model_parallel_size or 1)
+    except ScheduleError as err:
+        _fail(str(err))
 
 
 def _validate_v_placement(args: argparse.Namespace) -> None:

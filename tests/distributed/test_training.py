@@ -22,7 +22,8 @@
 - V placements (zbv, seq1f1b-zbv, and seq1f1b-zb-auto under --schedule-memory-cap with the fit
   partition, re-placed with the measured times): each resumes the Llama-shaped loop checkpoint at
   TP2 x PP2 and logs the loop's losses; zbv trained from the start resumes bit for bit, and its
-  checkpoint resumes in the loop with the V's losses;
+  checkpoint resumes in the loop with the V's losses; --pipeline-schedule-file with the
+  seq1f1b-zbv plan written to a file trains bit for bit as that schedule;
 - the TensorBoard scalars of a run are the figures it logged, and W&B (a fake `wandb` module on
   PYTHONPATH with WANDB_MODE=offline: the package is not installed here) gets the same ones;
 - overlap: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer) at PP2 x DP2
@@ -59,6 +60,7 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, run_cases
+from seq1f1b.plan import registry, schedule_file
 
 WORLD = 4
 CASES_PER_LAUNCH = 10
@@ -152,6 +154,11 @@ def _v_cases(data_prefix: str, root) -> dict:
         "--train-iters", str(RESHARD_ITERS), "--eval-iters", "0"]
     cases = {("v", name, "from_loop"): flags + v + ["--load", str(root / V_RESHARD_FROM)]
              for name, v in V_SCHEDULES.items()}
+    plan = registry.build("seq1f1b-zbv", 2, 4, 2, 2)     # TP2 x PP2: 4 micro-batches of 2
+    (root / "seq1f1b-zbv.csv").write_text(schedule_file.write(plan))
+    cases[("v", "file", "from_loop")] = flags + V_FLAGS + [
+        "--pipeline-schedule-file", str(root / "seq1f1b-zbv.csv"), "--load",
+        str(root / V_RESHARD_FROM)]
     own = str(root / "zbv")
     cases[("v", "zbv", "straight")] = flags + V_SCHEDULES["zbv"]
     cases[("v", "zbv", "first_half")] = flags + V_SCHEDULES["zbv"] + [
@@ -595,6 +602,14 @@ def test_v_placements_resume_a_loop_checkpoint_with_the_loops_losses(results, na
         pytest.approx([r["grad_norm"] for r in same["history"]], rel=1e-5)
     assert [r["learning_rate"] for r in resumed["history"]] == \
         [r["learning_rate"] for r in same["history"]]
+
+
+def test_a_schedule_file_trains_exactly_as_the_schedule_it_holds(results):
+    """--pipeline-schedule-file with the seq1f1b-zbv plan written out (schedule_file.write):
+    the same run as --pipeline-schedule seq1f1b-zbv, bit for bit."""
+    from_file = results[("v", "file", "from_loop")]
+    assert len(from_file["history"]) == 2
+    assert from_file["history"] == results[("v", "seq1f1b-zbv", "from_loop")]["history"]
 
 
 def test_searched_v_schedule_refits_its_spans_and_trains_on(results):
