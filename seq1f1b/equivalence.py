@@ -33,6 +33,7 @@ from seq1f1b.plan import registry, schedule_file
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget
 from seq1f1b.plan.costs import ModelConfig, Recompute
+from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
 from seq1f1b.runtime.attention import DOCUMENT_BACKENDS
 from seq1f1b.runtime.documents import document_ids, document_positions
 from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
@@ -90,6 +91,8 @@ class EquivalenceCase:
     reset_position_ids: bool = False               # positions restart with each document
     schedule_memory_cap: Optional[str] = None      # a searched schedule's cap ("0.5x", bytes)
     pipeline_schedule_file: Optional[str] = None   # the schedule from this file (schedule_file)
+    decoder_first_pipeline_num_layers: Optional[int] = None   # uneven first stage (stage_layers)
+    decoder_last_pipeline_num_layers: Optional[int] = None    # uneven last stage
 
 
 def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "explicit"),
@@ -119,6 +122,12 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
     add("--use-rope-scaling", action="store_true", help="Llama 3.x RoPE frequency scaling")
     add("--rope-scaling-factor", type=float, default=8.0)
     add("--ffn-hidden-size", type=int, default=None)
+    add("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
+        help="uneven first stage: its decoder layers (a loop: pipeline rank 0's; a V: virtual "
+             "stage 0's); the other stages share the rest evenly")
+    add("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
+        help="uneven last stage: its decoder layers (a loop: pipeline rank P-1's; a V: virtual "
+             "stage 2P-1's, the output layer's, on rank 0)")
     add("--vocab-size", type=int, default=96)
     add("--seq-length", type=int, default=24)
     add("--micro-batch-size", type=int, default=2)
@@ -165,6 +174,12 @@ def cost_model(flags) -> ModelConfig:
                        add_qkv_bias=flags.add_qkv_bias)
 
 
+def stage_layers(case: "EquivalenceCase") -> StageLayers:
+    """The case's uneven first / last stages (both None: even)."""
+    return StageLayers(case.decoder_first_pipeline_num_layers,
+                       case.decoder_last_pipeline_num_layers)
+
+
 def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
     """A searched schedule's budget under the case's schedule_memory_cap: the model's FLOP
     durations and fp32 bytes with the case's cut (None without a cap, and for a schedule that is
@@ -181,9 +196,19 @@ def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
                      micro_batch_size=case.micro_batch_size, bytes_per_element=4,
                      recompute=Recompute.from_flags(case.recompute_granularity,
                                                     case.recompute_method,
-                                                    case.recompute_num_layers))
+                                                    case.recompute_num_layers),
+                     stage_layers=stage_layers(case))
     return run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
                       MemoryCap.parse(case.schedule_memory_cap), shape)
+
+
+def check_stage_layers(case: "EquivalenceCase") -> None:
+    """Uneven first / last stages that cannot be dealt on the case's layout, refused before any
+    work (ScheduleError, one line naming the flag)."""
+    split = stage_layers(case)
+    if split.uneven:
+        layers_per_virtual_stage(case.num_layers, case.pp, case.chunks,
+                                 placement_of(case.schedule), split)
 
 
 def check_budget(case: "EquivalenceCase") -> None:
@@ -265,7 +290,7 @@ def _recompute_fields(case: EquivalenceCase) -> dict:
 def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_parallel: bool,
             placement: str = "loop"):
     return megatron_adapter.make_transformer_config(
-        placement=placement,
+        placement=placement, stage_layers=stage_layers(case),
         init_method_std=case.init_method_std, hidden_dropout=case.hidden_dropout,
         attention_dropout=case.attention_dropout, **_recompute_fields(case),
         num_layers=case.num_layers, hidden_size=case.hidden_size,
@@ -385,7 +410,8 @@ def _whole_model(case: EquivalenceCase) -> torch.nn.Module:
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
     config = _config(replace(case, recompute_granularity=None, hidden_dropout=0.0,
-                             attention_dropout=0.0), 1, 1, 1, False)
+                             attention_dropout=0.0, decoder_first_pipeline_num_layers=None,
+                             decoder_last_pipeline_num_layers=None), 1, 1, 1, False)
     return _build(case, config, pre_process=True, post_process=True, vp_stage=None)
 
 

@@ -134,7 +134,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         raise UsageError("--warmup must be >= 0")
-    if args.num_layers % args.pp:
+    uneven = (args.decoder_first_pipeline_num_layers is not None
+              or args.decoder_last_pipeline_num_layers is not None)
+    if args.num_layers % args.pp and not uneven:
         raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pp {args.pp}")
     runs = []
     for entry in args.schedules:
@@ -168,7 +170,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
             raise UsageError(f"--schedules {entry}: one span per micro-batch has no boundary to "
                              "fit; @fit needs k >= 2")
         chunks = args.chunks if is_chunked(name) else 1
-        if is_chunked(name) and (chunks < 2 or args.num_layers % (args.pp * chunks)):
+        if is_chunked(name) and (chunks < 2 or (args.num_layers % (args.pp * chunks)
+                                                and not uneven)):
             raise UsageError(f"--chunks {chunks}: {name} needs >= 2 chunks that divide the "
                              f"{args.num_layers} layers over --pp {args.pp}")
         if k > args.seq_length:
@@ -177,6 +180,13 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
         runs.append(Run(name, k, chunks, cut or (args.partition if k > 1 else "even")))
     if args.pipeline_schedule_file is not None:
         runs.append(_file_run(args))
+    from seq1f1b.equivalence import check_stage_layers
+
+    for run in runs:
+        try:
+            check_stage_layers(_case(args, run))
+        except ValueError as err:
+            raise UsageError(f"--schedules {run.label}: {err}") from None
     if not runs:
         raise UsageError("--schedules or --pipeline-schedule-file is required")
     if args.schedule_memory_cap is not None and not any(is_searched(run.schedule)
@@ -206,7 +216,8 @@ def _file_run(args: argparse.Namespace) -> Run:
         check_placement(schedule.name, args.untie_embeddings)
     except ValueError as err:           # ScheduleError too
         raise UsageError(str(err)) from None
-    if args.num_layers % (args.pp * schedule.chunks):
+    if args.num_layers % (args.pp * schedule.chunks) and not (
+            args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers):
         raise UsageError(f"--num-layers {args.num_layers}: --pipeline-schedule-file "
                          f"{args.pipeline_schedule_file} needs a multiple of P x V = "
                          f"{args.pp * schedule.chunks}")
@@ -396,7 +407,9 @@ def _memory_estimate(args: argparse.Namespace, run: Run, dp: int, lengths: tuple
         precision="fp32", make_vocab_size_divisible_by=1,   # the benchmark's model: unpadded
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        schedule_memory_cap=args.schedule_memory_cap if is_searched(run.schedule) else None)
+        schedule_memory_cap=args.schedule_memory_cap if is_searched(run.schedule) else None,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers)
     return estimate_memory(setup)
 
 

@@ -53,13 +53,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.span_lengths:
         args.partition = "explicit"
-    from seq1f1b.equivalence import check_budget, check_documents, check_placement
+    from seq1f1b.equivalence import (check_budget, check_documents, check_placement,
+                                     check_stage_layers)
     try:
         if args.pipeline_schedule_file is not None:
             _take_schedule_file(args, parser)
         args.schedule = args.schedule or "seq1f1b"
         check_documents(case_from_args(args))
         check_placement(args.schedule, args.untie_embeddings)
+        check_stage_layers(case_from_args(args))
         check_budget(case_from_args(args))
     except ValueError as err:      # one line, before any process group exists (ScheduleError too)
         print(f"check_equivalence.py: error: {err}", file=sys.stderr)

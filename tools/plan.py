@@ -39,6 +39,7 @@ from seq1f1b.plan.nccl import MODES, validate_modes  # noqa: E402
 from seq1f1b.plan.partition import imbalance, partition, span_bounds, span_flops  # noqa: E402
 from seq1f1b.plan.span_fit import SpanTimeFit, fit_span_times, read_span_timings  # noqa: E402
 from seq1f1b.plan.projection import A100  # noqa: E402
+from seq1f1b.plan.stage_layers import FIRST_FLAG, LAST_FLAG, StageLayers  # noqa: E402
 from seq1f1b.plan.simulate import (SimulationReport, model_costs, simulate,  # noqa: E402
                                    uniform_costs)
 
@@ -91,6 +92,20 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
     group.add_argument("--disable-bias-linear", action="store_true", default=None)
     group.add_argument("--add-qkv-bias", action="store_true", default=None)
+
+
+def _add_stage_layer_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("uneven stages (seq1f1b/plan/stage_layers.py)")
+    group.add_argument(FIRST_FLAG, type=int, metavar="N", dest="first_stage_layers",
+                       help="decoder layers of the first stage (a loop: of pipeline rank 0; a "
+                            "V: of virtual stage 0, the embedding's); the others share the rest")
+    group.add_argument(LAST_FLAG, type=int, metavar="N", dest="last_stage_layers",
+                       help="decoder layers of the last stage (a loop: of pipeline rank P-1; a "
+                            "V: of virtual stage 2P-1, the output layer's, on rank 0)")
+
+
+def _stage_layers(args: argparse.Namespace) -> StageLayers:
+    return StageLayers(args.first_stage_layers, args.last_stage_layers)
 
 
 def _add_span_args(parser: argparse.ArgumentParser, method_flag: str) -> None:
@@ -238,9 +253,12 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     def costs_of(schedule, whole: bool):
         spans = [args.seq_length] if whole else _spans(args, model, schedule.splits)
         return model_costs(schedule, model, spans, flops_per_second=args.device_tflops * 1e12,
-                           tp=args.tp, sequence_parallel=args.sequence_parallel)
+                           tp=args.tp, sequence_parallel=args.sequence_parallel,
+                           stage_layers=_stage_layers(args))
 
     schedule = _schedule(args, costs_of if model is not None else None)
+    if model is None and _stage_layers(args).uneven:
+        raise UsageError(f"{FIRST_FLAG} / {LAST_FLAG} need a model (--model or its dimensions)")
     if args.uniform_cost is not None:
         if len(args.uniform_cost) not in (2, 3):
             raise UsageError("--uniform-cost takes two or three numbers: F B [W]")
@@ -249,9 +267,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     else:
         if args.seq_length is None:
             raise UsageError("--seq-length is required with a model")
-        costs = model_costs(schedule, model, _spans(args, model, schedule.splits),
-                            flops_per_second=args.device_tflops * 1e12, tp=args.tp,
-                            sequence_parallel=args.sequence_parallel)
+        costs = costs_of(schedule, False)
         unit, microseconds = "s", 1e6
     report = simulate(schedule, costs, args.p2p_latency)
     if args.plot or args.trace:
@@ -305,7 +321,9 @@ def cmd_memory(args: argparse.Namespace) -> None:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        schedule_memory_cap=args.schedule_memory_cap)
+        schedule_memory_cap=args.schedule_memory_cap,
+        decoder_first_pipeline_num_layers=args.first_stage_layers,
+        decoder_last_pipeline_num_layers=args.last_stage_layers)
     calibration = read_device_check(args.device_check) if args.device_check else None
     reserve = calibration.reserve_ratio if calibration and calibration.reserve_ratio else 1.0
     estimate = estimate_memory(setup)
@@ -401,6 +419,7 @@ def build_parser() -> Parser:
     sim.add_argument("--uniform-cost", type=float, nargs="+", metavar="COST",
                      help="durations F B [W] of every span")
     _add_model_args(sim)
+    _add_stage_layer_args(sim)
     _add_span_args(sim, "--partition")
     sim.add_argument("--device-tflops", type=float, default=A100_BF16_TFLOPS,
                      help="FLOP rate of one GPU, in TFLOPS (default: A100 bf16 peak)")
@@ -423,6 +442,7 @@ def build_parser() -> Parser:
     mem.add_argument("--chunks", type=int, default=1, help="model chunks per rank V")
     _add_cap_arg(mem)
     _add_model_args(mem)
+    _add_stage_layer_args(mem)
     _add_span_args(mem, "--partition")
     mem.add_argument("--dp", type=int, default=1, help="data-parallel size")
     mem.add_argument("--micro-batch-size", type=int, default=1)

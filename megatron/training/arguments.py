@@ -142,6 +142,15 @@ def _add_parallel_args(parser: ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
                    help="layers per model chunk; chunks per rank V = layers / (PP x this)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",
+                   help="uneven first stage: its decoder layers; the other stages share the "
+                        "rest evenly (megatron-core's num_layers_in_first_pipeline_stage: of "
+                        "pipeline rank 0, over its chunks; on a V, of virtual stage 0, the "
+                        "embedding's chunk of rank 0)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
+                   help="uneven last stage: its decoder layers (megatron-core's "
+                        "num_layers_in_last_pipeline_stage: of the last pipeline rank; on a V, "
+                        "of virtual stage 2P-1, the output layer's chunk of rank 0)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="shard norms/dropout activations along the sequence over TP")
     g.add_argument("--use-distributed-optimizer", action="store_true",
@@ -503,7 +512,9 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
     if args.ffn_hidden_size % tp:
         _fail(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
               f"--tensor-model-parallel-size {tp}")
-    if args.num_layers % pp:
+    uneven = (args.decoder_first_pipeline_num_layers is not None
+              or args.decoder_last_pipeline_num_layers is not None)
+    if args.num_layers % pp and not uneven:
         _fail(f"--num-layers {args.num_layers} is not divisible by "
               f"--pipeline-model-parallel-size {pp}")
     args.virtual_pipeline_model_parallel_size = None
@@ -518,7 +529,8 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
                   f"{per_stage} layers of each pipeline stage into >= 2 chunks")
         args.virtual_pipeline_model_parallel_size = per_stage // per_chunk
     chunk_layers = per_chunk or args.num_layers // pp
-    if args.recompute_method == "uniform" and chunk_layers % args.recompute_num_layers:
+    if args.recompute_method == "uniform" and chunk_layers % args.recompute_num_layers \
+            and not uneven:     # uneven: every chunk's count checked with the placement
         # megatron-core's uniform loop would index past the chunk's last layer (IndexError).
         _fail(f"--recompute-num-layers {args.recompute_num_layers} must divide the "
               f"{chunk_layers} layers of each model chunk with --recompute-method uniform")
@@ -571,6 +583,7 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     if name not in MEGATRON_SCHEDULES and _placement(name) == "vshape":
         _validate_v_placement(args)
     _validate_memory_cap(args)
+    _validate_stage_layers(args)
     if args.pipeline_schedule_file is not None:
         _check_schedule_file_shape(args)
     if name in MEGATRON_SCHEDULES and k != 1:
@@ -649,6 +662,32 @@ def _validate_v_placement(args: argparse.Namespace) -> None:
         _fail(f"--pipeline-schedule {name} puts the embedding and the output layer in two "
               f"chunks of pipeline rank 0, which megatron cannot tie: add "
               f"--untie-embeddings-and-output-weights")
+
+
+def _validate_stage_layers(args: argparse.Namespace) -> None:
+    """Uneven first / last stages (seq1f1b/plan/stage_layers.py, which says how they apply to a
+    loop and to a V): the other stages must share the rest evenly, >= 1 layer each; with
+    uniform full recompute every chunk's count is a multiple of --recompute-num-layers."""
+    from seq1f1b.plan.actions import ScheduleError
+    from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
+
+    split = StageLayers(args.decoder_first_pipeline_num_layers,
+                        args.decoder_last_pipeline_num_layers)
+    if not split.uneven:
+        return
+    name = args.pipeline_schedule
+    placement = "loop" if name in MEGATRON_SCHEDULES else _placement(name)
+    try:
+        counts = layers_per_virtual_stage(args.num_layers, args.pipeline_model_parallel_size,
+                                          args.virtual_pipeline_model_parallel_size or 1,
+                                          placement, split)
+    except ScheduleError as err:
+        _fail(str(err))
+    if args.recompute_method == "uniform":
+        bad = [count for count in counts if count % args.recompute_num_layers]
+        if bad:
+            _fail(f"--recompute-num-layers {args.recompute_num_layers} must divide the {bad[0]} "
+                  f"layers of a model chunk with --recompute-method uniform")
 
 
 def _validate_memory_cap(args: argparse.Namespace) -> None:

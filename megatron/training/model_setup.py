@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.training.lr_schedule import ScheduleSettings
 from seq1f1b import megatron_adapter, platform
+from seq1f1b.plan.stage_layers import StageLayers
 from seq1f1b.runtime.forward_backward import placement_of
 from seq1f1b.runtime.wgrad import has_split_backward
 
@@ -52,7 +53,10 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         fp16=args.fp16, bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
         calculate_per_token_loss=args.calculate_per_token_loss,
-        placement=placement_of(args.pipeline_schedule), **_recompute_fields(args))
+        placement=placement_of(args.pipeline_schedule),
+        stage_layers=StageLayers(args.decoder_first_pipeline_num_layers,
+                                 args.decoder_last_pipeline_num_layers),
+        **_recompute_fields(args))
 
 
 def _recompute_fields(args: argparse.Namespace) -> dict:

@@ -15,6 +15,7 @@ from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget
 from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.partition import partition
 from seq1f1b.plan.span_fit import SpanTimeFit
+from seq1f1b.plan.stage_layers import StageLayers
 
 
 def cost_model(args: argparse.Namespace) -> ModelConfig:
@@ -52,7 +53,9 @@ def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]]
                      bytes_per_element=4 if args.params_dtype == "float32" else 2,
                      recompute=Recompute.from_flags(args.recompute_granularity,
                                                     args.recompute_method,
-                                                    args.recompute_num_layers))
+                                                    args.recompute_num_layers),
+                     stage_layers=StageLayers(args.decoder_first_pipeline_num_layers,
+                                              args.decoder_last_pipeline_num_layers))
     return run_budget(args.pipeline_schedule, args.pipeline_model_parallel_size,
                       args.num_micro_batches, args.virtual_pipeline_model_parallel_size or 1,
                       MemoryCap.parse(args.schedule_memory_cap), shape, fit)

@@ -18,6 +18,7 @@ from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.partition import span_bounds
 from seq1f1b.plan.simulate import SpanCosts, model_costs
 from seq1f1b.plan.span_fit import SpanTimeFit
+from seq1f1b.plan.stage_layers import EVEN, StageLayers
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,
           "gb": 10**9}
@@ -108,6 +109,7 @@ class RunShape:
     micro_batch_size: int = 1
     bytes_per_element: int = 2
     recompute: Optional[Recompute] = None
+    stage_layers: StageLayers = EVEN
 
 
 NOMINAL_FLOPS_PER_SECOND = 1e12
@@ -128,7 +130,8 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
                             flops_per_second=NOMINAL_FLOPS_PER_SECOND, tp=shape.tp,
                             sequence_parallel=shape.sequence_parallel,
                             batch=shape.micro_batch_size,
-                            bytes_per_element=shape.bytes_per_element, recompute=shape.recompute)
+                            bytes_per_element=shape.bytes_per_element, recompute=shape.recompute,
+                            stage_layers=shape.stage_layers)
         if fit is None or whole:
             return costs
         return _scaled_to_fit(costs, fit, span_bounds(list(shape.span_lengths)))
