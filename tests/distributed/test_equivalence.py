@@ -14,7 +14,7 @@ masking and reset positions over the packing `document_lengths`, the reference m
 documents crossing one and several span boundaries, starting exactly at one, shorter than a span,
 and one document per sample, across PP 1-4 (middle stages), TP with SP, k, V=2, GQA, the
 zero-bubble schedule and both recomputes. A schedule written to a --pipeline-schedule-file and
-read back from it runs exactly too.
+read back from it runs exactly too, and so do uneven first / last stages on a loop and a V.
 """
 import pytest
 
@@ -153,6 +153,13 @@ CASES: dict[int, list[dict]] = {
          "untie_embeddings": True, **L8},
         {"schedule": "seq1f1b-zb-auto", "tp": 2, "pp": 2, "chunks": 2, "splits": 2,
          "sequence_parallel": True, "untie_embeddings": True},
+        # uneven stages: a loop rank 0 with 3 of the 4 layers; a V with 2, 1, 1, 2 layers on
+        # its stages (the first and the last, the output layer's, on rank 0)
+        {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 2, "sequence_parallel": True,
+         "decoder_first_pipeline_num_layers": 3},
+        {"schedule": "seq1f1b-zbv", "tp": 2, "pp": 2, "chunks": 2, "splits": 2, "num_layers": 6,
+         "decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 2,
+         "untie_embeddings": True},
     ],
 }
 

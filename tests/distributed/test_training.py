@@ -23,7 +23,8 @@
   partition, re-placed with the measured times): each resumes the Llama-shaped loop checkpoint at
   TP2 x PP2 and logs the loop's losses; zbv trained from the start resumes bit for bit, and its
   checkpoint resumes in the loop with the V's losses; --pipeline-schedule-file with the
-  seq1f1b-zbv plan written to a file trains bit for bit as that schedule;
+  seq1f1b-zbv plan written to a file trains bit for bit as that schedule; uneven stages
+  (--decoder-first-pipeline-num-layers 1) resume the even checkpoint with its losses;
 - the TensorBoard scalars of a run are the figures it logged, and W&B (a fake `wandb` module on
   PYTHONPATH with WANDB_MODE=offline: the package is not installed here) gets the same ones;
 - overlap: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer) at PP2 x DP2
@@ -159,6 +160,8 @@ def _v_cases(data_prefix: str, root) -> dict:
     cases[("v", "file", "from_loop")] = flags + V_FLAGS + [
         "--pipeline-schedule-file", str(root / "seq1f1b-zbv.csv"), "--load",
         str(root / V_RESHARD_FROM)]
+    cases[("uneven", "from_loop")] = flags + saving + [
+        "--decoder-first-pipeline-num-layers", "1", "--load", str(root / V_RESHARD_FROM)]
     own = str(root / "zbv")
     cases[("v", "zbv", "straight")] = flags + V_SCHEDULES["zbv"]
     cases[("v", "zbv", "first_half")] = flags + V_SCHEDULES["zbv"] + [
@@ -602,6 +605,16 @@ def test_v_placements_resume_a_loop_checkpoint_with_the_loops_losses(results, na
         pytest.approx([r["grad_norm"] for r in same["history"]], rel=1e-5)
     assert [r["learning_rate"] for r in resumed["history"]] == \
         [r["learning_rate"] for r in same["history"]]
+
+
+def test_uneven_stages_resume_an_even_checkpoint_with_its_losses(results):
+    """--decoder-first-pipeline-num-layers 1 at TP2 x PP2: rank 0 holds one layer, rank 1
+    three; the even checkpoint's layers move by their global numbers and train on alike."""
+    same, uneven = results[(V_RESHARD_FROM, "same_layout")], results[("uneven", "from_loop")]
+    assert [r["iteration"] for r in uneven["history"]] == [N + 1, N + 2]
+    assert _losses(uneven) == pytest.approx(_losses(same), rel=1e-6, abs=0)
+    assert [r["grad_norm"] for r in uneven["history"]] == \
+        pytest.approx([r["grad_norm"] for r in same["history"]], rel=1e-5)
 
 
 def test_a_schedule_file_trains_exactly_as_the_schedule_it_holds(results):
