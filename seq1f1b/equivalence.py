@@ -165,13 +165,7 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
 def cost_model(flags) -> ModelConfig:
     """The cost model's shape of an EquivalenceCase, or of a command line with its fields
     (add_model_flags: benchmark.py's too)."""
-    return ModelConfig(num_layers=flags.num_layers, hidden_size=flags.hidden_size,
-                       num_attention_heads=flags.num_attention_heads,
-                       ffn_hidden_size=flags.ffn_hidden_size, vocab_size=flags.vocab_size,
-                       num_query_groups=flags.num_query_groups, swiglu=flags.swiglu,
-                       normalization=flags.normalization,
-                       add_bias_linear=not flags.disable_bias_linear,
-                       add_qkv_bias=flags.add_qkv_bias)
+    return ModelConfig.of_flags(flags, vocab_size=flags.vocab_size)
 
 
 def stage_layers(case: "EquivalenceCase") -> StageLayers:

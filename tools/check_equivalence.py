@@ -78,14 +78,12 @@ def _take_schedule_file(args: argparse.Namespace, parser: argparse.ArgumentParse
     if args.schedule is not None:
         raise ValueError("--pipeline-schedule-file replaces --schedule: give one of them")
     schedule = schedule_file.load(path)
-    for dest, actual in (("pp", schedule.pp), ("num_microbatches", schedule.microbatches),
-                         ("splits", schedule.splits), ("chunks", schedule.chunks)):
-        given = getattr(args, dest)
-        if given != parser.get_default(dest) and given != actual:
-            raise ValueError(f"--{dest.replace('_', '-')} {given}: --pipeline-schedule-file "
-                             f"{path} has {actual}")
-        setattr(args, dest, actual)
-    args.schedule = schedule.name
+    dests = ("pp", "num_microbatches", "splits", "chunks")
+    schedule_file.check_shape(schedule, {
+        f"--{dest.replace('_', '-')}": None if getattr(args, dest) == parser.get_default(dest)
+        else getattr(args, dest) for dest in dests})
+    args.schedule, args.pp, args.num_microbatches, args.splits, args.chunks = (
+        schedule.name, schedule.pp, schedule.microbatches, schedule.splits, schedule.chunks)
 
 
 def case_from_args(args: argparse.Namespace):

@@ -188,19 +188,15 @@ def _schedule(args: argparse.Namespace, costs_of=None):
 def _file_schedule(args: argparse.Namespace):
     """--pipeline-schedule-file: the file's checked schedule; the shape flags, when given, must
     be the file's."""
-    path = args.pipeline_schedule_file
     if args.schedule is not None:
         raise UsageError("--pipeline-schedule-file replaces --schedule: give one of them")
     if args.schedule_memory_cap is not None:
         raise UsageError("--schedule-memory-cap: a schedule file is not searched")
-    schedule = schedule_file.load(path)
-    for flag, actual in (("pp", schedule.pp), ("microbatches", schedule.microbatches),
-                         ("splits", schedule.splits), ("chunks", schedule.chunks)):
-        given = getattr(args, flag)
-        if given is not None and given != actual:
-            raise UsageError(f"--{flag} {given}: --pipeline-schedule-file {path} has {actual}")
-        setattr(args, flag, actual)
-    args.schedule = schedule.name
+    schedule = schedule_file.load(args.pipeline_schedule_file)
+    schedule_file.check_shape(schedule, {"--pp": args.pp, "--microbatches": args.microbatches,
+                                         "--splits": args.splits, "--chunks": args.chunks})
+    args.schedule, args.pp, args.microbatches, args.splits, args.chunks = (
+        schedule.name, schedule.pp, schedule.microbatches, schedule.splits, schedule.chunks)
     return schedule
 
 

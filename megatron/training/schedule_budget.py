@@ -20,13 +20,7 @@ from seq1f1b.plan.stage_layers import StageLayers
 
 def cost_model(args: argparse.Namespace) -> ModelConfig:
     """The run's model as the cost model sees it (validated args, padded vocabulary)."""
-    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads,
-                       ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.padded_vocab_size,
-                       num_query_groups=args.num_query_groups, swiglu=args.swiglu,
-                       normalization=args.normalization,
-                       add_bias_linear=not args.disable_bias_linear,
-                       add_qkv_bias=args.add_qkv_bias)
+    return ModelConfig.of_flags(args, vocab_size=args.padded_vocab_size)
 
 
 def starting_span_lengths(args: argparse.Namespace) -> tuple[int, ...]:

@@ -56,6 +56,18 @@ def load(path: str | Path) -> Schedule:
     return schedule
 
 
+def check_shape(schedule: Schedule, given: dict[str, int | None]) -> None:
+    """`given`: the command line's flag -> value (None: not given) for P, m, k and V, in that
+    order (each tool names them its own way); ScheduleError naming the first that is not the
+    file's."""
+    actual = {"pp": schedule.pp, "microbatches": schedule.microbatches,
+              "splits": schedule.splits, "chunks": schedule.chunks}
+    for (flag, value), key in zip(given.items(), actual):
+        if value is not None and value != actual[key]:
+            raise ScheduleError(f"{flag} {value}: {FLAG} {schedule.name[len(PREFIX):]} has "
+                                f"{actual[key]}")
+
+
 def read(path: str | Path) -> Schedule:
     """The checked schedule of `path` (not registered)."""
     try:
