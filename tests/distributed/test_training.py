@@ -519,10 +519,13 @@ def test_timers_follow_each_log_line_at_level_2(results):
     assert len(blocks) == SCHEDULE_ITERS
     for block in blocks:
         timers = dict(re.findall(r"\n    (\S[\w-]*) \.+: \(([\d.]+), [\d.]+\)", block))
-        assert {"forward-backward", "forward-compute", "backward-compute",
-                "weight-grad-compute", "all-grads-sync", "optimizer",
-                "optimizer-inner-step"} <= set(timers)
-        assert all(float(ms) > 0 for ms in timers.values())
+        measured = {"forward-backward", "forward-compute", "backward-compute",
+                    "weight-grad-compute", "all-grads-sync", "optimizer", "optimizer-inner-step"}
+        assert measured <= set(timers)
+        assert all(float(timers[name]) > 0 for name in measured)
+        # params-all-gather times the dispatch of asynchronous gathers (about 5 us with
+        # --overlap-param-gather): its minimum prints as 0.00 or 0.01 by chance
+        assert all(float(ms) >= 0 for ms in timers.values())
     assert "time across ranks" not in results[("overlap", "seq1f1b-zb-h1", False)]["stdout"]
 
 
