@@ -124,13 +124,13 @@ class _Run:
         self.iteration = position.iteration
         self.consumed_train_samples = position.consumed_train_samples
         self.consumed_valid_samples = position.consumed_valid_samples
-        self.cost_model = ModelConfig.of_transformer_config(get_model_config(model[0]),
-                                                            vocab_size=args.padded_vocab_size)
         self.schedule = ScheduleFunction(args, position.iteration, is_last_rank())
         self.memory = PeakMemory()
         self.timers = timers
         self.writers = ScalarWriters(args, enabled=is_last_rank())
         self.profiler = Profiler(args, dist.get_rank(), is_last_rank())
+        self.cost_model = ModelConfig.of_transformer_config(get_model_config(model[0]),
+                                                            vocab_size=args.padded_vocab_size)
         self.summary = TrainingSummary(position.iteration, position.iteration)
         self._interval: list[tuple[IterationRecord, float]] = []
 

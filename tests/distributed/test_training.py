@@ -21,10 +21,11 @@
   A distributed optimizer saved in megatron's default format is refused at another TP/PP/V;
 - V placements (zbv, seq1f1b-zbv, and seq1f1b-zb-auto under --schedule-memory-cap with the fit
   partition, re-placed with the measured times): each resumes the Llama-shaped loop checkpoint at
-  TP2 x PP2 and logs the loop's losses; zbv trained from the start resumes bit for bit, and its
-  checkpoint resumes in the loop with the V's losses; --pipeline-schedule-file with the
-  seq1f1b-zbv plan written to a file trains bit for bit as that schedule; uneven stages
-  (--decoder-first-pipeline-num-layers 1) resume the even checkpoint with its losses;
+  TP2 x PP2 and logs the loop's losses; zbv trained from the start (evaluating on the V) resumes
+  bit for bit, and its checkpoint resumes in the loop with the V's losses;
+  --pipeline-schedule-file with the seq1f1b-zbv plan written to a file trains bit for bit as
+  that schedule; uneven stages (--decoder-first-pipeline-num-layers 1) resume the even
+  checkpoint with its losses;
 - the TensorBoard scalars of a run are the figures it logged, and W&B (a fake `wandb` module on
   PYTHONPATH with WANDB_MODE=offline: the package is not installed here) gets the same ones;
 - overlap: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer) at PP2 x DP2
@@ -162,11 +163,11 @@ def _v_cases(data_prefix: str, root) -> dict:
         str(root / V_RESHARD_FROM)]
     cases[("uneven", "from_loop")] = flags + saving + [
         "--decoder-first-pipeline-num-layers", "1", "--load", str(root / V_RESHARD_FROM)]
-    own = str(root / "zbv")
-    cases[("v", "zbv", "straight")] = flags + V_SCHEDULES["zbv"]
-    cases[("v", "zbv", "first_half")] = flags + V_SCHEDULES["zbv"] + [
+    own, evaluated = str(root / "zbv"), ["--eval-interval", "2", "--eval-iters", "1"]
+    cases[("v", "zbv", "straight")] = flags + V_SCHEDULES["zbv"] + evaluated
+    cases[("v", "zbv", "first_half")] = flags + V_SCHEDULES["zbv"] + evaluated + [
         "--save", own, "--exit-interval", str(N)]
-    cases[("v", "zbv", "resumed")] = flags + V_SCHEDULES["zbv"] + ["--load", own]
+    cases[("v", "zbv", "resumed")] = flags + V_SCHEDULES["zbv"] + evaluated + ["--load", own]
     cases[("v", "zbv", "to_loop")] = flags + saving + ["--load", own]
     return cases
 
@@ -642,6 +643,9 @@ def test_a_v_run_resumes_exactly_and_its_checkpoint_resumes_in_a_loop(results):
         "straight", "first_half", "resumed", "to_loop"))
     assert len(straight["history"]) == RESHARD_ITERS
     assert first["history"] + resumed["history"] == straight["history"]   # bit for bit
+    # evaluations (forward only on the V) at 2 and 4, and at the end on valid and test data
+    assert len(straight["validation"]) == 4
+    assert first["validation"] + resumed["validation"] == straight["validation"]
     assert first["checkpoints"] == [f"{results['checkpoint_root']}/zbv/iter_{N:07d}"]
     assert [r["iteration"] for r in to_loop["history"]] == [N + 1, N + 2]
     assert _losses(to_loop) == pytest.approx(_losses(resumed), rel=1e-6, abs=0)
