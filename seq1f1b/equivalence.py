@@ -28,11 +28,17 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.distributed import release_model_parallel
-from seq1f1b.plan import registry
+from seq1f1b.plan import partition as span_partition
+from seq1f1b.plan import registry, schedule_file
+from seq1f1b.plan.actions import Schedule
+from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget
+from seq1f1b.plan.costs import ModelConfig, Recompute
+from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
 from seq1f1b.runtime.attention import DOCUMENT_BACKENDS
 from seq1f1b.runtime.documents import document_ids, document_positions
 from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
-                                              get_forward_backward_func, splits_backward)
+                                              get_forward_backward_func, placement_of,
+                                              splits_backward)
 
 
 @dataclass
@@ -83,6 +89,10 @@ class EquivalenceCase:
     document_lengths: Optional[list[int]] = None   # the packing of every sample (EOD ends each)
     reset_attention_mask: bool = False             # document masking
     reset_position_ids: bool = False               # positions restart with each document
+    schedule_memory_cap: Optional[str] = None      # a searched schedule's cap ("0.5x", bytes)
+    pipeline_schedule_file: Optional[str] = None   # the schedule from this file (schedule_file)
+    decoder_first_pipeline_num_layers: Optional[int] = None   # uneven first stage (stage_layers)
+    decoder_last_pipeline_num_layers: Optional[int] = None    # uneven last stage
 
 
 def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "explicit"),
@@ -112,6 +122,12 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
     add("--use-rope-scaling", action="store_true", help="Llama 3.x RoPE frequency scaling")
     add("--rope-scaling-factor", type=float, default=8.0)
     add("--ffn-hidden-size", type=int, default=None)
+    add("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
+        help="uneven first stage: its decoder layers (a loop: pipeline rank 0's; a V: virtual "
+             "stage 0's); the other stages share the rest evenly")
+    add("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
+        help="uneven last stage: its decoder layers (a loop: pipeline rank P-1's; a V: virtual "
+             "stage 2P-1's, the output layer's, on rank 0)")
     add("--vocab-size", type=int, default=96)
     add("--seq-length", type=int, default=24)
     add("--micro-batch-size", type=int, default=2)
@@ -144,6 +160,66 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
     parser.add_argument("--untie-embeddings-and-output-weights", dest="untie_embeddings",
                         action="store_true",
                         help="separate output-layer weights (V placements need them)")
+
+
+def cost_model(flags) -> ModelConfig:
+    """The cost model's shape of an EquivalenceCase, or of a command line with its fields
+    (add_model_flags: benchmark.py's too)."""
+    return ModelConfig.of_flags(flags, vocab_size=flags.vocab_size)
+
+
+def stage_layers(case: "EquivalenceCase") -> StageLayers:
+    """The case's uneven first / last stages (both None: even)."""
+    return StageLayers(case.decoder_first_pipeline_num_layers,
+                       case.decoder_last_pipeline_num_layers)
+
+
+def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
+    """A searched schedule's budget under the case's schedule_memory_cap: the model's FLOP
+    durations and fp32 bytes with the case's cut (None without a cap, and for a schedule that is
+    not searched: an --against baseline)."""
+    if case.schedule_memory_cap is None or case.schedule in MEGATRON_SCHEDULES \
+            or not registry.get(case.schedule).searched:
+        return None
+    model = cost_model(case)
+    lengths = span_partition.partition(
+        case.seq_length, case.splits, "explicit" if case.span_lengths else case.partition, model,
+        tp=case.tp, sequence_parallel=case.sequence_parallel, lengths=case.span_lengths)
+    shape = RunShape(model, case.seq_length, tuple(lengths), tp=case.tp,
+                     sequence_parallel=case.sequence_parallel,
+                     micro_batch_size=case.micro_batch_size, bytes_per_element=4,
+                     recompute=Recompute.from_flags(case.recompute_granularity,
+                                                    case.recompute_method,
+                                                    case.recompute_num_layers),
+                     stage_layers=stage_layers(case))
+    return run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
+                      MemoryCap.parse(case.schedule_memory_cap), shape)
+
+
+def check_stage_layers(case: "EquivalenceCase") -> None:
+    """Uneven first / last stages that cannot be dealt on the case's layout, refused before any
+    work (ScheduleError, one line naming the flag)."""
+    split = stage_layers(case)
+    if split.uneven:
+        layers_per_virtual_stage(case.num_layers, case.pp, case.chunks,
+                                 placement_of(case.schedule), split)
+
+
+def check_budget(case: "EquivalenceCase") -> None:
+    """A memory cap for a schedule that is not searched, or one no order fits, refused before
+    any work (ValueError: ScheduleError, one line)."""
+    if case.schedule_memory_cap is None:
+        return
+    if case.schedule in MEGATRON_SCHEDULES or not registry.get(case.schedule).searched:
+        raise ValueError(f"--schedule-memory-cap: schedule {case.schedule} is not searched; it "
+                         "takes no memory cap (seq1f1b-zb-auto does)")
+    case_plan(case)
+
+
+def case_plan(case: "EquivalenceCase") -> Schedule:
+    """The plan the case's schedule runs (a searched one with its budget)."""
+    return registry.build(case.schedule, case.pp, case.num_microbatches, case.splits,
+                          case.chunks, budget=case_budget(case))
 
 
 def check_placement(schedule: str, untie_embeddings: bool) -> None:
@@ -208,7 +284,7 @@ def _recompute_fields(case: EquivalenceCase) -> dict:
 def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_parallel: bool,
             placement: str = "loop"):
     return megatron_adapter.make_transformer_config(
-        placement=placement,
+        placement=placement, stage_layers=stage_layers(case),
         init_method_std=case.init_method_std, hidden_dropout=case.hidden_dropout,
         attention_dropout=case.attention_dropout, **_recompute_fields(case),
         num_layers=case.num_layers, hidden_size=case.hidden_size,
@@ -328,7 +404,8 @@ def _whole_model(case: EquivalenceCase) -> torch.nn.Module:
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
     config = _config(replace(case, recompute_granularity=None, hidden_dropout=0.0,
-                             attention_dropout=0.0), 1, 1, 1, False)
+                             attention_dropout=0.0, decoder_first_pipeline_num_layers=None,
+                             decoder_last_pipeline_num_layers=None), 1, 1, 1, False)
     return _build(case, config, pre_process=True, post_process=True, vp_stage=None)
 
 
@@ -433,7 +510,8 @@ class ParallelLayout:
         mine = batches[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
         iterators = [iter(mine) for _ in self.chunks]
         settings = SpanSettings(case.splits, "explicit" if case.span_lengths else case.partition,
-                                tuple(case.span_lengths) if case.span_lengths else None)
+                                tuple(case.span_lengths) if case.span_lengths else None,
+                                budget=case_budget(replace(case, schedule=schedule)))
         losses = get_forward_backward_func(schedule, settings)(
             forward_step_func=forward_step,
             data_iterator=iterators if self.chunked else iterators[0],
@@ -462,6 +540,8 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
     (e.g. our `1f1b` against megatron-core's own `megatron-1f1b`) instead of the unsplit model.
     """
     check_documents(case)
+    if case.pipeline_schedule_file is not None:     # registered in this process under its name
+        case = replace(case, schedule=schedule_file.load(case.pipeline_schedule_file).name)
     world = dist.get_world_size()
     if world % (case.tp * case.pp):
         raise ValueError(f"world size {world} is not divisible by --tp {case.tp} x --pp {case.pp}")
@@ -498,11 +578,6 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
 
 def _identity(sharded: ShardedTensor) -> tuple:
     return sharded.key, tuple(sharded.global_offset)
-
-
-def placement_of(schedule: str) -> str:
-    """How the schedule maps (rank, chunk) to virtual stages (actions.PLACEMENTS)."""
-    return "loop" if schedule in MEGATRON_SCHEDULES else registry.get(schedule).placement
 
 
 def is_chunked(schedule: str) -> bool:

@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from seq1f1b.plan.actions import virtual_stage
+from seq1f1b.plan.stage_layers import EVEN, StageLayers, layers_per_virtual_stage
 from seq1f1b.runtime.attention import SpanAttention, SpanSelfAttention
 from seq1f1b.runtime.positions import make_span_aware, use_position_ids
 from seq1f1b.runtime.wgrad import (
@@ -107,17 +108,19 @@ class VShapeLayerLayout(PipelineParallelLayerLayout):
     state dict (checkpoints, the equivalence check's weight copy) names the right layers.
     """
 
-    def __init__(self, pp: int, num_layers: int) -> None:
+    def __init__(self, pp: int, num_layers: int, split: StageLayers = EVEN) -> None:
+        """`split`: uneven first / last stages, on a V virtual stages 0 and 2P-1
+        (seq1f1b/plan/stage_layers.py)."""
         if pp < 2:
             raise ValueError("a V placement needs --pipeline-model-parallel-size >= 2 "
                              "(megatron gives every chunk of a single stage offset 0)")
-        if num_layers % (2 * pp):
+        if not split.uneven and num_layers % (2 * pp):
             raise ValueError(f"--num-layers {num_layers}: a V of two chunks on {pp} pipeline "
                              f"ranks needs a multiple of {2 * pp} layers")
-        per_stage = num_layers // (2 * pp)
+        counts = layers_per_virtual_stage(num_layers, pp, 2, "vshape", split)
 
         def stage(index: int) -> list[str]:
-            return (["embedding"] * (index == 0) + ["decoder"] * per_stage
+            return (["embedding"] * (index == 0) + ["decoder"] * counts[index]
                     + ["loss"] * (index == 2 * pp - 1))
 
         # megatron's flat order: entry c*P + r is chunk c of rank r.
@@ -273,7 +276,8 @@ def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_
                             virtual_pipeline_model_parallel_size: Optional[int] = None,
                             sequence_parallel: bool = False, fp32: bool = True,
                             hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
-                            placement: str = "loop", **overrides) -> TransformerConfig:
+                            placement: str = "loop", stage_layers: StageLayers = EVEN,
+                            **overrides) -> TransformerConfig:
     """A TransformerConfig for tests and tools from a few numbers.
 
     Dropout defaults to 0 (exact comparisons), fp32 or bf16, CPU initialisation when there is no
@@ -282,6 +286,8 @@ def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_
     (`deallocate_pipeline_outputs`, which Megatron-LM's training always turns on; the dataclass
     default keeps every in-flight output). `architecture` gives the layer's shape (GQA, SwiGLU,
     norm, biases); `placement` "vshape" lays the chunks out in a V (VShapeLayerLayout);
+    `stage_layers`: uneven first / last stages (stage_layers.py), megatron's
+    num_layers_in_first/last_pipeline_stage on a loop, the V's layout on a V;
     `overrides` go to TransformerConfig unchanged.
     """
     dtype = torch.float32 if fp32 else torch.bfloat16
@@ -297,6 +303,12 @@ def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_
         deallocate_pipeline_outputs=True)
     if placement == "vshape":
         fields["pipeline_model_parallel_layout"] = VShapeLayerLayout(
-            pipeline_model_parallel_size, num_layers)
+            pipeline_model_parallel_size, num_layers, stage_layers)
+    elif stage_layers.uneven:
+        layers_per_virtual_stage(num_layers, pipeline_model_parallel_size,    # checked, in words
+                                 virtual_pipeline_model_parallel_size or 1, placement,
+                                 stage_layers)
+        fields.update(num_layers_in_first_pipeline_stage=stage_layers.first,
+                      num_layers_in_last_pipeline_stage=stage_layers.last)
     fields.update(overrides)
     return TransformerConfig(**fields)

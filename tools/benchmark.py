@@ -21,7 +21,8 @@ measured peak bytes held for backward beside the memory estimator's figure.
 
 A schedule takes --splits when its name starts with "seq1f1b" and k=1 otherwise; "NAME:K" sets k
 for one entry (e.g. `--schedules megatron-1f1b seq1f1b:1`), and "NAME[:K]@PARTITION" its span
-boundaries (even, compute or fit; default --partition), so one run can set cuts side by side:
+boundaries (even, compute or fit; default --partition, which applies to the entries with k >= 2
+only: one span is the whole sequence), so one run can set cuts side by side:
 `--schedules 1f1b seq1f1b@even seq1f1b@compute seq1f1b@fit`. A fit entry calibrates from its own
 warm-up iterations (at least one): they run with the compute cut and the trace on, every span's
 median F and B summed over the pipeline stages are fitted (seq1f1b/plan/span_fit.py), and the
@@ -42,7 +43,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,8 +89,12 @@ def build_parser() -> Parser:
 
     parser = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--schedules", nargs="+", required=True, metavar="NAME[:K][@PARTITION]",
+    add("--schedules", nargs="+", default=[], metavar="NAME[:K][@PARTITION]",
         help="schedules to compare; the first is the baseline of the ratios")
+    add("--pipeline-schedule-file", metavar="FILE.csv",
+        help="also run the schedule in this file, after --schedules (seq1f1b/plan/"
+             "schedule_file.py; checked before any work): its P and micro-batches must be --pp "
+             "and --num-microbatches, its k and V are its own")
     add_model_flags(parser, partitions=("even", "compute", "fit", "explicit"), hidden_size=256,
                     vocab_size=1024, seq_length=512, micro_batch_size=1, num_microbatches=2,
                     chunks=2)
@@ -129,7 +134,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         raise UsageError("--warmup must be >= 0")
-    if args.num_layers % args.pp:
+    uneven = (args.decoder_first_pipeline_num_layers is not None
+              or args.decoder_last_pipeline_num_layers is not None)
+    if args.num_layers % args.pp and not uneven:
         raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pp {args.pp}")
     runs = []
     for entry in args.schedules:
@@ -159,13 +166,29 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
         if cut == "fit" and args.schedule_memory_cap and is_searched(name):
             raise UsageError(f"--schedules {entry}: a searched schedule is placed before the "
                              "warm-up, with the compute or even cut's costs: use @compute")
+        if k == 1 and cut == "fit":
+            raise UsageError(f"--schedules {entry}: one span per micro-batch has no boundary to "
+                             "fit; @fit needs k >= 2")
         chunks = args.chunks if is_chunked(name) else 1
-        if is_chunked(name) and (chunks < 2 or args.num_layers % (args.pp * chunks)):
+        if is_chunked(name) and (chunks < 2 or (args.num_layers % (args.pp * chunks)
+                                                and not uneven)):
             raise UsageError(f"--chunks {chunks}: {name} needs >= 2 chunks that divide the "
                              f"{args.num_layers} layers over --pp {args.pp}")
         if k > args.seq_length:
             raise UsageError(f"--schedules {entry}: k = {k} exceeds --seq-length")
-        runs.append(Run(name, k, chunks, cut or args.partition))
+        # --partition cuts the span schedules; one span per micro-batch is the whole sequence
+        runs.append(Run(name, k, chunks, cut or (args.partition if k > 1 else "even")))
+    if args.pipeline_schedule_file is not None:
+        runs.append(_file_run(args))
+    from seq1f1b.equivalence import check_stage_layers
+
+    for run in runs:
+        try:
+            check_stage_layers(_case(args, run))
+        except ValueError as err:
+            raise UsageError(f"--schedules {run.label}: {err}") from None
+    if not runs:
+        raise UsageError("--schedules or --pipeline-schedule-file is required")
     if args.schedule_memory_cap is not None and not any(is_searched(run.schedule)
                                                           for run in runs):
         raise UsageError("--schedule-memory-cap: no searched schedule (seq1f1b-zb-auto) in "
@@ -179,6 +202,31 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
     if any(run.partition == "fit" for run in runs) and args.warmup < 1:
         raise UsageError("a fit partition calibrates from the warm-up: --warmup must be >= 1")
     return args, runs
+
+
+def _file_run(args: argparse.Namespace) -> Run:
+    """The entry of --pipeline-schedule-file (loaded: checked and registered)."""
+    from seq1f1b.equivalence import check_placement
+    from seq1f1b.plan import registry, schedule_file
+
+    try:
+        schedule = schedule_file.load(args.pipeline_schedule_file)
+        registry.build(schedule.name, args.pp, args.num_microbatches, schedule.splits,
+                       schedule.chunks)
+        check_placement(schedule.name, args.untie_embeddings)
+    except ValueError as err:           # ScheduleError too
+        raise UsageError(str(err)) from None
+    if args.num_layers % (args.pp * schedule.chunks) and not (
+            args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers):
+        raise UsageError(f"--num-layers {args.num_layers}: --pipeline-schedule-file "
+                         f"{args.pipeline_schedule_file} needs a multiple of P x V = "
+                         f"{args.pp * schedule.chunks}")
+    if args.span_lengths and schedule.splits != len(args.span_lengths):
+        raise UsageError(f"--pipeline-schedule-file {args.pipeline_schedule_file}: k = "
+                         f"{schedule.splits} but --span-lengths gives {len(args.span_lengths)} "
+                         "spans")
+    return Run(schedule.name, schedule.splits, schedule.chunks,
+               args.partition if schedule.splits > 1 else "even")
 
 
 def is_searched(name: str) -> bool:
@@ -322,15 +370,9 @@ def _plan_name(schedule: str) -> str:
 
 def _cost_model(args: argparse.Namespace):
     """The benchmark's model as the cost model sees it."""
-    from seq1f1b.plan.costs import ModelConfig
+    from seq1f1b.equivalence import cost_model
 
-    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads,
-                       ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
-                       num_query_groups=args.num_query_groups, swiglu=args.swiglu,
-                       normalization=args.normalization,
-                       add_bias_linear=not args.disable_bias_linear,
-                       add_qkv_bias=args.add_qkv_bias)
+    return cost_model(args)
 
 
 def _budget(args: argparse.Namespace, run: Run):
@@ -339,23 +381,9 @@ def _budget(args: argparse.Namespace, run: Run):
     run's cut (parse_args refuses a fit cut here). None: the schedule's default build."""
     if args.schedule_memory_cap is None or not is_searched(run.schedule):
         return None
-    from seq1f1b.plan.budget import MemoryCap, model_budget
-    from seq1f1b.plan.partition import partition
-    from seq1f1b.plan.simulate import model_costs
+    from seq1f1b.equivalence import case_budget
 
-    model = _cost_model(args)
-    spans = partition(args.seq_length, run.splits, run.partition, model, tp=args.tp,
-                      sequence_parallel=args.sequence_parallel,
-                      lengths=list(args.span_lengths) if args.span_lengths else None)
-
-    def costs_of(schedule, whole: bool):
-        return model_costs(schedule, model, [args.seq_length] if whole else spans,
-                           flops_per_second=1e12, tp=args.tp,
-                           sequence_parallel=args.sequence_parallel,
-                           batch=args.micro_batch_size, bytes_per_element=4)
-
-    return model_budget(run.schedule, args.pp, args.num_microbatches, run.splits, run.chunks,
-                        MemoryCap.parse(args.schedule_memory_cap), costs_of)
+    return case_budget(replace(_case(args, run), partition=run.partition))
 
 
 def _plan(args: argparse.Namespace, run: Run):
@@ -379,7 +407,9 @@ def _memory_estimate(args: argparse.Namespace, run: Run, dp: int, lengths: tuple
         precision="fp32", make_vocab_size_divisible_by=1,   # the benchmark's model: unpadded
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        schedule_memory_cap=args.schedule_memory_cap if is_searched(run.schedule) else None)
+        schedule_memory_cap=args.schedule_memory_cap if is_searched(run.schedule) else None,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers)
     return estimate_memory(setup)
 
 

@@ -26,7 +26,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--schedule", default="seq1f1b", choices=schedule_names())
+    add("--schedule", default=None, choices=schedule_names(),
+        help="the schedule to check (default: seq1f1b)")
+    add("--pipeline-schedule-file", metavar="FILE.csv", default=None,
+        help="instead of --schedule: the schedule in this file (seq1f1b/plan/schedule_file.py), "
+             "checked before any work; --pp, --num-microbatches, --splits and --chunks are the "
+             "file's (given ones must agree)")
     add_model_flags(parser)
     add("--init-method-std", type=float, default=0.2,
         help="weight init std (0.2: sharp attention, so a wrong position or K/V shows)")
@@ -38,21 +43,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--against", choices=schedule_names(), default=None,
         help="compare with this schedule on the same chunks and data instead of the unsplit "
              "model (e.g. --schedule 1f1b --against megatron-1f1b)")
+    add("--schedule-memory-cap", metavar="CAP", default=None,
+        help="searched schedules (seq1f1b-zb-auto): per-rank cap on held activations and K/V, "
+             "bytes or a fraction of 1F1B's rank-0 peak (e.g. 0.5x), placed with this model's "
+             "FLOP and byte costs")
     add("--loss-tolerance", type=float, default=1e-6)
     add("--grad-tolerance", type=float, default=1e-5)
     add("--json", action="store_true", help="print only the JSON result")
     args = parser.parse_args(argv)
     if args.span_lengths:
         args.partition = "explicit"
-    from seq1f1b.equivalence import check_documents, check_placement
-
+    from seq1f1b.equivalence import (check_budget, check_documents, check_placement,
+                                     check_stage_layers)
     try:
+        if args.pipeline_schedule_file is not None:
+            _take_schedule_file(args, parser)
+        args.schedule = args.schedule or "seq1f1b"
         check_documents(case_from_args(args))
         check_placement(args.schedule, args.untie_embeddings)
-    except ValueError as err:      # one line, before any process group exists
+        check_stage_layers(case_from_args(args))
+        check_budget(case_from_args(args))
+    except ValueError as err:      # one line, before any process group exists (ScheduleError too)
         print(f"check_equivalence.py: error: {err}", file=sys.stderr)
         sys.exit(2)
     return args
+
+
+def _take_schedule_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--pipeline-schedule-file: load (check, register) it; its name and shape become the
+    case's. A shape flag given other than its default must be the file's."""
+    from seq1f1b.plan import schedule_file
+
+    path = args.pipeline_schedule_file
+    if args.schedule is not None:
+        raise ValueError("--pipeline-schedule-file replaces --schedule: give one of them")
+    schedule = schedule_file.load(path)
+    dests = ("pp", "num_microbatches", "splits", "chunks")
+    schedule_file.check_shape(schedule, {
+        f"--{dest.replace('_', '-')}": None if getattr(args, dest) == parser.get_default(dest)
+        else getattr(args, dest) for dest in dests})
+    args.schedule, args.pp, args.num_microbatches, args.splits, args.chunks = (
+        schedule.name, schedule.pp, schedule.microbatches, schedule.splits, schedule.chunks)
 
 
 def case_from_args(args: argparse.Namespace):

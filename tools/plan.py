@@ -10,6 +10,9 @@
                     --seq-length 65536 --tp 8 --sequence-parallel --partition compute \\
                     --distributed-optimizer --gpu-memory 79.25 --recompute-granularity full
   plan.py comm      --schedule seq1f1b --pp 4 --microbatches 8 --splits 2
+  plan.py show      --schedule seq1f1b-zbv --pp 4 --microbatches 8 --splits 2 --chunks 2 \
+                    --csv > mine.csv      (edit it, then: plan.py simulate|comm|show
+                                           --pipeline-schedule-file mine.csv ...)
 
 Every subcommand takes --json for other tools. Bad arguments print one line on stderr and exit 2;
 `comm` exits 1 when the communication would deadlock or mismatch under NCCL's rules.
@@ -23,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from seq1f1b.plan import registry  # noqa: E402
+from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
 from seq1f1b.plan.budget import MemoryCap, model_budget, resolve_budget  # noqa: E402
 from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
@@ -36,6 +39,7 @@ from seq1f1b.plan.nccl import MODES, validate_modes  # noqa: E402
 from seq1f1b.plan.partition import imbalance, partition, span_bounds, span_flops  # noqa: E402
 from seq1f1b.plan.span_fit import SpanTimeFit, fit_span_times, read_span_timings  # noqa: E402
 from seq1f1b.plan.projection import A100  # noqa: E402
+from seq1f1b.plan.stage_layers import FIRST_FLAG, LAST_FLAG, StageLayers  # noqa: E402
 from seq1f1b.plan.simulate import (SimulationReport, model_costs, simulate,  # noqa: E402
                                    uniform_costs)
 
@@ -52,12 +56,17 @@ class Parser(argparse.ArgumentParser):
 
 
 def _add_schedule_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--schedule", required=True, choices=registry.names(), metavar="NAME",
+    parser.add_argument("--schedule", choices=registry.names(), metavar="NAME",
                         help=f"one of: {', '.join(registry.names())}")
-    parser.add_argument("--pp", type=int, required=True, help="pipeline stages P")
-    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
-    parser.add_argument("--splits", type=int, default=1, help="spans per micro-batch k")
-    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank V")
+    parser.add_argument("--pipeline-schedule-file", metavar="FILE.csv",
+                        help="instead of --schedule: the schedule in this file (one row per "
+                             "rank; seq1f1b/plan/schedule_file.py), checked before use; P, m, k "
+                             "and V are the file's")
+    parser.add_argument("--pp", type=int, help="pipeline stages P (required with --schedule)")
+    parser.add_argument("--microbatches", type=int,
+                        help="micro-batches m (required with --schedule)")
+    parser.add_argument("--splits", type=int, help="spans per micro-batch k (default 1)")
+    parser.add_argument("--chunks", type=int, help="model chunks per rank V (default 1)")
     _add_cap_arg(parser)
 
 
@@ -83,6 +92,20 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
     group.add_argument("--disable-bias-linear", action="store_true", default=None)
     group.add_argument("--add-qkv-bias", action="store_true", default=None)
+
+
+def _add_stage_layer_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("uneven stages (seq1f1b/plan/stage_layers.py)")
+    group.add_argument(FIRST_FLAG, type=int, metavar="N", dest="first_stage_layers",
+                       help="decoder layers of the first stage (a loop: of pipeline rank 0; a "
+                            "V: of virtual stage 0, the embedding's); the others share the rest")
+    group.add_argument(LAST_FLAG, type=int, metavar="N", dest="last_stage_layers",
+                       help="decoder layers of the last stage (a loop: of pipeline rank P-1; a "
+                            "V: of virtual stage 2P-1, the output layer's, on rank 0)")
+
+
+def _stage_layers(args: argparse.Namespace) -> StageLayers:
+    return StageLayers(args.first_stage_layers, args.last_stage_layers)
 
 
 def _add_span_args(parser: argparse.ArgumentParser, method_flag: str) -> None:
@@ -142,6 +165,14 @@ def _spans(args: argparse.Namespace, model: ModelConfig | None, splits: int) -> 
 def _schedule(args: argparse.Namespace, costs_of=None):
     """The schedule of the command line; a searched one gets its budget from
     --schedule-memory-cap and `costs_of(schedule, span_lengths)` (unit costs without it)."""
+    if args.pipeline_schedule_file is not None:
+        return _file_schedule(args)
+    if args.schedule is None:
+        raise UsageError("--schedule NAME or --pipeline-schedule-file FILE is required")
+    for flag in ("pp", "microbatches"):
+        if getattr(args, flag) is None:
+            raise UsageError(f"--{flag} is required with --schedule")
+    args.splits, args.chunks = args.splits or 1, args.chunks or 1
     cap = MemoryCap.parse(args.schedule_memory_cap) if args.schedule_memory_cap else None
     if cap is not None and not registry.get(args.schedule).searched:
         raise UsageError(f"--schedule-memory-cap: schedule {args.schedule} is not searched")
@@ -154,9 +185,26 @@ def _schedule(args: argparse.Namespace, costs_of=None):
                           budget=budget)
 
 
+def _file_schedule(args: argparse.Namespace):
+    """--pipeline-schedule-file: the file's checked schedule; the shape flags, when given, must
+    be the file's."""
+    if args.schedule is not None:
+        raise UsageError("--pipeline-schedule-file replaces --schedule: give one of them")
+    if args.schedule_memory_cap is not None:
+        raise UsageError("--schedule-memory-cap: a schedule file is not searched")
+    schedule = schedule_file.load(args.pipeline_schedule_file)
+    schedule_file.check_shape(schedule, {"--pp": args.pp, "--microbatches": args.microbatches,
+                                         "--splits": args.splits, "--chunks": args.chunks})
+    args.schedule, args.pp, args.microbatches, args.splits, args.chunks = (
+        schedule.name, schedule.pp, schedule.microbatches, schedule.splits, schedule.chunks)
+    return schedule
+
+
 def cmd_show(args: argparse.Namespace) -> None:
     schedule = _schedule(args)
-    if args.json:
+    if args.csv:
+        print(schedule_file.write(schedule), end="")
+    elif args.json:
         print(json.dumps({"schedule": schedule.name, "pp": schedule.pp,
                           "microbatches": schedule.microbatches, "splits": schedule.splits,
                           "chunks": schedule.chunks,
@@ -201,9 +249,12 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     def costs_of(schedule, whole: bool):
         spans = [args.seq_length] if whole else _spans(args, model, schedule.splits)
         return model_costs(schedule, model, spans, flops_per_second=args.device_tflops * 1e12,
-                           tp=args.tp, sequence_parallel=args.sequence_parallel)
+                           tp=args.tp, sequence_parallel=args.sequence_parallel,
+                           stage_layers=_stage_layers(args))
 
     schedule = _schedule(args, costs_of if model is not None else None)
+    if model is None and _stage_layers(args).uneven:
+        raise UsageError(f"{FIRST_FLAG} / {LAST_FLAG} need a model (--model or its dimensions)")
     if args.uniform_cost is not None:
         if len(args.uniform_cost) not in (2, 3):
             raise UsageError("--uniform-cost takes two or three numbers: F B [W]")
@@ -212,9 +263,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     else:
         if args.seq_length is None:
             raise UsageError("--seq-length is required with a model")
-        costs = model_costs(schedule, model, _spans(args, model, schedule.splits),
-                            flops_per_second=args.device_tflops * 1e12, tp=args.tp,
-                            sequence_parallel=args.sequence_parallel)
+        costs = costs_of(schedule, False)
         unit, microseconds = "s", 1e6
     report = simulate(schedule, costs, args.p2p_latency)
     if args.plot or args.trace:
@@ -268,7 +317,9 @@ def cmd_memory(args: argparse.Namespace) -> None:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        schedule_memory_cap=args.schedule_memory_cap)
+        schedule_memory_cap=args.schedule_memory_cap,
+        decoder_first_pipeline_num_layers=args.first_stage_layers,
+        decoder_last_pipeline_num_layers=args.last_stage_layers)
     calibration = read_device_check(args.device_check) if args.device_check else None
     reserve = calibration.reserve_ratio if calibration and calibration.reserve_ratio else 1.0
     estimate = estimate_memory(setup)
@@ -348,6 +399,8 @@ def build_parser() -> Parser:
     show = commands.add_parser("show", help="print each rank's action list")
     _add_schedule_args(show)
     show.add_argument("--json", action="store_true")
+    show.add_argument("--csv", action="store_true",
+                      help="print the schedule as a --pipeline-schedule-file")
     show.set_defaults(run=cmd_show)
 
     part = commands.add_parser("partition", help="cut a sequence into spans")
@@ -362,6 +415,7 @@ def build_parser() -> Parser:
     sim.add_argument("--uniform-cost", type=float, nargs="+", metavar="COST",
                      help="durations F B [W] of every span")
     _add_model_args(sim)
+    _add_stage_layer_args(sim)
     _add_span_args(sim, "--partition")
     sim.add_argument("--device-tflops", type=float, default=A100_BF16_TFLOPS,
                      help="FLOP rate of one GPU, in TFLOPS (default: A100 bf16 peak)")
@@ -384,6 +438,7 @@ def build_parser() -> Parser:
     mem.add_argument("--chunks", type=int, default=1, help="model chunks per rank V")
     _add_cap_arg(mem)
     _add_model_args(mem)
+    _add_stage_layer_args(mem)
     _add_span_args(mem, "--partition")
     mem.add_argument("--dp", type=int, default=1, help="data-parallel size")
     mem.add_argument("--micro-batch-size", type=int, default=1)

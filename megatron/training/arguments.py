@@ -142,6 +142,15 @@ def _add_parallel_args(parser: ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
                    help="layers per model chunk; chunks per rank V = layers / (PP x this)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",
+                   help="uneven first stage: its decoder layers; the other stages share the "
+                        "rest evenly (megatron-core's num_layers_in_first_pipeline_stage: of "
+                        "pipeline rank 0, over its chunks; on a V, of virtual stage 0, the "
+                        "embedding's chunk of rank 0)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, metavar="N",
+                   help="uneven last stage: its decoder layers (megatron-core's "
+                        "num_layers_in_last_pipeline_stage: of the last pipeline rank; on a V, "
+                        "of virtual stage 2P-1, the output layer's chunk of rank 0)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="shard norms/dropout activations along the sequence over TP")
     g.add_argument("--use-distributed-optimizer", action="store_true",
@@ -154,9 +163,14 @@ def _add_parallel_args(parser: ArgumentParser) -> None:
 
 def _add_schedule_args(parser: ArgumentParser) -> None:
     g = parser.add_argument_group("pipeline schedule")
-    g.add_argument("--pipeline-schedule", default=DEFAULT_SCHEDULE,
+    g.add_argument("--pipeline-schedule",
                    help="a registered schedule name (seq1f1b.plan.registry), or megatron-1f1b / "
                         f"megatron-interleaved-1f1b (default: {DEFAULT_SCHEDULE})")
+    g.add_argument("--pipeline-schedule-file", metavar="FILE.csv",
+                   help="run the schedule in this file instead (one row per pipeline rank, "
+                        "actions like F0.1, B0.1@1, W0.1; '# placement: vshape' first for a V; "
+                        "seq1f1b/plan/schedule_file.py): its P, micro-batches, k and V must be "
+                        "the run's; checked, also under NCCL's rules, before any work")
     g.add_argument("--seq1f1b-splits", type=int,
                    help="k: spans each sequence is cut into (default: 1)")
     g.add_argument("--seq1f1b-partition", choices=PARTITIONS,
@@ -170,6 +184,12 @@ def _add_schedule_args(parser: ArgumentParser) -> None:
                         f"(default: {DEFAULT_FIT_ITERATIONS})")
     g.add_argument("--seq1f1b-span-lengths", type=int, nargs="+", metavar="L",
                    help="explicit span lengths L1 ... Lk (sum = --seq-length)")
+    g.add_argument("--schedule-memory-cap", metavar="CAP",
+                   help="searched schedules (seq1f1b-zb-auto): per-rank cap on held activations "
+                        "and K/V, bytes (e.g. 17GiB) or a fraction of 1F1B's rank-0 peak (e.g. "
+                        "0.5x); the schedule is placed with this model's FLOP and byte costs "
+                        "(with --seq1f1b-partition fit: re-placed with the measured times once "
+                        "the fit is in) (default: the schedule's own budget)")
     g.add_argument("--pipe-sp-splits", type=int, help="alias of --seq1f1b-splits")
     g.add_argument("--pipe-sp-strategy", choices=tuple(PIPE_SP_STRATEGIES),
                    help="alias of --seq1f1b-partition: average = even, uniform_comp = compute")
@@ -492,7 +512,9 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
     if args.ffn_hidden_size % tp:
         _fail(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
               f"--tensor-model-parallel-size {tp}")
-    if args.num_layers % pp:
+    uneven = (args.decoder_first_pipeline_num_layers is not None
+              or args.decoder_last_pipeline_num_layers is not None)
+    if args.num_layers % pp and not uneven:
         _fail(f"--num-layers {args.num_layers} is not divisible by "
               f"--pipeline-model-parallel-size {pp}")
     args.virtual_pipeline_model_parallel_size = None
@@ -507,7 +529,8 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
                   f"{per_stage} layers of each pipeline stage into >= 2 chunks")
         args.virtual_pipeline_model_parallel_size = per_stage // per_chunk
     chunk_layers = per_chunk or args.num_layers // pp
-    if args.recompute_method == "uniform" and chunk_layers % args.recompute_num_layers:
+    if args.recompute_method == "uniform" and chunk_layers % args.recompute_num_layers \
+            and not uneven:     # uneven: every chunk's count checked with the placement
         # megatron-core's uniform loop would index past the chunk's last layer (IndexError).
         _fail(f"--recompute-num-layers {args.recompute_num_layers} must divide the "
               f"{chunk_layers} layers of each model chunk with --recompute-method uniform")
@@ -536,6 +559,9 @@ def _validate_schedule(args: argparse.Namespace) -> None:
                 PIPE_SP_STRATEGIES.get(args.pipe_sp_strategy))
     del args.pipe_sp_splits, args.pipe_sp_strategy
     spans = args.seq1f1b_span_lengths
+    if args.pipeline_schedule_file is not None:
+        _load_schedule_file(args)
+    args.pipeline_schedule = args.pipeline_schedule or DEFAULT_SCHEDULE
     if spans is not None:
         args.seq1f1b_partition = args.seq1f1b_partition or "explicit"
         args.seq1f1b_splits = args.seq1f1b_splits or len(spans)
@@ -554,10 +580,12 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     if not chunked and args.virtual_pipeline_model_parallel_size is not None:
         _fail(f"--num-layers-per-virtual-pipeline-stage: --pipeline-schedule {name} runs one "
               f"model chunk per rank; use an interleaved schedule")
-    if name not in MEGATRON_SCHEDULES and _placement(name) != "loop":
-        _fail(f"--pipeline-schedule {name}: the trainer does not run V placements yet (its loss "
-              f"report, NaN checks and data feeding expect the last stage on the last pipeline "
-              f"rank); seq1f1b's forward_backward functions and tools/check_equivalence.py do")
+    if name not in MEGATRON_SCHEDULES and _placement(name) == "vshape":
+        _validate_v_placement(args)
+    _validate_memory_cap(args)
+    _validate_stage_layers(args)
+    if args.pipeline_schedule_file is not None:
+        _check_schedule_file_shape(args)
     if name in MEGATRON_SCHEDULES and k != 1:
         _fail(f"--seq1f1b-splits {k}: --pipeline-schedule {name} runs whole sequences (k = 1)")
     if name == "megatron-interleaved-1f1b" and \
@@ -589,6 +617,95 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         _fail(f"--seq1f1b-splits {k}: --seq-length {args.seq_length} has fewer than {k} spans of "
               f"--tensor-model-parallel-size {tp_unit} tokens (needed by --sequence-parallel)")
     _validate_fit(args)
+
+
+def _load_schedule_file(args: argparse.Namespace) -> None:
+    """--pipeline-schedule-file: read, checked and registered (seq1f1b/plan/schedule_file.py);
+    --pipeline-schedule becomes its registry name, k defaults to the file's."""
+    from seq1f1b.plan import schedule_file
+    from seq1f1b.plan.actions import ScheduleError
+
+    if args.pipeline_schedule is not None:
+        _fail("--pipeline-schedule-file replaces --pipeline-schedule: give one of them")
+    try:
+        schedule = schedule_file.load(args.pipeline_schedule_file)
+    except ScheduleError as err:
+        _fail(str(err))
+    args.pipeline_schedule = schedule.name
+    if args.seq1f1b_splits is None and args.seq1f1b_span_lengths is None:
+        args.seq1f1b_splits = schedule.splits
+
+
+def _check_schedule_file_shape(args: argparse.Namespace) -> None:
+    """The file's P, m, k and V are this run's (its builder refuses any other)."""
+    from seq1f1b.plan import registry
+    from seq1f1b.plan.actions import ScheduleError
+
+    try:
+        registry.build(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                       args.num_micro_batches, args.seq1f1b_splits,
+                       args.virtual_pipeline_model_parallel_size or 1)
+    except ScheduleError as err:
+        _fail(str(err))
+
+
+def _validate_v_placement(args: argparse.Namespace) -> None:
+    """A V (zbv, seq1f1b-zbv, seq1f1b-zb-auto) has two chunks per rank, chunk 1 of rank 0 the
+    last stage: the embedding and the output layer are on one rank in two chunks, which
+    megatron cannot tie."""
+    name = args.pipeline_schedule
+    if args.virtual_pipeline_model_parallel_size != 2:
+        _fail(f"--num-layers-per-virtual-pipeline-stage: --pipeline-schedule {name} places two "
+              f"model chunks per rank in a V; give --num-layers / (2 x "
+              f"--pipeline-model-parallel-size)")
+    if not args.untie_embeddings_and_output_weights:
+        _fail(f"--pipeline-schedule {name} puts the embedding and the output layer in two "
+              f"chunks of pipeline rank 0, which megatron cannot tie: add "
+              f"--untie-embeddings-and-output-weights")
+
+
+def _validate_stage_layers(args: argparse.Namespace) -> None:
+    """Uneven first / last stages (seq1f1b/plan/stage_layers.py, which says how they apply to a
+    loop and to a V): the other stages must share the rest evenly, >= 1 layer each; with
+    uniform full recompute every chunk's count is a multiple of --recompute-num-layers."""
+    from seq1f1b.plan.actions import ScheduleError
+    from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
+
+    split = StageLayers(args.decoder_first_pipeline_num_layers,
+                        args.decoder_last_pipeline_num_layers)
+    if not split.uneven:
+        return
+    name = args.pipeline_schedule
+    placement = "loop" if name in MEGATRON_SCHEDULES else _placement(name)
+    try:
+        counts = layers_per_virtual_stage(args.num_layers, args.pipeline_model_parallel_size,
+                                          args.virtual_pipeline_model_parallel_size or 1,
+                                          placement, split)
+    except ScheduleError as err:
+        _fail(str(err))
+    if args.recompute_method == "uniform":
+        bad = [count for count in counts if count % args.recompute_num_layers]
+        if bad:
+            _fail(f"--recompute-num-layers {args.recompute_num_layers} must divide the {bad[0]} "
+                  f"layers of a model chunk with --recompute-method uniform")
+
+
+def _validate_memory_cap(args: argparse.Namespace) -> None:
+    """--schedule-memory-cap: parsed here, for a searched schedule only."""
+    if args.schedule_memory_cap is None:
+        return
+    from seq1f1b.plan import registry
+    from seq1f1b.plan.actions import ScheduleError
+    from seq1f1b.plan.budget import MemoryCap
+
+    name = args.pipeline_schedule
+    if name in MEGATRON_SCHEDULES or not registry.get(name).searched:
+        _fail(f"--schedule-memory-cap: --pipeline-schedule {name} is not searched; it takes no "
+              f"memory cap (seq1f1b-zb-auto does)")
+    try:
+        MemoryCap.parse(args.schedule_memory_cap)
+    except ScheduleError as err:
+        _fail(str(err))
 
 
 def _validate_fit(args: argparse.Namespace) -> None:
@@ -786,6 +903,24 @@ def _validate_timeline(args: argparse.Namespace) -> None:
               f"--train-iters {args.train_iters}")
 
 
+def _validate_schedule_budget(args: argparse.Namespace) -> None:
+    """A searched schedule under --schedule-memory-cap is placed now, with the model's costs
+    (the padded vocabulary known): a cap that no order fits is refused before any work."""
+    if args.schedule_memory_cap is None:
+        return
+    from megatron.training.schedule_budget import schedule_budget
+    from seq1f1b.plan import registry
+    from seq1f1b.plan.actions import ScheduleError
+
+    try:
+        registry.build(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                       args.num_micro_batches, args.seq1f1b_splits,
+                       args.virtual_pipeline_model_parallel_size or 1,
+                       budget=schedule_budget(args))
+    except ScheduleError as err:
+        _fail(f"--pipeline-schedule {args.pipeline_schedule}: {err}")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check every flag and combination, fill in Megatron's derived values; write nothing.
 
@@ -809,6 +944,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_run(args)
     _validate_overlap(args)
     _validate_observability(args)
+    _validate_schedule_budget(args)
     return args
 
 

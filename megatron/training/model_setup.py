@@ -25,6 +25,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.training.lr_schedule import ScheduleSettings
 from seq1f1b import megatron_adapter, platform
+from seq1f1b.plan.stage_layers import StageLayers
+from seq1f1b.runtime.forward_backward import placement_of
 from seq1f1b.runtime.wgrad import has_split_backward
 
 ModelProvider = Callable[..., torch.nn.Module]
@@ -50,7 +52,11 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         sequence_parallel=args.sequence_parallel, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         fp16=args.fp16, bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
-        calculate_per_token_loss=args.calculate_per_token_loss, **_recompute_fields(args))
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        placement=placement_of(args.pipeline_schedule),
+        stage_layers=StageLayers(args.decoder_first_pipeline_num_layers,
+                                 args.decoder_last_pipeline_num_layers),
+        **_recompute_fields(args))
 
 
 def _recompute_fields(args: argparse.Namespace) -> dict:
@@ -74,11 +80,10 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
     with --overlap-grad-reduce a gradient is reported ready at W (seq1f1b.runtime.wgrad).
     """
     chunks = []
-    for vp_stage in range(args.virtual_pipeline_model_parallel_size or 1):
+    for vp_stage, (pre_process, post_process) in enumerate(chunk_roles(args.pipeline_schedule)):
         vp = vp_stage if args.virtual_pipeline_model_parallel_size else None
         chunk = model_provider(
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            pre_process=pre_process, post_process=post_process,
             vp_stage=vp, config=config).to(platform.compute_device())   # as Megatron's get_model
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -161,14 +166,20 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def chunks_reading_data(every_stage: bool = False) -> list[bool]:
+def chunk_roles(schedule: str) -> list[tuple[bool, bool]]:
+    """(pre_process, post_process) of each model chunk of this pipeline rank under `schedule`'s
+    placement: whether it holds the first virtual stage (embedding) or the last (output layer
+    and loss). In a V, both are chunks of rank 0."""
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    return [megatron_adapter.chunk_roles(placement_of(schedule), pp, rank, chunk, chunks)
+            for chunk in range(chunks)]
+
+
+def chunks_reading_data(schedule: str, every_stage: bool = False) -> list[bool]:
     """For each model chunk of this rank, whether it reads data: the first pipeline stage (tokens)
     and the last (labels, loss mask); the chunks in between only receive activations, unless
     `every_stage` (packed documents: each stage's attention needs the document ids, its RoPE
     the reset position ids; Megatron-LM's middle stages would get neither)."""
-    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-    stages = [vp if chunks > 1 else None for vp in range(chunks)]
-    return [every_stage
-            or parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
-            or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-            for vp in stages]
+    return [every_stage or first or last for first, last in chunk_roles(schedule)]

@@ -12,7 +12,9 @@ gathers them):
   last rank logs the fit and the new boundaries in one line. A resumed run calibrates again over
   its own first iterations: the fit is not in the checkpoint, because times belong to the
   machines and the load that measured them (the cut changes the losses only by rounding). A run
-  that stops before its calibration ends keeps the compute cut.
+  that stops before its calibration ends keeps the compute cut. A searched schedule under
+  --schedule-memory-cap is placed with the model's FLOP durations first and re-placed with the
+  fit's measured ones (schedule_budget.py) when the fitted cut takes over.
 - `--timeline-path FILE.png`: iteration --timeline-iteration (default --train-iters, the last) is
   drawn from every pipeline rank's measured actions, in seconds of this run, with the actions as
   JSON beside it (FILE.json; seq1f1b/plan/render.py's `write_measured_timeline`), by the last
@@ -28,6 +30,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from megatron.training.schedule_budget import schedule_budget
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.partition import span_bounds
@@ -47,7 +50,8 @@ class ScheduleFunction:
         self._settings = SpanSettings(
             splits=args.seq1f1b_splits, partition="compute" if fit else args.seq1f1b_partition,
             span_lengths=tuple(args.seq1f1b_span_lengths) if args.seq1f1b_span_lengths else None,
-            p2p_timeout_s=args.p2p_timeout)
+            p2p_timeout_s=args.p2p_timeout,
+            budget=schedule_budget(args))
         self.function: Callable = get_forward_backward_func(args.pipeline_schedule,
                                                             self._settings)
         first = start_iteration + 1
@@ -84,17 +88,20 @@ class ScheduleFunction:
             self._draw(iteration, trace)
 
     def _plan(self) -> Schedule:
+        """The plan this rank's function runs now (a searched one with its budget)."""
         args = self._args
         return registry.build(args.pipeline_schedule, args.pipeline_model_parallel_size,
                               args.num_micro_batches, args.seq1f1b_splits,
-                              args.virtual_pipeline_model_parallel_size or 1)
+                              args.virtual_pipeline_model_parallel_size or 1,
+                              budget=self._settings.budget)
 
     def _switch_to_fit(self) -> None:
         args = self._args
         lengths, fit = calibrate_fit(self._plan(), self._calibration, args.seq_length,
                                      args.tensor_model_parallel_size, args.sequence_parallel)
         self._calibration = []
-        self._settings = replace(self._settings, partition="explicit", span_lengths=lengths)
+        self._settings = replace(self._settings, partition="explicit", span_lengths=lengths,
+                                 budget=schedule_budget(args, lengths, fit))
         self.function = get_forward_backward_func(args.pipeline_schedule, self._settings)
         if self._reports:
             spans = " ".join(f"[{start}, {end})" for start, end in span_bounds(list(lengths)))

@@ -45,7 +45,9 @@ from megatron.training.profiling import Profiler
 from megatron.training.schedule_function import ScheduleFunction
 from megatron.training.writers import ScalarWriters
 from seq1f1b import platform
+from seq1f1b.plan.actions import virtual_stage
 from seq1f1b.plan.costs import ModelConfig
+from seq1f1b.runtime.forward_backward import placement_of
 
 DatasetsProvider = Callable[[Sequence[int]], Sequence[Optional[object]]]
 """`provider([train, valid, test] sample counts) -> (train, valid, test) datasets (or None)`."""
@@ -100,7 +102,9 @@ def print_rank_last(message: str) -> None:
 def is_dataset_built_on_rank() -> bool:
     """Whether this rank feeds data to any of its model chunks (first or last pipeline stage;
     every stage with packed documents)."""
-    return any(model_setup.chunks_reading_data(model_setup.reads_data_on_every_stage(get_args())))
+    args = get_args()
+    return any(model_setup.chunks_reading_data(args.pipeline_schedule,
+                                               model_setup.reads_data_on_every_stage(args)))
 
 
 class _Run:
@@ -140,7 +144,7 @@ class _Run:
                                    parallel_state.get_data_parallel_world_size(),
                                    consumed_samples, eod) if reads else None
                 for reads in model_setup.chunks_reading_data(
-                    model_setup.reads_data_on_every_stage(args))]
+                    args.pipeline_schedule, model_setup.reads_data_on_every_stage(args))]
 
     # -- one iteration -----------------------------------------------------------------------
     def _run_schedule(self, function: Callable, iterators: list, forward_only: bool) -> list:
@@ -168,7 +172,8 @@ class _Run:
             self.scheduler.step(increment=self.args.global_batch_size)
         self.iteration += 1
         self.consumed_train_samples += self.args.global_batch_size
-        return IterationRecord(self.iteration, reduce_losses(losses),
+        return IterationRecord(self.iteration,
+                               reduce_losses(losses, placement_of(self.args.pipeline_schedule)),
                                None if grad_norm is None else float(grad_norm),
                                learning_rate, not update_successful)
 
@@ -176,8 +181,9 @@ class _Run:
         """--check-for-nan-in-loss-and-grad, before the update (megatron/training/numerics.py)."""
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         rank = parallel_state.get_pipeline_model_parallel_rank()
-        stages = [chunk * pp + rank for chunk in range(len(self.model))]
-        numerics.check_losses(losses, self.iteration + 1, stages[-1])
+        placement = placement_of(self.args.pipeline_schedule)
+        stages = [virtual_stage(placement, pp, rank, chunk) for chunk in range(len(self.model))]
+        numerics.check_losses(losses, self.iteration + 1, max(stages))
         if not self.args.fp16:
             numerics.check_gradients(self.model, stages, self.iteration + 1)
 
@@ -235,7 +241,8 @@ class _Run:
                                                  forward_only=True))
         for chunk in self.model:
             chunk.train()
-        losses = reduce_losses([entry for batch in totals for entry in batch])
+        losses = reduce_losses([entry for batch in totals for entry in batch],
+                               placement_of(self.args.pipeline_schedule))
         if "lm loss" in losses:
             for line in validation_lines(where, losses["lm loss"]):
                 print_rank_last(line)
@@ -265,14 +272,37 @@ LOGGED_TIMERS = [
 executor's per-op compute timers); milliseconds per iteration, min and max over the ranks."""
 
 
-def reduce_losses(losses: list) -> dict[str, float]:
+def reduce_losses(losses: list, placement: str = "loop") -> dict[str, float]:
     """Megatron's report of the loss dicts one iteration returned on the last stage.
 
     Per-token entries (`[sum, count]`) are summed over micro-batches and DP ranks and divided: the
     token mean of the global batch. Scalar entries are averaged over micro-batches and DP ranks.
-    Returns {} off the last pipeline stage.
+    Returns {} off the last pipeline rank. In a V (`placement` "vshape") the last stage is
+    a chunk of pipeline rank 0: its figures are sent on to the last pipeline rank (collective
+    over the pipeline group), which reports every run's losses (log line, writers, results).
     """
-    if not losses or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if placement == "vshape":
+        return _on_last_pipeline_rank(_reduced(losses)
+                                      if parallel_state.is_pipeline_first_stage(
+                                          ignore_virtual=True) else {})
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return {}
+    return _reduced(losses)
+
+
+def _on_last_pipeline_rank(reduced: dict[str, float]) -> dict[str, float]:
+    """Pipeline rank 0's `reduced`, on pipeline rank 0 and the last one ({} on the others)."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    carried = [reduced]
+    dist.broadcast_object_list(carried, group_src=0, group=group,
+                               device=_collective_device())
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    return carried[0] if first or last else {}
+
+
+def _reduced(losses: list) -> dict[str, float]:
+    if not losses:
         return {}
     group = parallel_state.get_data_parallel_group()
     reduced = {}

@@ -10,11 +10,15 @@ so `resolve_budget` turns a `MemoryCap` into bytes with the same cost model the 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from seq1f1b.plan.actions import Schedule, ScheduleError
-from seq1f1b.plan.simulate import SpanCosts
+from seq1f1b.plan.costs import ModelConfig, Recompute
+from seq1f1b.plan.partition import span_bounds
+from seq1f1b.plan.simulate import SpanCosts, model_costs
+from seq1f1b.plan.span_fit import SpanTimeFit
+from seq1f1b.plan.stage_layers import EVEN, StageLayers
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,
           "gb": 10**9}
@@ -90,3 +94,71 @@ def model_budget(name: str, pp: int, microbatches: int, splits: int, chunks: int
         report = simulate(one_f_one_b, costs_of(one_f_one_b, True))
         reference = report.ranks[0].peak_held_bytes
     return resolve_budget(cap, costs, reference, pp, splits)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a searched schedule's costs depend on in a run (trainer, benchmark): the model, how
+    its sequence is cut and sharded, and the bytes of one activation element."""
+
+    model: ModelConfig
+    seq_length: int
+    span_lengths: tuple[int, ...]
+    tp: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    bytes_per_element: int = 2
+    recompute: Optional[Recompute] = None
+    stage_layers: StageLayers = EVEN
+
+
+NOMINAL_FLOPS_PER_SECOND = 1e12
+"""The rate the model's FLOPs become durations at: only their proportions steer the search."""
+
+
+def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional[MemoryCap],
+               shape: RunShape, fit: Optional[SpanTimeFit] = None
+               ) -> Optional[ScheduleBudget]:
+    """`model_budget` for a run of `shape`: the model's FLOP durations and bytes with the run's
+    spans, or, with `fit` (the fit partition's measured times, span_fit.py), the measured
+    durations: each span's F on the stages scaled so that they sum to the fit's F of that span,
+    and B (with W) to its B, the model keeping each stage's share (the output layer's on the
+    last). None without a cap (the schedule's default build)."""
+    def costs_of(schedule: Schedule, whole: bool) -> SpanCosts:
+        costs = model_costs(schedule, shape.model,
+                            [shape.seq_length] if whole else list(shape.span_lengths),
+                            flops_per_second=NOMINAL_FLOPS_PER_SECOND, tp=shape.tp,
+                            sequence_parallel=shape.sequence_parallel,
+                            batch=shape.micro_batch_size,
+                            bytes_per_element=shape.bytes_per_element, recompute=shape.recompute,
+                            stage_layers=shape.stage_layers)
+        if fit is None or whole:
+            return costs
+        return _scaled_to_fit(costs, fit, span_bounds(list(shape.span_lengths)))
+
+    return model_budget(name, pp, microbatches, len(shape.span_lengths), chunks, cap, costs_of)
+
+
+def _scaled_to_fit(costs: SpanCosts, fit: SpanTimeFit, bounds: list[tuple[int, int]]
+                   ) -> SpanCosts:
+    stages = range(len(costs.forward))
+    weight = costs.weight
+
+    def column_scale(tables: list, span: int, measured: float) -> float:
+        modelled = sum(table[v][span] for table in tables for v in stages)
+        return measured / modelled if modelled > 0 else 0.0
+
+    forward_scale, backward_scale = [], []
+    for span, (start, end) in enumerate(bounds):
+        measured_f, measured_b = fit.span_seconds(start, end)
+        forward_scale.append(column_scale([costs.forward], span, measured_f))
+        backward_scale.append(column_scale([costs.backward] + ([weight] if weight else []),
+                                           span, measured_b))
+
+    def scaled(table, scales: list[float]):
+        return tuple(tuple(value * scales[span] for span, value in enumerate(row))
+                     for row in table)
+
+    return replace(costs, forward=scaled(costs.forward, forward_scale),
+                   backward=scaled(costs.backward, backward_scale),
+                   weight=scaled(weight, backward_scale) if weight else None)

@@ -66,6 +66,18 @@ class ModelConfig:
                    normalization=config.normalization, add_bias_linear=config.add_bias_linear,
                    add_qkv_bias=config.add_qkv_bias)
 
+    @classmethod
+    def of_flags(cls, flags, vocab_size: int) -> "ModelConfig":
+        """The cost shape of Megatron-named flags (attributes num_layers, hidden_size, ...,
+        disable_bias_linear, add_qkv_bias: a parsed command line or an equivalence case)."""
+        return cls(num_layers=flags.num_layers, hidden_size=flags.hidden_size,
+                   num_attention_heads=flags.num_attention_heads,
+                   ffn_hidden_size=flags.ffn_hidden_size, vocab_size=vocab_size,
+                   num_query_groups=flags.num_query_groups, swiglu=flags.swiglu,
+                   normalization=flags.normalization,
+                   add_bias_linear=not flags.disable_bias_linear,
+                   add_qkv_bias=flags.add_qkv_bias)
+
     @property
     def fc1_width(self) -> int:
         """Output width of FC1: f, or 2f with SwiGLU (gate and up projections side by side)."""

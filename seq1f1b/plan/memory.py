@@ -39,6 +39,7 @@ from seq1f1b.plan.costs import (ModelConfig, Recompute, backward_workspace_bytes
                                 recomputed_activation_bytes, stage_parameters)
 from seq1f1b.plan.partition import partition
 from seq1f1b.plan.simulate import SpanCosts, layers_per_stage, model_costs, simulate
+from seq1f1b.plan.stage_layers import StageLayers
 
 GIB = 2 ** 30
 
@@ -93,6 +94,8 @@ class TrainingSetup:
     recompute_method: Optional[str] = None          # "uniform" | "block", full only
     recompute_num_layers: Optional[int] = None      # full only
     schedule_memory_cap: Optional[str] = None       # searched schedules: "0.5x" or bytes
+    decoder_first_pipeline_num_layers: Optional[int] = None   # uneven first stage
+    decoder_last_pipeline_num_layers: Optional[int] = None    # uneven last stage
 
     def __post_init__(self) -> None:
         recompute = self.recompute      # validates; full's defaults (uniform, 1) written back
@@ -122,6 +125,12 @@ class TrainingSetup:
         """The activation recompute the three recompute fields ask for (None: none)."""
         return Recompute.from_flags(self.recompute_granularity, self.recompute_method,
                                     self.recompute_num_layers)
+
+    @property
+    def stage_layers(self) -> StageLayers:
+        """The uneven first / last stages (stage_layers.py; both None: even)."""
+        return StageLayers(self.decoder_first_pipeline_num_layers,
+                           self.decoder_last_pipeline_num_layers)
 
     @property
     def plan_name(self) -> str:
@@ -247,7 +256,7 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
                            flops_per_second=A100.peak_tflops * 1e12, tp=setup.tp,
                            sequence_parallel=setup.sequence_parallel,
                            batch=setup.micro_batch_size, bytes_per_element=precision.activation,
-                           recompute=setup.recompute)
+                           recompute=setup.recompute, stage_layers=setup.stage_layers)
 
     cap = MemoryCap.parse(setup.schedule_memory_cap) if setup.schedule_memory_cap else None
     budget = model_budget(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
@@ -256,13 +265,13 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
                               setup.chunks, budget=budget)
     costs = costs_of(schedule)
     report = simulate(schedule, costs)
-    layers = layers_per_stage(model, schedule)
+    layers = layers_per_stage(model, schedule, setup.stage_layers)
     last = schedule.num_stages - 1
     stages = []
     for rank in report.ranks:
         virtual = [schedule.stage_of(rank.rank, chunk) for chunk in range(schedule.chunks)]
-        params = sum(stage_parameters(model, layers, first=v == 0, last=v == last, tp=setup.tp)
-                     for v in virtual)
+        params = sum(stage_parameters(model, layers[v], first=v == 0, last=v == last,
+                                      tp=setup.tp) for v in virtual)
         workspace = backward_workspace_bytes(model, max(spans), setup.micro_batch_size,
                                              setup.tp, precision.activation,
                                              last_stage=last in virtual,

@@ -130,8 +130,8 @@ class Projection:
                 for name, terms in TERMS.items()}
 
 
-def _add(table: Table, extra: tuple[float, ...]) -> Table:
-    return tuple(tuple(a + b for a, b in zip(row, extra)) for row in table)
+def _add(table: Table, extra: Table) -> Table:
+    return tuple(tuple(a + b for a, b in zip(row, more)) for row, more in zip(table, extra))
 
 
 def _tp_seconds(setup: TrainingSetup, device: DeviceModel, spans: list[int], layers: int,
@@ -199,13 +199,15 @@ def _span_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule,
     peak = device.peak_tflops * 1e12
     compute = model_costs(schedule, model, spans, flops_per_second=peak, tp=setup.tp,
                           sequence_parallel=setup.sequence_parallel, batch=batch,
-                          efficiency=efficiency)
-    layers = layers_per_stage(model, schedule)
-    tp = _tp_seconds(setup, device, spans, layers, 4)
+                          efficiency=efficiency, stage_layers=setup.stage_layers)
+    layers = layers_per_stage(model, schedule, setup.stage_layers)
+    tp = [_tp_seconds(setup, device, spans, count, 4) for count in layers]
     fixed = device.span_fixed
     return SpanCosts(
-        forward=_add(compute.forward, tuple(t + fixed.forward_s(layers) for t in tp)),
-        backward=_add(compute.backward, tuple(t + fixed.backward_s(layers) for t in tp)),
+        forward=_add(compute.forward, tuple(tuple(t + fixed.forward_s(count) for t in row)
+                                            for count, row in zip(layers, tp))),
+        backward=_add(compute.backward, tuple(tuple(t + fixed.backward_s(count) for t in row)
+                                              for count, row in zip(layers, tp))),
         weight=compute.weight, hop=_hops(setup, device, schedule, model, spans))
 
 
@@ -218,8 +220,9 @@ def project(setup: TrainingSetup, device: DeviceModel = A100) -> Projection:
                       sequence_parallel=setup.sequence_parallel,
                       lengths=list(setup.span_lengths) if setup.span_lengths else None)
     report = simulate(schedule, _span_costs(setup, device, schedule, model, spans))
-    layers = layers_per_stage(model, schedule)
-    params = max(sum(stage_parameters(model, layers, first=schedule.stage_of(r, c) == 0,
+    layers = layers_per_stage(model, schedule, setup.stage_layers)
+    params = max(sum(stage_parameters(model, layers[schedule.stage_of(r, c)],
+                                      first=schedule.stage_of(r, c) == 0,
                                       last=schedule.stage_of(r, c) == schedule.num_stages - 1,
                                       tp=setup.tp) for c in range(schedule.chunks))
                  for r in range(schedule.pp))

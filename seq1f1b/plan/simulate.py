@@ -33,6 +33,7 @@ from seq1f1b.plan.costs import (ModelConfig, Recompute, SpanFlops, chunk_activat
                                 output_layer_input_bytes)
 from seq1f1b.plan.partition import span_bounds
 from seq1f1b.plan.span_fit import SpanTiming
+from seq1f1b.plan.stage_layers import EVEN, StageLayers, layers_per_virtual_stage
 from seq1f1b.plan.validate import execution_graph, validate
 
 Table = tuple[tuple[float, ...], ...]
@@ -87,12 +88,12 @@ def uniform_costs(schedule: Schedule, forward: float = 1.0, backward: float = 2.
                      table(weight) if schedule.split_backward else None)
 
 
-def layers_per_stage(model: ModelConfig, schedule: Schedule) -> int:
-    """Transformer layers of one virtual stage: N / (P * V), which must be whole."""
-    if model.num_layers % schedule.num_stages:
-        raise ScheduleError(f"--pp/--chunks: the model's {model.num_layers} layers are not "
-                            f"divisible by pp*chunks = {schedule.pp}*{schedule.chunks}")
-    return model.num_layers // schedule.num_stages
+def layers_per_stage(model: ModelConfig, schedule: Schedule, split: StageLayers = EVEN
+                     ) -> tuple[int, ...]:
+    """Transformer layers of each virtual stage, in stage order: N / (P * V) each, or with the
+    uneven first and last stages of `split` (stage_layers.py)."""
+    return layers_per_virtual_stage(model.num_layers, schedule.pp, schedule.chunks,
+                                    schedule.placement, split)
 
 
 def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int], *,
@@ -100,11 +101,13 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                 batch: int = 1, bytes_per_element: int = 2,
                 attention_flops_per_second: float | None = None,
                 recompute: Recompute | None = None,
-                efficiency: Callable[[int, int], Efficiency] | None = None) -> SpanCosts:
+                efficiency: Callable[[int, int], Efficiency] | None = None,
+                stage_layers: StageLayers = EVEN) -> SpanCosts:
     """Durations and bytes from costs.py for `model` with the sequence cut into `span_lengths`.
 
-    A virtual stage runs N/(P*V) layers on each span; the last one also runs the output layer
-    and keeps the loss's logits. Each GPU does 1/TP of the FLOPs at `flops_per_second`, the core
+    A virtual stage runs N/(P*V) layers on each span (or its own count with uneven first and
+    last stages, `stage_layers`); the last one also runs the output layer and keeps the loss's
+    logits. Each GPU does 1/TP of the FLOPs at `flops_per_second`, the core
     attention's at `attention_flops_per_second` when given (its kernels run at another rate than
     GEMMs). B is the full backward (2x forward), or the input-gradient part when the schedule has
     W actions (see costs.SpanFlops). Bytes are per GPU, activations in `bytes_per_element`
@@ -122,26 +125,28 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
         attention_flops_per_second = flops_per_second
     if flops_per_second <= 0 or attention_flops_per_second <= 0:
         raise ScheduleError("--device-tflops must be positive")
-    layers = layers_per_stage(model, schedule)
+    layers = layers_per_stage(model, schedule, stage_layers)
     bounds = span_bounds(span_lengths)
     last = schedule.num_stages - 1
 
     def stage_flops(stage: int, start: int, end: int) -> SpanFlops:
-        body = layer_flops(model, end - start, end, batch).scaled(layers)
+        body = layer_flops(model, end - start, end, batch).scaled(layers[stage])
         return body + logits_flops(model, end - start, batch) if stage == last else body
 
-    def recomputed_flops(start: int, end: int) -> SpanFlops:
+    def recomputed_flops(stage: int, start: int, end: int) -> SpanFlops:
         layer = layer_flops(model, end - start, end, batch)
         if recompute is None:
             return SpanFlops(0.0, 0.0)
         if recompute.granularity == "selective":
-            return SpanFlops(0.0, layer.attention).scaled(layers)
-        rerun = layers if recompute.method == "uniform" else min(recompute.num_layers, layers)
+            return SpanFlops(0.0, layer.attention).scaled(layers[stage])
+        rerun = (layers[stage] if recompute.method == "uniform"
+                 else min(recompute.num_layers, layers[stage]))
         return layer.scaled(rerun)
 
     grid = [[stage_flops(stage, start, end) for start, end in bounds]
             for stage in range(schedule.num_stages)]
-    rerun = [recomputed_flops(start, end) for start, end in bounds]
+    rerun = [[recomputed_flops(stage, start, end) for start, end in bounds]
+             for stage in range(schedule.num_stages)]
     shares = [efficiency(start, end) if efficiency else Efficiency(1.0, 1.0, 1.0)
               for start, end in bounds]
 
@@ -158,12 +163,13 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                 recomputed: bool = False) -> Table:
         return tuple(tuple(
             duration(cell, kind, j, backward)
-            + (duration(rerun[j], lambda f: f.forward, j, False) if recomputed else 0.0)
-            for j, cell in enumerate(row)) for row in grid)
+            + (duration(rerun[v][j], lambda f: f.forward, j, False) if recomputed else 0.0)
+            for j, cell in enumerate(row)) for v, row in enumerate(grid))
 
-    def per_span_bytes(kind: Callable[[int], float]) -> Table:
-        row = tuple(float(kind(length)) for length in span_lengths)
-        return (row,) * schedule.num_stages
+    def per_span_bytes(kind: Callable[[int, int], float]) -> Table:
+        """kind(layers of the stage, span length)."""
+        return tuple(tuple(float(kind(layers[v], length)) for length in span_lengths)
+                     for v in range(schedule.num_stages))
 
     no_logits = tuple(0.0 for _ in span_lengths)
     logits = tuple(float(logits_bytes(model, n, batch, tp)
@@ -178,13 +184,14 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                          recomputed=True),
         weight=seconds(lambda f: f.weight_grad, backward=True) if split else None,
         activation_bytes=per_span_bytes(
-            lambda n: chunk_activation_bytes(model, layers, n, batch, tp, sequence_parallel,
-                                             bytes_per_element, recompute)),
+            lambda count, n: chunk_activation_bytes(model, count, n, batch, tp,
+                                                    sequence_parallel, bytes_per_element,
+                                                    recompute)),
         kv_cache_bytes=per_span_bytes(
-            lambda n: layers * kv_cache_bytes(model, n, batch, tp, bytes_per_element)),
+            lambda count, n: count * kv_cache_bytes(model, n, batch, tp, bytes_per_element)),
         kv_accumulator_bytes=per_span_bytes(
-            lambda n: layers * kv_cache_bytes(model, n, batch, tp,
-                                              max(bytes_per_element, ACCUMULATOR_BYTES))),
+            lambda count, n: count * kv_cache_bytes(model, n, batch, tp,
+                                                    max(bytes_per_element, ACCUMULATOR_BYTES))),
         logits_bytes=tuple(logits if stage == last else no_logits
                            for stage in range(schedule.num_stages)))
 

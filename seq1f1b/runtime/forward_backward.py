@@ -52,6 +52,12 @@ def splits_backward(name: str) -> bool:
     return name not in MEGATRON_SCHEDULES and registry.get(name).splits_backward
 
 
+def placement_of(name: str) -> str:
+    """How schedule `name` maps (rank, chunk) to virtual stages (actions.PLACEMENTS); megatron's
+    own schedules loop."""
+    return "loop" if name in MEGATRON_SCHEDULES else registry.get(name).placement
+
+
 def _megatron_function(name: str) -> Callable:
     def run(**kwargs):
         pp_group = _pp_group(kwargs.get("p2p_communicator"), kwargs.get("pg_collection"))

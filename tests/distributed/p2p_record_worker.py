@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: prefetc
 
 from prefetch_order import prefetch_plan  # noqa: E402
 from seq1f1b.distributed import init_distributed, release_model_parallel  # noqa: E402
-from seq1f1b.equivalence import EquivalenceCase, run_case  # noqa: E402
-from seq1f1b.plan import registry  # noqa: E402
+from seq1f1b.equivalence import EquivalenceCase, case_plan, run_case  # noqa: E402
 from seq1f1b.plan.communication import (RECV, SEND, Group, HostProgram, Issue, Op,  # noqa: E402
                                         Wait, communication_plan)
 from seq1f1b.plan.nccl import validate_modes  # noqa: E402
@@ -120,8 +119,7 @@ def _payload(tensor) -> str:
 
 
 def _plan_ops(case: EquivalenceCase, pp_rank: int) -> list:
-    schedule = registry.build(case.schedule, case.pp, case.num_microbatches, case.splits,
-                              case.chunks)
+    schedule = case_plan(case)
     return [[(op.kind, op.peer) for op in g.group.ops]
             for g in communication_plan(schedule).ranks[pp_rank].groups]
 

@@ -96,6 +96,33 @@ def test_a_fit_entry_is_cut_by_its_warm_up_and_the_output_calibrates_plan_py(ben
     assert sum(json.loads(proc.stdout)["spans"]) == 32
 
 
+def test_a_global_fit_partition_cuts_the_span_schedules_and_leaves_the_baseline_whole():
+    """`--partition fit --schedules 1f1b seq1f1b` (seen: a traceback on every rank from the k=1
+    baseline, which has no boundary to fit): the fit applies to the span schedule only."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           str(ROOT / "tools" / "benchmark.py"), "--pp", "2", "--num-layers", "2",
+           "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+           "--vocab-size", "64", "--num-microbatches", "2", "--splits", "2", "--warmup", "1",
+           "--iterations", "1", "--partition", "fit", "--schedules", "1f1b", "seq1f1b", "--json"]
+    proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "Traceback" not in proc.stderr
+    baseline, spans = json.loads(proc.stdout)["runs"]
+    assert (baseline["label"], baseline["partition"]) == ("1f1b", "even")
+    assert spans["partition"] == "fit" and "fitted to 2 spans" in spans["fit"]
+
+
+def test_a_fit_of_one_span_is_one_line_exit_2():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "benchmark.py"), "--schedules",
+                           "seq1f1b", "1f1b@fit"], env=ENV, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "benchmark.py: error: --schedules 1f1b@fit: one span per micro-batch has no boundary to "
+        "fit; @fit needs k >= 2")
+
+
 def test_plot_is_written(benchmark):
     _, _, out = benchmark
     assert (out / "timelines.png").read_bytes()[:4] == b"\x89PNG"

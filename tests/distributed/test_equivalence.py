@@ -13,12 +13,13 @@ identical to the same run without recompute (same masks). Packed documents (`DOC
 masking and reset positions over the packing `document_lengths`, the reference masked alike):
 documents crossing one and several span boundaries, starting exactly at one, shorter than a span,
 and one document per sample, across PP 1-4 (middle stages), TP with SP, k, V=2, GQA, the
-zero-bubble schedule and both recomputes.
+zero-bubble schedule and both recomputes. A schedule written to a --pipeline-schedule-file and
+read back from it runs exactly too, and so do uneven first / last stages on a loop and a V.
 """
 import pytest
 
 from launch import run_cases
-from seq1f1b.plan import registry
+from seq1f1b.plan import registry, schedule_file
 
 L8 = {"num_layers": 8}
 FULL = {"recompute_granularity": "full"}
@@ -152,6 +153,13 @@ CASES: dict[int, list[dict]] = {
          "untie_embeddings": True, **L8},
         {"schedule": "seq1f1b-zb-auto", "tp": 2, "pp": 2, "chunks": 2, "splits": 2,
          "sequence_parallel": True, "untie_embeddings": True},
+        # uneven stages: a loop rank 0 with 3 of the 4 layers; a V with 2, 1, 1, 2 layers on
+        # its stages (the first and the last, the output layer's, on rank 0)
+        {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 2, "sequence_parallel": True,
+         "decoder_first_pipeline_num_layers": 3},
+        {"schedule": "seq1f1b-zbv", "tp": 2, "pp": 2, "chunks": 2, "splits": 2, "num_layers": 6,
+         "decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 2,
+         "untie_embeddings": True},
     ],
 }
 
@@ -166,10 +174,31 @@ def _case_id(param):
         if k not in ("span_lengths", "num_layers", *DOCS))
 
 
+FILE_PLAN = ("seq1f1b-interleaved", 2, 4, 2, 2)
+"""The schedule written to a --pipeline-schedule-file and run from it, at world 2 (an extra case
+after CASES[2]'s)."""
+
+
 @pytest.fixture(scope="module")
-def results():
-    return {world: run_cases(world, "equivalence_worker.py", cases)
-            for world, cases in CASES.items()}
+def results(tmp_path_factory):
+    name, pp, m, k, v = FILE_PLAN
+    path = tmp_path_factory.mktemp("schedule_file") / f"{name}.csv"
+    path.write_text(schedule_file.write(registry.build(name, pp, m, k, v)))
+    file_case = {"pipeline_schedule_file": str(path), "pp": pp, "num_microbatches": m,
+                 "splits": k, "chunks": v}
+    out = {world: run_cases(world, "equivalence_worker.py",
+                            cases + ([file_case] if world == 2 else []))
+           for world, cases in CASES.items()}
+    out["file"] = out[2].pop()
+    return out
+
+
+def test_a_schedule_from_a_file_is_exact(results):
+    result = results["file"]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    assert result["case"]["schedule"].startswith("file:") and result["params_compared"] > 0
+    assert result["loss_rel_diff"] <= 1e-6 and result["max_rel_grad_diff"] <= 1e-5, result
+    assert result["passed"]
 
 
 def test_matrix_covers_every_schedule():

@@ -1,5 +1,6 @@
 """The runtime's real p2p calls, recorded on gloo and replayed under NCCL's rules (lazy and eager):
-every registry schedule, TP 2 and sequence parallelism included, finishes; our schedules issue
+every registry schedule, TP 2 and sequence parallelism included (and the searched one placed under
+a memory cap with the model's costs), finishes; our schedules issue
 exactly their communication plan's groups; megatron-core's own 1F1B is recorded as a baseline; the
 runtime's old prefetch order, which gloo runs without complaint, is caught."""
 import pytest
@@ -29,7 +30,10 @@ CASES = {
         {"schedule": "seq1f1b-interleaved", "pp": 4, "chunks": 2, "splits": 3, **L8},
         {"schedule": "interleaved-1f1b", "tp": 2, "pp": 2, "chunks": 2},
         {"schedule": "seq1f1b-zbv", "tp": 2, "pp": 2, "chunks": 2, "splits": 3,
-         "sequence_parallel": True, "span_lengths": [6, 10, 8], "untie_embeddings": True}],
+         "sequence_parallel": True, "span_lengths": [6, 10, 8], "untie_embeddings": True},
+        # placed with the model's costs under a cap, as the trainer and benchmark place it
+        {"schedule": "seq1f1b-zb-auto", "tp": 2, "pp": 2, "chunks": 2, "splits": 3,
+         "sequence_parallel": True, "untie_embeddings": True, "schedule_memory_cap": "0.75x"}],
 }
 PARAMS = [(world, n) for world, cases in CASES.items() for n in range(len(cases))
           if not cases[n].get("prefetch_order")]

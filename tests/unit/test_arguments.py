@@ -324,14 +324,36 @@ def test_observability_and_overlap_defaults_are_megatrons(tmp_path):
     assert (args.record_memory_history, args.memory_snapshot_path) == (False, "snapshot.pickle")
 
 
-def test_v_placements_are_refused_in_one_line_until_the_trainer_runs_them(tmp_path, capsys,
-                                                                          monkeypatch):
-    monkeypatch.setattr(arguments, "schedule_catalog",
-                        lambda: {**CATALOG, "seq1f1b-zbv": True})
-    flags = _with(tmp_path, pipeline_schedule="seq1f1b-zbv",
+V_SCHEDULES = {"zbv": True, "seq1f1b-zbv": True, "seq1f1b-zb-auto": True}
+
+
+@pytest.mark.parametrize("changes, flag", [
+    (dict(num_layers_per_virtual_pipeline_stage=1), "--num-layers-per-virtual-pipeline-stage"),
+    (dict(num_layers_per_virtual_pipeline_stage=2, untie_embeddings_and_output_weights=None),
+     "--untie-embeddings-and-output-weights"),
+    (dict(pipeline_schedule="seq1f1b-zbv", schedule_memory_cap="1x"), "--schedule-memory-cap"),
+    (dict(schedule_memory_cap="half"), "--schedule-memory-cap"),
+    (dict(schedule_memory_cap="0.01x"), "--schedule-memory-cap"),   # no order fits it
+])
+def test_v_placement_flags_are_refused_in_one_line(tmp_path, capsys, monkeypatch, changes, flag):
+    """A V runs two chunks per rank with untied output weights; a memory cap is for the
+    searched schedule only, readable, and one some order fits (placed before any work)."""
+    monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
+    flags = _with(tmp_path, pipeline_schedule="seq1f1b-zb-auto",
                   num_layers_per_virtual_pipeline_stage=2, untie_embeddings_and_output_weights=True)
+    flags.update({"--" + key.replace("_", "-"): value for key, value in changes.items()})
     with pytest.raises(SystemExit) as exit_info:
         parse_and_validate_args(_argv(flags), WORLD)
     err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and "--pipeline-schedule seq1f1b-zbv" in err, err
+    assert exit_info.value.code == 2 and flag in err, err
     assert "\n" not in err and not (tmp_path / "ckpt").exists()
+
+
+def test_v_placements_and_a_searched_schedules_cap_are_accepted(tmp_path, monkeypatch):
+    monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
+    for name, cap in (("zbv", None), ("seq1f1b-zbv", None), ("seq1f1b-zb-auto", "0.75x")):
+        args = validate_args(parse_args(_argv(_with(
+            tmp_path, pipeline_schedule=name, num_layers_per_virtual_pipeline_stage=2,
+            untie_embeddings_and_output_weights=True, schedule_memory_cap=cap))), WORLD)
+        assert args.virtual_pipeline_model_parallel_size == 2
+        assert args.schedule_memory_cap == cap

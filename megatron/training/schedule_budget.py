@@ -1,0 +1,55 @@
+"""A searched schedule's budget (`--pipeline-schedule seq1f1b-zb-auto --schedule-memory-cap`)
+from the run's flags.
+
+Torch-free on purpose: validation places the schedule once, so that a cap no order of F, B and W
+fits is refused in one line before any process group starts; the schedule function places it
+for the run with the same inputs (and re-places it with the fit partition's measured times once
+they are in, schedule_function.py). Every rank computes the same budget from the same flags.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget
+from seq1f1b.plan.costs import ModelConfig, Recompute
+from seq1f1b.plan.partition import partition
+from seq1f1b.plan.span_fit import SpanTimeFit
+from seq1f1b.plan.stage_layers import StageLayers
+
+
+def cost_model(args: argparse.Namespace) -> ModelConfig:
+    """The run's model as the cost model sees it (validated args, padded vocabulary)."""
+    return ModelConfig.of_flags(args, vocab_size=args.padded_vocab_size)
+
+
+def starting_span_lengths(args: argparse.Namespace) -> tuple[int, ...]:
+    """The cut the run starts with (a fit partition starts with the compute cut)."""
+    method = "compute" if args.seq1f1b_partition == "fit" else args.seq1f1b_partition
+    return tuple(partition(args.seq_length, args.seq1f1b_splits, method, cost_model(args),
+                           tp=args.tensor_model_parallel_size,
+                           sequence_parallel=args.sequence_parallel,
+                           lengths=args.seq1f1b_span_lengths))
+
+
+def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]] = None,
+                    fit: Optional[SpanTimeFit] = None) -> Optional[ScheduleBudget]:
+    """The budget under --schedule-memory-cap with the spans `lengths` (default: the cut the
+    run starts with): the model's FLOP durations and bytes, durations from `fit` when given
+    (None without a cap: the schedule's default build, and for every schedule that is not
+    searched)."""
+    if args.schedule_memory_cap is None:
+        return None
+    shape = RunShape(cost_model(args), args.seq_length, lengths or starting_span_lengths(args),
+                     tp=args.tensor_model_parallel_size,
+                     sequence_parallel=args.sequence_parallel,
+                     micro_batch_size=args.micro_batch_size,
+                     bytes_per_element=4 if args.params_dtype == "float32" else 2,
+                     recompute=Recompute.from_flags(args.recompute_granularity,
+                                                    args.recompute_method,
+                                                    args.recompute_num_layers),
+                     stage_layers=StageLayers(args.decoder_first_pipeline_num_layers,
+                                              args.decoder_last_pipeline_num_layers))
+    return run_budget(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                      args.num_micro_batches, args.virtual_pipeline_model_parallel_size or 1,
+                      MemoryCap.parse(args.schedule_memory_cap), shape, fit)

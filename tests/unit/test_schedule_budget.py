@@ -1,0 +1,71 @@
+"""The searched schedule the trainer places from its flags (megatron/training/schedule_budget.py,
+seq1f1b/plan/budget.py's run_budget): valid and within NCCL's rules on a grid of shapes, caps and
+measured fits, and the measured durations are the fit's."""
+import itertools
+
+import pytest
+
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.schedule_budget import schedule_budget, starting_span_lengths
+from seq1f1b.plan import registry
+from seq1f1b.plan.budget import MemoryCap, RunShape, run_budget
+from seq1f1b.plan.communication import communication_plan
+from seq1f1b.plan.costs import ModelConfig
+from seq1f1b.plan.nccl import validate_modes
+from seq1f1b.plan.partition import span_bounds
+from seq1f1b.plan.simulate import simulate
+from seq1f1b.plan.span_fit import OpFit, SpanTimeFit
+from seq1f1b.plan.validate import validate
+
+FIT = SpanTimeFit(OpFit(2e-5, 3e-8), OpFit(7e-5, 1e-7), 0.05, 8)
+"""A measured fit whose backward costs 3.5x the forward (a CPU's proportions, not a GPU's)."""
+
+
+def _args(pp: int, microbatches: int, splits: int, cap: str):
+    layers = 2 * pp
+    return validate_args(parse_args([
+        "--num-layers", str(layers), "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size",
+        str(microbatches), "--train-iters", "10", "--lr", "1e-3", "--mock-data",
+        "--pipeline-model-parallel-size", str(pp), "--num-layers-per-virtual-pipeline-stage",
+        "1", "--untie-embeddings-and-output-weights", "--pipeline-schedule", "seq1f1b-zb-auto",
+        "--seq1f1b-splits", str(splits), "--schedule-memory-cap", cap]), pp)
+
+
+@pytest.mark.parametrize("pp, m, k, cap, fitted", [
+    (pp, m, k, cap, fitted) for pp, m, k, cap, fitted in itertools.product(
+        (2, 4), (4, 8), (1, 2, 4), ("0.75x", "1x"), (False, True))])
+def test_the_trainers_searched_schedule_is_valid_and_passes_the_nccl_rules(pp, m, k, cap,
+                                                                         fitted):
+    args = _args(pp, m, k, cap)
+    lengths = starting_span_lengths(args)
+    budget = schedule_budget(args, lengths, FIT if fitted else None)
+    schedule = registry.build("seq1f1b-zb-auto", pp, m, k, 2, budget=budget)
+    validate(schedule)
+    assert all(verdict.ok for verdict in validate_modes(communication_plan(schedule)).values())
+    report = simulate(schedule, budget.costs)
+    assert max(rank.peak_held_bytes for rank in report.ranks) <= budget.cap * (1 + 1e-9)
+
+
+def test_measured_durations_are_the_fits_spread_over_the_stages_as_the_model_spreads_them():
+    model = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=512)
+    lengths = (96, 64, 48, 48)
+    shape = RunShape(model, 256, lengths, bytes_per_element=4)
+    modelled = run_budget("seq1f1b-zb-auto", 4, 8, 2, MemoryCap(1.0, True), shape).costs
+    measured = run_budget("seq1f1b-zb-auto", 4, 8, 2, MemoryCap(1.0, True), shape, FIT).costs
+    stages = range(8)
+    for span, (start, end) in enumerate(span_bounds(list(lengths))):
+        forward, backward = FIT.span_seconds(start, end)
+        assert sum(measured.forward[v][span] for v in stages) == pytest.approx(forward)
+        assert sum(measured.backward[v][span] + measured.weight[v][span]
+                   for v in stages) == pytest.approx(backward)
+        # the last stage (output layer) keeps its larger share
+        assert measured.forward[7][span] / measured.forward[0][span] == pytest.approx(
+            modelled.forward[7][span] / modelled.forward[0][span])
+    assert measured.activation_bytes == modelled.activation_bytes     # bytes stay the model's
+
+
+def test_without_a_cap_the_schedule_keeps_its_default_build():
+    args = _args(2, 4, 2, "1x")
+    args.schedule_memory_cap = None
+    assert schedule_budget(args) is None
