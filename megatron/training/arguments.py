@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional, Sequence
 
-from megatron.training import lr_schedule
+from megatron.training import checkpoint_model, lr_schedule
 from megatron.training.checkpoint_common import read_common_state, starting_point
 from megatron.training.data import DataConfig, check_data_config, parse_split
 from megatron.training.tokenizer import (
@@ -109,7 +109,12 @@ def _add_model_args(parser: ArgumentParser) -> None:
                    help="no biases in the linear layers (Llama, Mistral)")
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="bias in the QKV projection even with --disable-bias-linear (Qwen2)")
-    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (theta)")
+    g.add_argument("--kv-channels", type=int,
+                   help="channels per attention head; only hidden / heads (the default) is "
+                        "supported")
+    g.add_argument("--rotary-base", type=int,
+                   help="RoPE base (theta) (default: 10000; resuming, the checkpoint's must "
+                        "match unless this is given)")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of each head's channels that RoPE rotates")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int,
@@ -117,8 +122,8 @@ def _add_model_args(parser: ArgumentParser) -> None:
     g.add_argument("--use-rope-scaling", action="store_true",
                    help="Llama 3.x RoPE frequency scaling (megatron-core's: low/high frequency "
                         "factors 1/4, original context 8192)")
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
-                   help="the factor of --use-rope-scaling")
+    g.add_argument("--rope-scaling-factor", type=float,
+                   help="the factor of --use-rope-scaling (default: 8)")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -318,6 +323,11 @@ def _add_resume_args(parser: ArgumentParser) -> None:
     g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="on resume, keep the checkpoint's LR schedule over the flags'")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model flags from the checkpoint the run starts from (its "
+                        "args, or a release's config.json), as Megatron-LM: the sizes where not "
+                        "given, the rest forced; a RoPE base or scaling given here stays (a "
+                        "context extension)")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on --exit-signal (on any rank), finish the iteration, save (with --save) "
                         "and exit with code 0")
@@ -465,13 +475,20 @@ def _validate_architecture(args: argparse.Namespace) -> None:
                   f"--tensor-model-parallel-size {args.tensor_model_parallel_size}")
     elif args.num_query_groups is not None:
         _fail("--num-query-groups needs --group-query-attention")
-    rotary_flags = {"rotary_base": 10000, "rotary_percent": 1.0,
+    rotary_flags = {"rotary_base": None, "rotary_percent": 1.0,
                     "rotary_seq_len_interpolation_factor": None, "use_rope_scaling": False}
     if args.position_embedding_type != "rope":
         changed = [name for name, default in rotary_flags.items()
                    if getattr(args, name) != default]
         if changed:
             _fail(f"--{changed[0].replace('_', '-')} needs --position-embedding-type rope")
+    args.rotary_base = args.rotary_base or 10000
+    args.rope_scaling_factor = args.rope_scaling_factor or 8.0
+    head_channels = args.hidden_size // args.num_attention_heads
+    if args.kv_channels is not None and args.kv_channels != head_channels:
+        _fail(f"--kv-channels {args.kv_channels}: only --hidden-size / --num-attention-heads "
+              f"= {head_channels} is supported (the span attention sizes its heads so)")
+    args.kv_channels = head_channels
     if args.swiglu and args.ffn_hidden_size is None and args.hidden_size < 48:
         _fail(f"--swiglu with --hidden-size {args.hidden_size}: the default FFN size rounds "
               "to 0; give --ffn-hidden-size")
@@ -669,7 +686,7 @@ def _validate_resume_layout(args: argparse.Namespace, start) -> None:
         _fail(str(err))
 
 
-def _validate_run(args: argparse.Namespace) -> None:
+def _validate_run(args: argparse.Namespace, explicit: frozenset[str]) -> None:
     if args.load is not None:
         resumes_own_save = args.save is not None and \
             os.path.abspath(args.load) == os.path.abspath(args.save)
@@ -682,14 +699,27 @@ def _validate_run(args: argparse.Namespace) -> None:
             _fail(f"--{flag.replace('_', '-')}: {path} exists and is not a directory")
     if args.save_interval is not None and args.save is None:
         _fail("--save-interval needs --save")
-    _validate_start(args)
+    _validate_start(args, explicit)
     if args.exit_signal is not None and not args.exit_signal_handler:
         _fail(f"--exit-signal {args.exit_signal} needs --exit-signal-handler")
     args.exit_signal = args.exit_signal or "SIGTERM"
 
 
-def _validate_start(args: argparse.Namespace) -> None:
-    """The checkpoint the run starts from: its tracker, its iteration, its LR schedule."""
+def _use_checkpoint_args(args: argparse.Namespace, explicit: frozenset[str]) -> None:
+    """--use-checkpoint-args: the model flags of the checkpoint the run starts from, before any
+    other check (a run without a checkpoint yet keeps its flags, as in Megatron-LM)."""
+    try:
+        start = starting_point(args)
+        stored = None if start is None else checkpoint_model.stored_model(start)
+    except ValueError as err:
+        _fail(str(err))
+    if stored is not None:
+        checkpoint_model.fill_from_checkpoint(args, stored, explicit)
+
+
+def _validate_start(args: argparse.Namespace, explicit: frozenset[str]) -> None:
+    """The checkpoint the run starts from: its tracker, its iteration, its files, its model
+    (checkpoint_model: the flags' model must be the checkpoint's), its LR schedule."""
     for flag in ("finetune", "no_load_optim", "no_load_rng"):
         if getattr(args, flag) and args.load is None and args.pretrained_checkpoint is None:
             _fail(f"--{flag.replace('_', '-')} needs --load or --pretrained-checkpoint")
@@ -705,6 +735,12 @@ def _validate_start(args: argparse.Namespace) -> None:
     if not start.finetune and start.iteration > args.train_iters:
         _fail(f"--train-iters {args.train_iters} is below the iteration {start.iteration} of the "
               f"checkpoint in {start.flag} {start.root}")
+    try:
+        stored = checkpoint_model.stored_model(start)
+        if stored is not None:
+            checkpoint_model.check_model(args, stored, f"{start.flag} {start.root}", explicit)
+    except ValueError as err:
+        _fail(str(err))
     if not start.release:
         _validate_resume_layout(args, start)
     if not start.restores_optimizer or args.override_opt_param_scheduler or \
@@ -799,6 +835,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     The --pipe-sp-* aliases are folded into seq1f1b_* and removed.
     Raises ArgumentError (one line, naming the flag).
     """
+    explicit = checkpoint_model.explicit_context(args)
+    if args.use_checkpoint_args:
+        _use_checkpoint_args(args, explicit)
     _validate_basics(args)
     _validate_model(args)
     _validate_parallelism(args, world_size)
@@ -806,7 +845,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_schedule(args)
     _validate_optimisation(args)
     _validate_data(args)
-    _validate_run(args)
+    _validate_run(args, explicit)
     _validate_overlap(args)
     _validate_observability(args)
     return args
