@@ -22,9 +22,9 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional, Sequence
 
-from megatron.training import checkpoint_model, lr_schedule
+from megatron.training import checkpoint_model, lr_schedule, writable
 from megatron.training.checkpoint_common import read_common_state, starting_point
-from megatron.training.data import DataConfig, check_data_config, parse_split
+from megatron.training.data import DataConfig, check_data_config, check_token_ids, parse_split
 from megatron.training.tokenizer import (
     add_tokenizer_args, build_tokenizer, padded_vocab_size)
 
@@ -34,7 +34,10 @@ DEFAULT_SCHEDULE = "seq1f1b"
 PARTITIONS = ("even", "compute", "fit", "explicit")   # what seq1f1b.plan.partition implements
 DEFAULT_FIT_ITERATIONS = 2
 PIPE_SP_STRATEGIES = {"average": "even", "uniform_comp": "compute"}  # reference fork's names
-ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te")
+ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te", "local", "unfused", "fused")
+MEGATRON_BACKENDS = {"local": "eager", "unfused": "eager", "fused": "te"}
+"""Megatron-LM's --attention-backend names and ours for them: megatron-core's local attention and
+TE's unfused one are the plain softmax(QK^T)V (eager), TE's fused attention is te."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -130,7 +133,8 @@ def _add_model_args(parser: ArgumentParser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="core attention kernel of the span-aware attention")
+                   help="core attention kernel of the span-aware attention; Megatron-LM's "
+                        "local and unfused run eager, fused runs te")
     g.add_argument("--recompute-granularity", choices=["full", "selective"],
                    help="activation recompute: whole layers (full) or core attention "
                         "(selective); exact with spans")
@@ -462,6 +466,31 @@ def _validate_model(args: argparse.Namespace) -> None:
     args.params_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
 
 
+def _validate_attention_backend(args: argparse.Namespace) -> None:
+    """What the span attention would refuse at its first forward, refused here: a kernel this
+    machine lacks, FlexAttention's training on the CPU (torch has no CPU backward for it) or
+    with dropout (it has none). Imports the attention module (megatron-core) only for flash, te
+    and flex."""
+    flag = f"--attention-backend {args.attention_backend}"
+    name = args.attention_backend = MEGATRON_BACKENDS.get(args.attention_backend,
+                                                          args.attention_backend)
+    if name not in ("flash", "te", "flex"):
+        return
+    if name == "flex" and args.attention_dropout > 0:
+        _fail(f"{flag}: FlexAttention has no dropout; give --attention-dropout 0 (default 0.1)")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch
+        from seq1f1b.runtime.attention import backend_unavailable_reason
+    if name == "flex" and not torch.cuda.is_available():
+        _fail(f"{flag}: FlexAttention trains on a GPU only (torch has no CPU backward for it); "
+              f"use sdpa or eager")
+    reason = backend_unavailable_reason(name, argparse.Namespace(fp16=args.fp16, bf16=args.bf16))
+    if reason is not None:
+        _fail(f"{flag} is unavailable: {reason}")
+
+
 def _validate_architecture(args: argparse.Namespace) -> None:
     """GQA, norm and RoPE flags, checked as Megatron-LM checks them."""
     if args.group_query_attention:
@@ -577,8 +606,9 @@ def _validate_schedule(args: argparse.Namespace) -> None:
               f"rank); seq1f1b's forward_backward functions and tools/check_equivalence.py do")
     if name in MEGATRON_SCHEDULES and k != 1:
         _fail(f"--seq1f1b-splits {k}: --pipeline-schedule {name} runs whole sequences (k = 1)")
-    if name == "megatron-interleaved-1f1b" and \
+    if chunked and (name in MEGATRON_SCHEDULES or _placement(name) == "loop") and \
             args.num_micro_batches % args.pipeline_model_parallel_size:
+        # megatron-core's interleaving rule, which seq1f1b's interleaved schedules keep
         _fail(f"--global-batch-size: {name} needs the micro-batch count "
               f"({args.num_micro_batches}) to be a multiple of --pipeline-model-parallel-size "
               f"{args.pipeline_model_parallel_size}")
@@ -656,17 +686,19 @@ def _validate_data(args: argparse.Namespace) -> None:
         if getattr(args, flag) is not None and args.tokenizer_type != tokenizer_type:
             _fail(f"--{flag.replace('_', '-')} is only read by --tokenizer-type {tokenizer_type}, "
                   f"not {args.tokenizer_type}")
-    if args.reset_attention_mask and args.attention_backend in ("te", "fused"):
+    if args.reset_attention_mask and args.attention_backend == "te":
         _fail(f"--reset-attention-mask: --attention-backend {args.attention_backend} cannot mask "
               f"documents; use eager, sdpa, flex or flash")
     try:
         parse_split(args.split)
-        check_data_config(DataConfig.from_args(args))
+        infos = check_data_config(DataConfig.from_args(args))
         tokenizer = build_tokenizer(args)
+        args.padded_vocab_size = padded_vocab_size(
+            tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+            args.tensor_model_parallel_size)
+        check_token_ids(infos, args.padded_vocab_size)
     except ValueError as err:
         _fail(str(err))
-    args.padded_vocab_size = padded_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
 def _validate_resume_layout(args: argparse.Namespace, start) -> None:
@@ -693,10 +725,13 @@ def _validate_run(args: argparse.Namespace, explicit: frozenset[str]) -> None:
         if not os.path.isdir(args.load) and not resumes_own_save:   # a typo, or a fresh start
             _fail(f"--load: checkpoint directory {args.load} does not exist (it may be missing "
                   f"only when it is also --save)")
-    for flag in ("save", "tensorboard_dir", "data_cache_path"):
+    for flag in ("save", "tensorboard_dir", "data_cache_path", "wandb_save_dir"):
         path = getattr(args, flag)
-        if path is not None and os.path.exists(path) and not os.path.isdir(path):
-            _fail(f"--{flag.replace('_', '-')}: {path} exists and is not a directory")
+        if path is not None:
+            try:
+                writable.check_output_dir(path, f"--{flag.replace('_', '-')}")
+            except ValueError as err:
+                _fail(str(err))
     if args.save_interval is not None and args.save is None:
         _fail("--save-interval needs --save")
     _validate_start(args, explicit)
@@ -777,9 +812,6 @@ def _validate_observability(args: argparse.Namespace) -> None:
             _fail("--wandb-exp-name is required with --wandb-project")
     elif args.wandb_exp_name or args.wandb_save_dir:
         _fail("--wandb-exp-name / --wandb-save-dir need --wandb-project")
-    if args.wandb_save_dir and os.path.exists(args.wandb_save_dir) and \
-            not os.path.isdir(args.wandb_save_dir):
-        _fail(f"--wandb-save-dir: {args.wandb_save_dir} exists and is not a directory")
     if args.profile:
         if not args.tensorboard_dir:
             _fail("--profile writes its traces to --tensorboard-dir; give one")
@@ -806,16 +838,10 @@ def _validate_timeline(args: argparse.Namespace) -> None:
             _fail("--timeline-iteration needs --timeline-path")
         return
     _refuse_untraced_schedule(args, "--timeline-path")
-    if not path.endswith(".png"):
-        _fail(f"--timeline-path {path}: name a .png file (its actions are written beside it as "
-              f".json)")
-    if os.path.isdir(path):
-        _fail(f"--timeline-path {path} is a directory; name a .png file")
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):         # the folders it lacks are made when it is drawn
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-        _fail(f"--timeline-path {path}: {folder} is not a directory")
+    try:      # the folders it lacks are made when it is drawn; its actions go beside it (.json)
+        writable.check_output_file(path, "--timeline-path", ".png", makes_folders=True)
+    except ValueError as err:
+        _fail(str(err))
     args.timeline_iteration = args.train_iters if iteration is None else iteration
     if not 1 <= args.timeline_iteration <= args.train_iters:
         _fail(f"--timeline-iteration {args.timeline_iteration} is not one of the iterations 1 to "
@@ -845,6 +871,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_schedule(args)
     _validate_optimisation(args)
     _validate_data(args)
+    _validate_attention_backend(args)
     _validate_run(args, explicit)
     _validate_overlap(args)
     _validate_observability(args)

@@ -214,6 +214,29 @@ def check_data_config(config: DataConfig) -> list[IndexedDatasetInfo]:
     return infos
 
 
+TOKEN_SCAN_CHUNK = 1 << 24
+"""Tokens read at a time when scanning a .bin for its largest id."""
+
+
+def check_token_ids(infos: Sequence[IndexedDatasetInfo], vocab_rows: int,
+                    flag: str = "--data-path") -> None:
+    """Refuse a dataset holding a token id outside the model's `vocab_rows` embedding rows (on a
+    GPU, a device-side assert in the first forward; on the CPU an IndexError), before any work.
+
+    Reads every .bin once, in chunks (about a second per GB).
+    """
+    for info in infos:
+        tokens = numpy.memmap(info.prefix + ".bin", dtype=info.dtype, mode="r")
+        for start in range(0, len(tokens), TOKEN_SCAN_CHUNK):
+            chunk = tokens[start:start + TOKEN_SCAN_CHUNK]
+            low, high = int(chunk.min()), int(chunk.max())
+            if low < 0 or high >= vocab_rows:
+                bad = low if low < 0 else high
+                raise ValueError(f"{flag}: {info.prefix}.bin holds token id {bad}, outside the "
+                                 f"model's vocabulary of {vocab_rows} rows (0 to "
+                                 f"{vocab_rows - 1}): tokenized with another tokenizer?")
+
+
 def _every_rank() -> bool:
     return True
 

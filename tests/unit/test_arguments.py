@@ -148,6 +148,17 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
     ({"norm_epsilon": 0}, WORLD, "--norm-epsilon"),
     ({"swiglu": True, "hidden_size": 32}, WORLD, "--swiglu"),
     ({"reset_attention_mask": True, "attention_backend": "te"}, WORLD, "--reset-attention-mask"),
+    ({"attention_backend": "flash"}, WORLD, "--attention-backend flash"),     # no GPU, no package
+    ({"attention_backend": "te"}, WORLD, "--attention-backend te"),
+    ({"attention_backend": "fused"}, WORLD, "--attention-backend fused"),
+    ({"attention_backend": "flex"}, WORLD, "--attention-dropout 0"),           # default dropout 0.1
+    ({"attention_backend": "flex", "attention_dropout": 0}, WORLD, "--attention-backend flex"),
+    ({"pipeline_schedule": "seq1f1b-interleaved", "num_layers_per_virtual_pipeline_stage": 2,
+      "global_batch_size": 12}, WORLD, "--global-batch-size"),   # 3 micro-batches over PP 2
+    ({"save": "/proc/self/checkpoints"}, WORLD, "--save"),          # not writable, even by root
+    ({"tensorboard_dir": "/proc/self/tb"}, WORLD, "--tensorboard-dir"),
+    ({"data_cache_path": "/proc/self/cache"}, WORLD, "--data-cache-path"),
+    ({"kv_channels": 8}, WORLD, "--kv-channels 8"),
     ({"overlap_grad_reduce": True, "overlap_param_gather": True}, WORLD,
      "--use-distributed-optimizer"),
     ({"use_distributed_optimizer": True, "overlap_param_gather": True}, WORLD,
@@ -213,12 +224,14 @@ def test_llama_flags_derive_megatrons_values(tmp_path):
 
 
 def test_interleaving_and_global_batch_default(tmp_path):
-    flags = _with(tmp_path, pipeline_schedule="seq1f1b-interleaved", global_batch_size=None,
+    flags = _with(tmp_path, pipeline_schedule="seq1f1b-interleaved",
                   num_layers_per_virtual_pipeline_stage=2, bf16=True)
     args = validate_args(parse_args(_argv(flags)), WORLD)
     assert args.virtual_pipeline_model_parallel_size == 2
+    assert args.num_micro_batches == 2 and args.params_dtype == "bfloat16"
+    # the default global batch is one micro-batch per DP rank, which interleaving refuses
+    args = validate_args(parse_args(_argv(_with(tmp_path, global_batch_size=None))), WORLD)
     assert (args.global_batch_size, args.num_micro_batches) == (4, 1)
-    assert args.params_dtype == "bfloat16"
 
 
 def test_fit_partition_and_timeline_defaults(tmp_path):
