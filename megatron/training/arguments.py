@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional, Sequence
 
-from megatron.training import checkpoint_model, lr_schedule, writable
+from megatron.training import checkpoint_model, lr_schedule, megatron_lm_flags, writable
 from megatron.training.checkpoint_common import read_common_state, starting_point
 from megatron.training.data import DataConfig, check_data_config, check_token_ids, parse_split
 from megatron.training.tokenizer import (
@@ -348,12 +348,19 @@ def build_parser() -> ArgumentParser:
                 _add_data_args, _add_run_args, _add_resume_args, _add_overlap_args,
                 _add_observability_args):
         add(parser)
+    megatron_lm_flags.add_upstream_flags(parser)    # the rest of Megatron-LM's: no-op or refused
     return parser
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse only (argparse errors: one line on stderr, exit 2). Call validate_args next."""
-    return build_parser().parse_args(argv)
+    """Parse only (argparse errors, and Megatron-LM flags refused here: one line on stderr, exit
+    2). Call validate_args next."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    refused = megatron_lm_flags.refusals(args)
+    if refused is not None:
+        parser.error(refused)
+    return args
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,15 @@ writers.py).
 The log line keeps Megatron-LM's fields, order and number formats (so tools that parse Megatron
 logs keep working) and appends the paper's metrics:
 
-     [2026-01-31 12:00:00] iteration       10/     100 | consumed samples:          320 |
+     [2026-01-31 12:00:00.123456] iteration       10/     100 | consumed samples:          320 |
      elapsed time per iteration (ms): 812.4 | learning rate: 3.000000E-04 | global batch size:
      32 | lm loss: 4.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped
      iterations:   0 | number of nan iterations:   0 | tokens/s: 5042 | TFLOPS/GPU: 0.01 | peak
      mem per stage (MB held for backward): 12.5, 9.8 | ETA 0:01:13 |
 
-(one line in the log; the timestamp is when the line was written, as in Megatron 0.16). A nan
+(one line in the log; the timestamp is when the line was written, with microseconds, as in
+Megatron-LM core_v0.16.1; the learning rate is Megatron-LM's: the optimizer's after the
+scheduler stepped, i.e. the one the next iteration uses). A nan
 iteration is, as in Megatron, a skipped iteration (no update) whose loss was NaN or infinite.
 Peak memory: on a GPU, `torch.cuda.max_memory_reserved` (what the paper's
 reference logged); on the CPU, the bytes autograd holds for backward (activations and the weights
@@ -77,7 +79,7 @@ class IntervalReport:
     time: Optional[datetime] = None     # when the line is written (None: now)
 
     def line(self) -> str:
-        stamp = (self.time or datetime.now()).strftime("%Y-%m-%d %H:%M:%S")
+        stamp = (self.time or datetime.now()).strftime("%Y-%m-%d %H:%M:%S.%f")
         fields = [f" [{stamp}] iteration {self.iteration:8d}/{self.train_iters:8d}",
                   f" consumed samples: {self.consumed_samples:12d}",
                   f" elapsed time per iteration (ms): {self.seconds_per_iteration * 1000:.1f}",

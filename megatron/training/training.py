@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import (OptimizerParamScheduler,
+                                                     get_canonical_lr_for_logging)
 from megatron.core.timers import Timers
 from megatron.core.utils import get_model_config
 
@@ -60,8 +61,11 @@ class IterationRecord:
     iteration: int
     losses: dict[str, float]
     grad_norm: Optional[float]
-    learning_rate: float
+    learning_rate: float        # the LR the iteration's update used
     skipped: bool
+    logged_learning_rate: Optional[float] = None
+    """The LR Megatron-LM logs for the iteration: the optimizer's after the scheduler stepped
+    (get_canonical_lr_for_logging after train_step), which is the next iteration's."""
 
     @property
     def nan(self) -> bool:
@@ -170,7 +174,8 @@ class _Run:
         self.consumed_train_samples += self.args.global_batch_size
         return IterationRecord(self.iteration, reduce_losses(losses),
                                None if grad_norm is None else float(grad_norm),
-                               learning_rate, not update_successful)
+                               learning_rate, not update_successful,
+                               get_canonical_lr_for_logging(self.optimizer.param_groups))
 
     def _check_numerics(self, losses: list) -> None:
         """--check-for-nan-in-loss-and-grad, before the update (megatron/training/numerics.py)."""
@@ -201,7 +206,8 @@ class _Run:
         report = IntervalReport(
             iteration=self.iteration, train_iters=args.train_iters,
             consumed_samples=self.consumed_train_samples, seconds_per_iteration=seconds,
-            learning_rate=records[-1].learning_rate, global_batch_size=args.global_batch_size,
+            learning_rate=records[-1].logged_learning_rate,
+            global_batch_size=args.global_batch_size,
             lm_loss=(sum(r.losses["lm loss"] for r in counted) / len(counted)) if counted
             else None,
             loss_scale=float(self.optimizer.get_loss_scale()),
@@ -404,13 +410,15 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
                           valid_iterators)
     finally:
         run.profiler.stop()
+    # Megatron-LM's end-of-training prefixes ("validation loss at iteration N on test set" too)
     if finished and valid_iterators is not None:
         run.summary.validation.append(
-            ("end/valid", run.evaluate(valid_iterators, "the end of training for val data")))
+            ("end/valid", run.evaluate(valid_iterators,
+                                       f"iteration {run.iteration} on validation set")))
     if finished and has_test and args.eval_iters:
         run.summary.validation.append(
             ("end/test", run.evaluate(run.iterators(test_ds, 0),
-                                      "the end of training for test data", split="test")))
+                                      f"iteration {run.iteration} on test set", split="test")))
     run.writers.close()
     return run.summary
 
