@@ -41,6 +41,8 @@ TE's unfused one are the plain softmax(QK^T)V (eager), TE's fused attention is t
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
+CKPT_FORMATS = ("torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor")
 
 
 class ArgumentError(ValueError):
@@ -135,6 +137,11 @@ def _add_model_args(parser: ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="core attention kernel of the span-aware attention; Megatron-LM's "
                         "local and unfused run eager, fused runs te")
+    g.add_argument("--transformer-impl", default="local", choices=TRANSFORMER_IMPLS,
+                   help="the layers: megatron-core's local ones (Transformer Engine's are not "
+                        "supported; Megatron-LM's default is transformer_engine)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="selective recompute (= --recompute-granularity selective)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"],
                    help="activation recompute: whole layers (full) or core attention "
                         "(selective); exact with spans")
@@ -155,6 +162,8 @@ def _add_parallel_args(parser: ArgumentParser) -> None:
                    help="shard norms/dropout activations along the sequence over TP")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks")
+    g.add_argument("--distributed-timeout-minutes", type=int,
+                   help="Megatron-LM's process-group timeout in minutes: sets --p2p-timeout")
     g.add_argument("--p2p-timeout", type=float, default=600.0,
                    help="seconds a pipeline send/receive, or any collective (the process "
                         "groups' timeout, which NCCL's watchdog enforces), may wait before the "
@@ -195,7 +204,24 @@ def _add_training_args(parser: ArgumentParser) -> None:
     g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
     g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--train-iters", type=int, help="iterations to train (required)")
+    g.add_argument("--train-iters", type=int,
+                   help="iterations to train (required, or --train-samples)")
+    g.add_argument("--train-samples", type=int,
+                   help="samples to train instead of --train-iters (iterations = samples // "
+                        "global batch); the LR schedule is then counted in samples")
+    g.add_argument("--lr-decay-samples", type=int,
+                   help="with --train-samples: samples to decay over (default: --train-samples)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="with --train-samples: warm-up samples")
+    g.add_argument("--lr-warmup-fraction", type=float,
+                   help="warm-up as a fraction of the decay horizon (instead of --lr-warmup-iters"
+                        " / --lr-warmup-samples)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="the learning rate warm-up starts from")
+    g.add_argument("--decoupled-lr", type=float,
+                   help="a separate peak LR for the input embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float,
+                   help="a separate minimum LR for them (with --decoupled-lr)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -209,6 +235,8 @@ def _add_training_args(parser: ArgumentParser) -> None:
                    help="do not stop at a NaN or inf loss or gradient norm (by default the run "
                         "stops, naming the iteration, the stage and the micro-batch)")
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce gradients over data parallelism in bf16 (default: fp32)")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
 
@@ -220,6 +248,8 @@ def _add_data_args(parser: ArgumentParser) -> None:
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
     g.add_argument("--mock-data", action="store_true", help="synthetic data, no files")
     g.add_argument("--data-cache-path", help="where megatron-core caches sample indices")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="read the .bin files without memory-mapping them")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD tokens")
     g.add_argument("--reset-position-ids", action="store_true",
                    help="packed documents: positions restart at 0 after each EOD")
@@ -234,11 +264,17 @@ def _add_run_args(parser: ArgumentParser) -> None:
     g.add_argument("--save", help="checkpoint directory to write")
     g.add_argument("--load", help="checkpoint directory to resume from")
     g.add_argument("--save-interval", type=int, help="iterations between checkpoints")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,
+                   help="checkpoint format: torch_dist (megatron-core's dist_checkpointing) is "
+                        "the one written and read here")
     g.add_argument("--eval-interval", type=int, default=1000,
                    help="iterations between evaluations on the validation split")
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches per evaluation (0: no evaluation)")
     g.add_argument("--log-interval", type=int, default=100, help="iterations per log line")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="add Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' field to the log "
+                        "line (by the paper's FLOP count, as TFLOPS/GPU)")
     g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
     g.add_argument("--exit-interval", type=int,
                    help="save (with --save) and stop once the iteration is a multiple of this")
@@ -425,7 +461,10 @@ def _fold_alias(args: argparse.Namespace, alias: str, canonical: str, value: obj
 
 def _validate_basics(args: argparse.Namespace) -> None:
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-             "micro_batch_size", "train_iters", "lr")
+             "micro_batch_size", "lr")
+    if (args.train_iters is None) == (args.train_samples is None):
+        _fail("--train-iters or --train-samples is required" if args.train_iters is None else
+              "--train-samples contradicts --train-iters; give one")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "ffn_hidden_size", "max_position_embeddings", "micro_batch_size",
                  "global_batch_size", "train_iters", "tensor_model_parallel_size",
@@ -434,11 +473,15 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "make_vocab_size_divisible_by",
                  "lr_decay_iters", "save_interval", "eval_interval", "log_interval",
                  "exit_interval", "vocab_size", "num_query_groups", "rotary_base",
+                 "kv_channels", "train_samples", "lr_decay_samples",
+                 "distributed_timeout_minutes",
                  "rotary_seq_len_interpolation_factor"):
         _check_range(args, name, 1)
     _check_range(args, "exit_duration_in_mins", 0, low_inclusive=False)
-    for name in ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad"):
+    for name in ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad",
+                 "lr_warmup_samples", "lr_warmup_init", "decoupled_lr", "decoupled_min_lr"):
         _check_range(args, name, 0)
+    _check_range(args, "lr_warmup_fraction", 0, 1)
     for name in ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"):
         _check_range(args, name, 0, 1)
     for name in ("init_method_std", "adam_eps", "p2p_timeout", "norm_epsilon",
@@ -449,9 +492,17 @@ def _validate_basics(args: argparse.Namespace) -> None:
 
 
 def _validate_model(args: argparse.Namespace) -> None:
+    if args.transformer_impl != "local":
+        _fail(f"--transformer-impl {args.transformer_impl}: TE layers are not supported; use "
+              f"--transformer-impl local (megatron-core's own layers, what runs here)")
+    if args.recompute_activations:          # Megatron-LM's older spelling
+        args.recompute_granularity = "selective"
     if args.recompute_granularity == "full":
-        args.recompute_method = args.recompute_method or "uniform"
-        args.recompute_num_layers = args.recompute_num_layers or 1
+        if args.recompute_method is None:   # megatron-core's TransformerConfig refuses it
+            _fail("--recompute-granularity full needs --recompute-method uniform or block")
+        if args.recompute_num_layers is None:
+            _fail("--recompute-granularity full needs --recompute-num-layers (layers per "
+                  "recompute group, or recomputed per stage)")
         if args.recompute_num_layers < 1:
             _fail(f"--recompute-num-layers must be at least 1, got {args.recompute_num_layers}")
     elif args.recompute_method or args.recompute_num_layers is not None:
@@ -564,12 +615,41 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
         # megatron-core's uniform loop would index past the chunk's last layer (IndexError).
         _fail(f"--recompute-num-layers {args.recompute_num_layers} must divide the "
               f"{chunk_layers} layers of each model chunk with --recompute-method uniform")
+    if args.sequence_parallel and tp == 1:      # as Megatron-LM: a warning, and off
+        print(f"{os.path.basename(sys.argv[0]) or 'pretrain_gpt.py'}: warning: "
+              f"--sequence-parallel is turned off: --tensor-model-parallel-size is 1",
+              file=sys.stderr)
+        args.sequence_parallel = False
+    if args.distributed_timeout_minutes is not None:
+        args.p2p_timeout = 60.0 * args.distributed_timeout_minutes
     if args.sequence_parallel:
-        if tp < 2:
-            _fail("--sequence-parallel needs --tensor-model-parallel-size > 1")
         if args.seq_length % tp:
             _fail(f"--seq-length {args.seq_length} is not divisible by "
                   f"--tensor-model-parallel-size {tp} (needed by --sequence-parallel)")
+
+
+def _validate_training_length(args: argparse.Namespace) -> None:
+    """Megatron-LM's two ways to say how long: iterations, or samples (then the LR schedule is
+    counted in samples too); a fraction of the decay horizon may give the warm-up."""
+    if args.train_samples is not None:
+        for flag in ("lr_decay_iters", "lr_warmup_iters"):
+            if getattr(args, flag):
+                _fail(f"--{flag.replace('_', '-')} counts iterations: with --train-samples give "
+                      f"--{flag.replace('_iters', '_samples').replace('_', '-')}")
+        args.train_iters = args.train_samples // args.global_batch_size
+        if args.train_iters < 1:
+            _fail(f"--train-samples {args.train_samples} is less than one --global-batch-size "
+                  f"{args.global_batch_size}")
+        args.lr_decay_samples = args.lr_decay_samples or args.train_samples
+    else:
+        for flag in ("lr_decay_samples", "lr_warmup_samples"):
+            if getattr(args, flag):
+                _fail(f"--{flag.replace('_', '-')} needs --train-samples (with --train-iters "
+                      f"give --{flag.replace('_samples', '_iters').replace('_', '-')})")
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        _fail("--lr-warmup-fraction contradicts --lr-warmup-iters / --lr-warmup-samples; give one")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        _fail("--decoupled-min-lr needs --decoupled-lr")
 
 
 def _validate_batch(args: argparse.Namespace) -> None:
@@ -674,6 +754,11 @@ def _refuse_untraced_schedule(args: argparse.Namespace, flag: str) -> None:
 def _validate_optimisation(args: argparse.Namespace) -> None:
     if args.lr < args.min_lr:
         _fail(f"--min-lr {args.min_lr:g} exceeds --lr {args.lr:g}")
+    if args.train_samples is not None:
+        if args.lr_warmup_samples >= args.lr_decay_samples:
+            _fail(f"--lr-warmup-samples {args.lr_warmup_samples} must be < --lr-decay-samples "
+                  f"{args.lr_decay_samples} (default: --train-samples)")
+        return
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters >= args.lr_decay_iters:
@@ -741,6 +826,9 @@ def _validate_run(args: argparse.Namespace, explicit: frozenset[str]) -> None:
                 _fail(str(err))
     if args.save_interval is not None and args.save is None:
         _fail("--save-interval needs --save")
+    if args.ckpt_format != "torch_dist":
+        _fail(f"--ckpt-format {args.ckpt_format}: only torch_dist (megatron-core's "
+              f"dist_checkpointing, Megatron-LM's default) is written and read here")
     _validate_start(args, explicit)
     if args.exit_signal is not None and not args.exit_signal_handler:
         _fail(f"--exit-signal {args.exit_signal} needs --exit-signal-handler")
@@ -875,6 +963,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_model(args)
     _validate_parallelism(args, world_size)
     _validate_batch(args)
+    _validate_training_length(args)
     _validate_schedule(args)
     _validate_optimisation(args)
     _validate_data(args)

@@ -193,6 +193,7 @@ class DataConfig:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    mmap_bin_files: bool = True
 
     @classmethod
     def from_args(cls, args: object) -> "DataConfig":
@@ -201,7 +202,8 @@ class DataConfig:
                    mock_data=args.mock_data, data_cache_path=args.data_cache_path,
                    eod_mask_loss=args.eod_mask_loss,
                    reset_position_ids=args.reset_position_ids,
-                   reset_attention_mask=args.reset_attention_mask)
+                   reset_attention_mask=args.reset_attention_mask,
+                   mmap_bin_files=getattr(args, "mmap_bin_files", True))
 
 
 def check_data_config(config: DataConfig) -> list[IndexedDatasetInfo]:
@@ -272,6 +274,7 @@ def build_datasets(config: DataConfig, tokenizer: object, num_samples: Sequence[
         reset_attention_mask=config.reset_attention_mask,
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=False,
+        mmap_bin_files=config.mmap_bin_files,
     )
     dataset_cls = MockGPTDataset if config.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank,

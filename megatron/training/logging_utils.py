@@ -77,13 +77,17 @@ class IntervalReport:
     memory_source: str
     nan_iterations: int = 0
     time: Optional[datetime] = None     # when the line is written (None: now)
+    log_throughput: bool = False        # --log-throughput: Megatron-LM's TFLOP/s/GPU field
 
     def line(self) -> str:
         stamp = (self.time or datetime.now()).strftime("%Y-%m-%d %H:%M:%S.%f")
         fields = [f" [{stamp}] iteration {self.iteration:8d}/{self.train_iters:8d}",
                   f" consumed samples: {self.consumed_samples:12d}",
-                  f" elapsed time per iteration (ms): {self.seconds_per_iteration * 1000:.1f}",
-                  f" learning rate: {self.learning_rate:.6E}",
+                  f" elapsed time per iteration (ms): {self.seconds_per_iteration * 1000:.1f}"]
+        if self.log_throughput:
+            fields.append(f" throughput per GPU (TFLOP/s/GPU): "
+                          f"{self.throughput.tflops_per_gpu:.1f}")
+        fields += [f" learning rate: {self.learning_rate:.6E}",
                   f" global batch size: {self.global_batch_size:5d}"]
         if self.lm_loss is not None:
             fields.append(f" lm loss: {self.lm_loss:.6E}")

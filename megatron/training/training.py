@@ -46,6 +46,7 @@ from megatron.training.profiling import Profiler
 from megatron.training.schedule_function import ScheduleFunction
 from megatron.training.writers import ScalarWriters
 from seq1f1b import platform
+from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan.costs import ModelConfig
 
 DatasetsProvider = Callable[[Sequence[int]], Sequence[Optional[object]]]
@@ -217,7 +218,7 @@ class _Run:
             throughput=throughput(self.cost_model, args.seq_length, args.global_batch_size,
                                   args.world_size, seconds),
             peak_memory_mb=[peak / 2**20 for peak in stage_peaks],
-            memory_source=self.memory.source)
+            memory_source=self.memory.source, log_throughput=args.log_throughput)
         print_rank_last(report.line())
         if args.timing_log_level > 0:   # collective: every rank's times, printed on the last
             timing = self.timers.get_all_timers_string(LOGGED_TIMERS, normalizer=len(records),
@@ -369,12 +370,13 @@ def pretrain(args: argparse.Namespace, train_valid_test_datasets_provider: Datas
 def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
               model_provider: model_setup.ModelProvider,
               forward_step_func: ForwardStep, exits: ExitConditions) -> TrainingSummary:
+    config = model_setup.core_transformer_config_from_args(args)
     print_rank_0(f"> training with {args.world_size} processes: TP={args.tensor_model_parallel_size}"
                  f" PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}"
                  f" V={args.virtual_pipeline_model_parallel_size or 1}, schedule "
                  f"{args.pipeline_schedule} k={args.seq1f1b_splits} ({args.seq1f1b_partition}),"
+                 f" span lengths {_first_span_lengths(args, config)},"
                  f" {args.num_micro_batches} micro-batches of {args.micro_batch_size}")
-    config = model_setup.core_transformer_config_from_args(args)
     timers = Timers(args.timing_log_level, args.timing_log_option)
     config.timers = timers                     # megatron's schedules, finalize and optimizer
     config.barrier_with_L1_time = args.barrier_with_L1_time
@@ -421,6 +423,17 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
                                       f"iteration {run.iteration} on test set", split="test")))
     run.writers.close()
     return run.summary
+
+
+def _first_span_lengths(args: argparse.Namespace, config) -> str:
+    """The span lengths the first iteration runs, as the runtime cuts them (the fit partition
+    starts from the compute cut and prints its own after calibrating)."""
+    partition = "compute" if args.seq1f1b_partition == "fit" else args.seq1f1b_partition
+    lengths = span_partition.partition(
+        args.seq_length, args.seq1f1b_splits, partition,
+        model=ModelConfig.of_transformer_config(config), tp=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, lengths=args.seq1f1b_span_lengths)
+    return " ".join(map(str, lengths))
 
 
 def _splits_present(datasets: Sequence[Optional[object]]) -> list[bool]:
