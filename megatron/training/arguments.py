@@ -272,6 +272,9 @@ def _add_run_args(parser: ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches per evaluation (0: no evaluation)")
     g.add_argument("--log-interval", type=int, default=100, help="iterations per log line")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="add Megatron-LM's 'num zeros' field: the zero gradient entries the "
+                        "optimizer counted")
     g.add_argument("--log-throughput", action="store_true",
                    help="add Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' field to the log "
                         "line (by the paper's FLOP count, as TFLOPS/GPU)")

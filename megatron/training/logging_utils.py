@@ -78,6 +78,7 @@ class IntervalReport:
     nan_iterations: int = 0
     time: Optional[datetime] = None     # when the line is written (None: now)
     log_throughput: bool = False        # --log-throughput: Megatron-LM's TFLOP/s/GPU field
+    num_zeros_in_grad: Optional[int] = None     # --log-num-zeros-in-grad (last iteration's)
 
     def line(self) -> str:
         stamp = (self.time or datetime.now()).strftime("%Y-%m-%d %H:%M:%S.%f")
@@ -94,6 +95,8 @@ class IntervalReport:
         fields.append(f" loss scale: {self.loss_scale:.1f}")
         if self.grad_norm is not None:
             fields.append(f" grad norm: {self.grad_norm:.3f}")
+        if self.num_zeros_in_grad is not None:
+            fields.append(f" num zeros: {self.num_zeros_in_grad}")
         remaining = (self.train_iters - self.iteration) * self.seconds_per_iteration
         fields += [f" number of skipped iterations: {self.skipped_iterations:3d}",
                    f" number of nan iterations: {self.nan_iterations:3d}",

@@ -89,6 +89,8 @@ NO_OPS: dict[str, str] = {
     "--use-dist-ckpt": "deprecated upstream: checkpoints are torch_dist (dist_checkpointing)",
     "--no-one-logger": _NVIDIA, "--disable-msc": "the multi-storage client is not used here",
     "--logging-level": "Python logging levels are left as they are",
+    "--log-validation-ppl-to-tensorboard": "the perplexity is always written ('lm loss "
+                                           "validation ppl')",
 }
 """Flags accepted without effect, and why nothing changes."""
 
@@ -98,6 +100,8 @@ REFUSED: dict[str, str] = {
     "--fp8-param-gather": _FP8, "--te-precision-config-file": _TE, "--te-rng-tracker": _TE,
     "--tp-comm-overlap-cfg": _TE, "--use-te-activation-func": _TE,
     "--use-legacy-models": "the legacy (pre-megatron-core) models are not available",
+    "--async-save": "not implemented: checkpoints are saved synchronously (megatron-core's "
+                    "async save is not wired into the atomic publish)",
     "--checkpoint-activations": "removed upstream; use --recompute-granularity",
     "--batch-size": "removed upstream; use --micro-batch-size",
     "--warmup": "removed upstream; use --lr-warmup-iters or --lr-warmup-samples",

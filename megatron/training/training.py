@@ -64,6 +64,7 @@ class IterationRecord:
     grad_norm: Optional[float]
     learning_rate: float        # the LR the iteration's update used
     skipped: bool
+    num_zeros_in_grad: Optional[int] = None      # with --log-num-zeros-in-grad
     logged_learning_rate: Optional[float] = None
     """The LR Megatron-LM logs for the iteration: the optimizer's after the scheduler stepped
     (get_canonical_lr_for_logging after train_step), which is the next iteration's."""
@@ -167,7 +168,7 @@ class _Run:
         if self.args.check_for_nan_in_loss_and_grad:
             self._check_numerics(losses)
         self.timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
-        update_successful, grad_norm, _ = self.optimizer.step()
+        update_successful, grad_norm, num_zeros = self.optimizer.step()
         self.timers("optimizer").stop()
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
@@ -176,6 +177,7 @@ class _Run:
         return IterationRecord(self.iteration, reduce_losses(losses),
                                None if grad_norm is None else float(grad_norm),
                                learning_rate, not update_successful,
+                               None if num_zeros is None else int(num_zeros),
                                get_canonical_lr_for_logging(self.optimizer.param_groups))
 
     def _check_numerics(self, losses: list) -> None:
@@ -212,7 +214,7 @@ class _Run:
             lm_loss=(sum(r.losses["lm loss"] for r in counted) / len(counted)) if counted
             else None,
             loss_scale=float(self.optimizer.get_loss_scale()),
-            grad_norm=records[-1].grad_norm,
+            grad_norm=records[-1].grad_norm, num_zeros_in_grad=records[-1].num_zeros_in_grad,
             skipped_iterations=sum(r.skipped for r in records),
             nan_iterations=sum(r.nan for r in records),
             throughput=throughput(self.cost_model, args.seq_length, args.global_batch_size,

@@ -51,6 +51,13 @@ def test_the_loss_parses_back_to_seven_significant_digits():
     assert float(match.group(1)) == pytest.approx(loss, rel=5e-7)
 
 
+def test_megatrons_optional_fields_go_where_megatron_puts_them():
+    line = _report(log_throughput=True, num_zeros_in_grad=7).line()
+    assert " elapsed time per iteration (ms): 500.0 | throughput per GPU (TFLOP/s/GPU): 0.0 | " \
+           "learning rate:" in line
+    assert " grad norm: 1.500 | num zeros: 7 | number of skipped iterations:" in line
+
+
 def test_fields_without_a_value_are_left_out():
     line = _report(lm_loss=None, grad_norm=None).line()
     assert "lm loss" not in line and "grad norm" not in line
