@@ -272,6 +272,8 @@ def _add_run_args(parser: ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches per evaluation (0: no evaluation)")
     g.add_argument("--log-interval", type=int, default=100, help="iterations per log line")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="add Megatron-LM's 'params norm' field: the L2 norm of the parameters")
     g.add_argument("--log-num-zeros-in-grad", action="store_true",
                    help="add Megatron-LM's 'num zeros' field: the zero gradient entries the "
                         "optimizer counted")

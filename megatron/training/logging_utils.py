@@ -79,6 +79,7 @@ class IntervalReport:
     time: Optional[datetime] = None     # when the line is written (None: now)
     log_throughput: bool = False        # --log-throughput: Megatron-LM's TFLOP/s/GPU field
     num_zeros_in_grad: Optional[int] = None     # --log-num-zeros-in-grad (last iteration's)
+    params_norm: Optional[float] = None         # --log-params-norm
 
     def line(self) -> str:
         stamp = (self.time or datetime.now()).strftime("%Y-%m-%d %H:%M:%S.%f")
@@ -97,6 +98,8 @@ class IntervalReport:
             fields.append(f" grad norm: {self.grad_norm:.3f}")
         if self.num_zeros_in_grad is not None:
             fields.append(f" num zeros: {self.num_zeros_in_grad}")
+        if self.params_norm is not None:
+            fields.append(f" params norm: {self.params_norm:.3f}")
         remaining = (self.train_iters - self.iteration) * self.seconds_per_iteration
         fields += [f" number of skipped iterations: {self.skipped_iterations:3d}",
                    f" number of nan iterations: {self.nan_iterations:3d}",
@@ -114,6 +117,27 @@ def validation_lines(where: str, lm_loss: float) -> list[str]:
     text = f" validation loss at {where} | lm loss value: {lm_loss:.6E} | lm loss PPL: {ppl:.6E} | "
     rule = "-" * (len(text) + 1)
     return [rule, text, rule]
+
+
+def params_l2_norm(model: Sequence[torch.nn.Module]) -> float:
+    """--log-params-norm: the L2 norm of the whole model's parameters, as Megatron-LM counts
+    it (each tensor-parallel shard once, a tied output layer once); collective over the
+    model-parallel group. From the model's own (bf16 or fp32) weights, in fp32: Megatron-LM
+    reads the optimizer's fp32 main copies under mixed precision, which differ by rounding."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    squares = torch.zeros((), dtype=torch.float32)
+    for chunk in model:
+        for param in chunk.parameters():
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                squares = squares + param.detach().float().pow(2).sum().cpu()
+    if torch.cuda.is_available():
+        squares = squares.cuda()
+    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    return float(squares.sqrt())
 
 
 class PeakMemory:

@@ -40,8 +40,8 @@ from megatron.training.data import MicroBatchIterator, train_valid_test_num_samp
 from megatron.training.exit_conditions import ExitConditions
 from megatron.training.global_vars import get_args, get_tokenizer, set_global_variables
 from megatron.training.initialize import finish_megatron, initialize_megatron
-from megatron.training.logging_utils import (IntervalReport, PeakMemory, throughput,
-                                             validation_lines)
+from megatron.training.logging_utils import (IntervalReport, PeakMemory, params_l2_norm,
+                                             throughput, validation_lines)
 from megatron.training.profiling import Profiler
 from megatron.training.schedule_function import ScheduleFunction
 from megatron.training.writers import ScalarWriters
@@ -215,6 +215,7 @@ class _Run:
             else None,
             loss_scale=float(self.optimizer.get_loss_scale()),
             grad_norm=records[-1].grad_norm, num_zeros_in_grad=records[-1].num_zeros_in_grad,
+            params_norm=params_l2_norm(self.model) if args.log_params_norm else None,
             skipped_iterations=sum(r.skipped for r in records),
             nan_iterations=sum(r.nan for r in records),
             throughput=throughput(self.cost_model, args.seq_length, args.global_batch_size,

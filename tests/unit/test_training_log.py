@@ -52,10 +52,11 @@ def test_the_loss_parses_back_to_seven_significant_digits():
 
 
 def test_megatrons_optional_fields_go_where_megatron_puts_them():
-    line = _report(log_throughput=True, num_zeros_in_grad=7).line()
+    line = _report(log_throughput=True, num_zeros_in_grad=7, params_norm=12.25).line()
     assert " elapsed time per iteration (ms): 500.0 | throughput per GPU (TFLOP/s/GPU): 0.0 | " \
            "learning rate:" in line
-    assert " grad norm: 1.500 | num zeros: 7 | number of skipped iterations:" in line
+    assert " grad norm: 1.500 | num zeros: 7 | params norm: 12.250 | number of skipped " \
+           "iterations:" in line
 
 
 def test_fields_without_a_value_are_left_out():
