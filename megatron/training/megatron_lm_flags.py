@@ -112,6 +112,34 @@ REFUSED: dict[str, str] = {
     "--encoder-num-layers": "encoder-decoder models are not supported (GPT only)",
     "--decoder-num-layers": "encoder-decoder models are not supported (GPT only)",
     "--encoder-seq-length": "encoder-decoder models are not supported; use --seq-length",
+    "--decoder-seq-length": "encoder-decoder models are not supported; use --seq-length",
+    "--use-rotary-position-embeddings": "deprecated upstream; use --position-embedding-type rope",
+    "--no-position-embedding": "deprecated upstream; use --position-embedding-type none",
+    "--train-data-path": "per-split data paths are not implemented; use --data-path and --split",
+    "--valid-data-path": "per-split data paths are not implemented; use --data-path and --split",
+    "--test-data-path": "per-split data paths are not implemented; use --data-path and --split",
+    "--skip-train": "evaluation-only runs are not implemented",
+    "--no-save-optim": "not implemented: every checkpoint holds the optimizer and LR schedule",
+    "--no-save-rng": "not implemented: every checkpoint holds the RNG states",
+    "--tensorboard-log-interval": "not implemented: TensorBoard gets each log line's figures "
+                                  "(every --log-interval)",
+    "--log-timers-to-tensorboard": "not implemented: the timers go to the log "
+                                   "(--timing-log-level)",
+    "--log-memory-to-tensorboard": "not implemented: the log line's peak memory per stage is "
+                                   "written (peak-memory-mb/stage-N)",
+    "--deterministic-mode": "not implemented (the CPU runs are deterministic; on a GPU, "
+                            "megatron-core's deterministic kernels are TE's)",
+    "--padded-vocab-size": "derived from the tokenizer, --make-vocab-size-divisible-by and TP "
+                           "(or kept from the checkpoint), as Megatron-LM derives it",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "the interleaved plans group "
+                                                          "micro-batches by the pipeline size",
+    "--pipeline-model-parallel-layout": "layers are split evenly over the pipeline stages",
+    "--account-for-embedding-in-pipeline-split": "layers are split evenly over the stages",
+    "--account-for-loss-in-pipeline-split": "layers are split evenly over the stages",
+    "--num-virtual-stages-per-pipeline-rank": "use --num-layers-per-virtual-pipeline-stage",
+    "--apply-query-key-layer-scaling": "fp16 attention scaling of megatron's fused softmax is "
+                                       "not used (the span softmax runs in fp32)",
+    "--rotary-interleaved": "interleaved RoPE is not supported by the span positions",
 }
 """Single flags refused, and why."""
 

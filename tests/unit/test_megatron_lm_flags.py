@@ -61,9 +61,10 @@ def _run(**extra):
     base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
             "--lr", "1e-3", "--mock-data"]
-    return base + [item for flag, value in extra.items()
-                   for item in ["--" + flag.replace("_", "-")] + ([] if value is True
-                                                                  else [str(value)])]
+    values = {flag: [] if value is True else value if isinstance(value, list) else [value]
+              for flag, value in extra.items()}
+    return base + [str(item) for flag, given in values.items()
+                   for item in ["--" + flag.replace("_", "-"), *given]]
 
 
 def test_the_sample_based_schedule_counts_in_samples():
@@ -113,3 +114,21 @@ def test_the_llama3_script_is_refused_only_for_its_gpu_only_flags(tmp_path, caps
     assert (args.train_iters, args.num_micro_batches, args.kv_channels) == (4, 2, 16)
     assert args.decoupled_lr == 5e-4 and args.sequence_parallel and args.log_throughput
     assert not (tmp_path / "checkpoints").exists()          # validation writes nothing
+
+
+def test_the_first_line_gives_the_span_lengths_the_runtime_uses():
+    from megatron.training import model_setup
+    from megatron.training.training import _first_span_lengths
+
+    for extra, lengths in (({"seq1f1b_splits": 4}, "4 4 4 4"),
+                           ({"seq1f1b_splits": 2, "seq1f1b_partition": "compute",
+                             "seq_length": 4096, "max_position_embeddings": 4096}, None),
+                           ({"seq1f1b_span_lengths": [10, 6]}, "10 6")):
+        args = validate_args(parse_args(_run(train_iters=2, **extra)), 1)
+        text = _first_span_lengths(args, model_setup.core_transformer_config_from_args(args))
+        spans = [int(n) for n in text.split()]
+        assert sum(spans) == args.seq_length and len(spans) == args.seq1f1b_splits, text
+        if lengths is None:           # compute: the later span attends to more keys, shorter
+            assert spans[0] > spans[1], text
+        else:
+            assert text == lengths
