@@ -237,6 +237,16 @@ def _add_training_args(parser: ArgumentParser) -> None:
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="reduce gradients over data parallelism in bf16 (default: fp32)")
+    g.add_argument("--loss-scale", type=float,
+                   help="with --fp16: a static loss scale (default: dynamic scaling)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                   help="with --fp16: the dynamic loss scale's start")
+    g.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="with --fp16: the dynamic loss scale's floor")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="with --fp16: iterations without overflow before the scale grows")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="with --fp16: overflows tolerated before the scale shrinks")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
 
@@ -490,7 +500,8 @@ def _validate_basics(args: argparse.Namespace) -> None:
     for name in ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"):
         _check_range(args, name, 0, 1)
     for name in ("init_method_std", "adam_eps", "p2p_timeout", "norm_epsilon",
-                 "rope_scaling_factor"):
+                 "rope_scaling_factor", "loss_scale", "initial_loss_scale", "min_loss_scale",
+                 "loss_scale_window", "hysteresis"):
         _check_range(args, name, 0, low_inclusive=False)
     if not 0 < args.rotary_percent <= 1:
         _fail(f"--rotary-percent must be > 0 and <= 1, got {args.rotary_percent:g}")

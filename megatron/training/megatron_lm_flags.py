@@ -89,6 +89,8 @@ NO_OPS: dict[str, str] = {
     "--use-dist-ckpt": "deprecated upstream: checkpoints are torch_dist (dist_checkpointing)",
     "--no-one-logger": _NVIDIA, "--disable-msc": "the multi-storage client is not used here",
     "--logging-level": "Python logging levels are left as they are",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and reduced in fp32 "
+                                            "already (unless --grad-reduce-in-bf16)",
     "--log-validation-ppl-to-tensorboard": "the perplexity is always written ('lm loss "
                                            "validation ppl')",
 }
@@ -140,6 +142,7 @@ REFUSED: dict[str, str] = {
     "--apply-query-key-layer-scaling": "fp16 attention scaling of megatron's fused softmax is "
                                        "not used (the span softmax runs in fp32)",
     "--rotary-interleaved": "interleaved RoPE is not supported by the span positions",
+    "--fp16-lm-cross-entropy": "the span loss computes the cross entropy in fp32",
 }
 """Single flags refused, and why."""
 

@@ -129,7 +129,9 @@ def build_optimizer(args: argparse.Namespace, config: TransformerConfig,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
-        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         params_dtype=params_dtype(args), use_distributed_optimizer=args.use_distributed_optimizer,
         timers=config.timers, barrier_with_L1_time=config.barrier_with_L1_time)
     optimizer = get_megatron_optimizer(optimizer_config, model)
