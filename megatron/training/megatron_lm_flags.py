@@ -260,8 +260,10 @@ def add_upstream_flags(parser: argparse.ArgumentParser) -> None:
             continue
         dest = flag.name.lstrip("-").replace("-", "_")
         action = dict(action=_NoOp) if kind == "no-op" else dict(action=_Refused, reason=reason)
-        group.add_argument(*flag.options, dest=dest, nargs=_nargs(flag.arity), default=None,
-                           help=argparse.SUPPRESS, **action)
+        # no default: an absent flag leaves no attribute, so getattr(args, name, default)
+        # elsewhere (a checkpoint's Megatron-LM args, say) keeps meaning "not given"
+        group.add_argument(*flag.options, dest=dest, nargs=_nargs(flag.arity),
+                           default=argparse.SUPPRESS, help=argparse.SUPPRESS, **action)
 
 
 def _add_aliases(parser: argparse.ArgumentParser, flag: UpstreamFlag) -> None:

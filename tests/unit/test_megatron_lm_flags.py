@@ -43,6 +43,9 @@ def test_no_ops_are_accepted_with_their_values(capsys):
     args = parse_args(["--use-mcore-models", "--num-workers", "4", "--no-rope-fusion",
                        "--tiktoken-pattern", "v2", "--attention-softmax-in-fp32"])
     assert args.num_workers == "4" and args.use_mcore_models is True
+    # flags not given leave no attribute: `getattr(args, "optimizer", "adam")` (what a checkpoint
+    # records) must not read a None from a flag nobody passed
+    assert not hasattr(args, "optimizer") and not hasattr(args, "async_save")
 
 
 def test_refused_flags_are_named_in_one_line_with_why(capsys):
