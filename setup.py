@@ -10,5 +10,6 @@ setup(
     python_requires=">=3.10",
     packages=find_namespace_packages(include=["seq1f1b", "seq1f1b.*", "megatron.training",
                                               "megatron.training.*"]),
+    package_data={"megatron.training": ["megatron_lm_flags.tsv"]},   # Megatron-LM's flag list
     install_requires=["torch==2.13.0", "megatron-core==0.16.1", "numpy", "matplotlib"],
 )

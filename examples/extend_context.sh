@@ -10,7 +10,8 @@
 # Environment (default):
 #   HF_DIR        a local Llama / Mistral / Qwen2 folder: config.json, safetensors, tokenizer.json
 #   DATA          JSON lines with a "text" field, tokenized with the folder's tokenizer
-#   OUT           where everything goes (runs/extend_context; removed first):
+#   OUT           where everything goes (runs/extend_context; emptied first when an earlier
+#                 run made it, any other existing folder is refused: examples/out_folder.sh):
 #                   data/ release/ (the converted checkpoint) extended/ (training checkpoints)
 #                   hf/ (the exported folder) train.log convert.log
 #   BASE_LENGTH   the context to extend (config.json's max_position_embeddings)
@@ -49,7 +50,9 @@ BASE_LENGTH=${BASE_LENGTH:-$(config max_position_embeddings)}
 LENGTH=$(( FACTOR * BASE_LENGTH ))
 ROTARY_BASE=${ROTARY_BASE:-$("$PY" -c "print(int($FACTOR * float('$(config rope_theta)')))")}
 
-rm -rf "$OUT"
+# shellcheck source=out_folder.sh
+source examples/out_folder.sh
+prepare_out "$OUT" extend_context.sh
 mkdir -p "$OUT/data"
 start=$(date +%s)
 
@@ -83,8 +86,10 @@ OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$PY" -m torch.distributed.run \
     echo "extend_context.sh: error: training wrote no checkpoint (see $OUT/train.log)" >&2; exit 1; }
 
 echo "== 4/4 export $OUT/extended -> $OUT/hf"
+# The checkpoint carries the RoPE base and the context it was trained with: the exporter writes
+# them (the context only when longer than config.json's).
 "$PY" tools/checkpoint/convert.py megatron-to-hf --load "$OUT/extended" --save "$OUT/hf" \
-    --hf-dir "$HF_DIR" --rotary-base "$ROTARY_BASE" --max-position-embeddings "$LENGTH"
+    --hf-dir "$HF_DIR"
 "$PY" - "$OUT/hf" "$LENGTH" <<'PY'
 import sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -93,7 +98,7 @@ model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 config = AutoConfig.from_pretrained(folder)
 with torch.no_grad():
     logits = model(torch.arange(8).unsqueeze(0) % config.vocab_size).logits
-assert config.max_position_embeddings == length and torch.isfinite(logits).all()
+assert config.max_position_embeddings >= length and torch.isfinite(logits).all()
 print(f"transformers loads {folder}: {type(model).__name__}, rope_theta {config.rope_theta:g}, "
       f"max_position_embeddings {config.max_position_embeddings}")
 PY

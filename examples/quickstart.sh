@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Quickstart, from nothing to a trained tiny GPT on 4 CPU processes (`make quickstart` runs it
-# after building .venv). Everything it writes goes to runs/quickstart/ (removed first):
+# after building .venv). Everything it writes goes to OUT=runs/quickstart/ (emptied first when an
+# earlier run made it; any other existing folder is refused, examples/out_folder.sh):
 #   data/          the shipped corpus (examples/data/corpus.jsonl) as Megatron .bin/.idx
 #   train.log      the training log (Megatron's log line every 5 iterations)
 #   checkpoints/   the dist_checkpointing checkpoint at the end (resume: add --load)
@@ -17,7 +18,9 @@ OUT=${OUT:-runs/quickstart}
 TRAIN_ITERS=${TRAIN_ITERS:-50}
 PORT=${MASTER_PORT:-29517}
 
-rm -rf "$OUT"
+# shellcheck source=out_folder.sh
+source examples/out_folder.sh
+prepare_out "$OUT" quickstart.sh
 mkdir -p "$OUT/data"
 start=$(date +%s)
 

@@ -49,6 +49,7 @@ import json
 import math
 import os
 import shlex
+import re
 import subprocess
 import sys
 import textwrap
@@ -129,6 +130,10 @@ PAPER_MEMORY_GB: dict[tuple[str, int], tuple] = {
     ("7b", 131072): (OOM, OOM, 69.80, 57.55),
 }
 """PAPER.md's memory table, in SCHEDULES order (GB as the paper prints them)."""
+
+
+SLURM_TIME = re.compile(r"^(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)$")
+"""The time limits sbatch --time accepts."""
 
 
 class UsageError(Exception):
@@ -698,6 +703,16 @@ def _check(args: argparse.Namespace) -> None:
                          "--collect")
     if args.collect and not Path(args.collect).is_dir():
         raise UsageError(f"--collect: {args.collect} is not a directory")
+    if args.launch:
+        if not SLURM_TIME.match(args.time):
+            raise UsageError(f"--time {args.time!r} is not a Slurm time limit (MINUTES, "
+                             f"MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS[:MINUTES"
+                             f"[:SECONDS]] or UNLIMITED)")
+        from megatron.training.writable import check_output_dir
+        try:
+            check_output_dir(args.launch, "--launch")
+        except ValueError as err:
+            raise UsageError(str(err)) from None
 
 
 def _launch(args: argparse.Namespace) -> None:

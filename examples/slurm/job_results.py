@@ -10,8 +10,11 @@
         started) gets its status from its output file, or PENDING when there is none.
 
 Status: OK (exit 0), OOM (non-zero exit and an out-of-memory message in the log: torch's CUDA or
-CPU allocator, Python's MemoryError, Slurm's memory-limit kill), TIMEOUT (killed at the time
-limit), FAILED (any other non-zero exit). Only the standard library: runs with any python3.
+CPU allocator, Python's MemoryError, Slurm's memory-limit kill; or a SIGKILL short of the time
+limit, exit 137 or torchrun's "Signal 9": the host's OOM killer, which leaves no message),
+TIMEOUT (killed at the time limit), FAILED (any other non-zero exit), MISSING (summarize: the
+log file does not exist, whatever the exit code). Only the standard library: runs with any
+python3.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ OOM_MESSAGES = ("CUDA out of memory", "OutOfMemoryError", "DefaultCPUAllocator: 
                 "Exceeded job memory limit", "exceeded memory limit", "oom-kill",
                 "Out Of Memory")
 TIMEOUT_MESSAGES = ("DUE TO TIME LIMIT",)
+SIGKILL_EXITS = (137, -9)          # 128 + SIGKILL from a shell or srun, -9 from Python's wait
+SIGKILL_MESSAGES = ("Signal 9 (SIGKILL)", "exitcode  : -9")   # torchrun's report of a rank
 ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
 FIELDS = {"lm_loss": re.compile(r"\| lm loss: ([0-9.eE+-]+) \|"),
           "ms_per_iteration": re.compile(r"\| elapsed time per iteration \(ms\): ([0-9.]+) \|"),
@@ -47,6 +52,8 @@ def classify(log: str, exit_code: Optional[int]) -> str:
         return "OOM"
     if any(message in log for message in TIMEOUT_MESSAGES):
         return "TIMEOUT"
+    if exit_code in SIGKILL_EXITS or any(message in log for message in SIGKILL_MESSAGES):
+        return "OOM"      # killed with no time limit reached: the host's OOM killer
     return "FAILED"
 
 
@@ -76,8 +83,10 @@ def metrics(log: str) -> dict[str, str]:
     return result
 
 
-def summary_line(log: str, exit_code: int, cell: dict[str, str]) -> str:
-    fields = {"status": classify(log, exit_code), "exit": str(exit_code), **cell, **metrics(log)}
+def summary_line(log: Optional[str], exit_code: int, cell: dict[str, str]) -> str:
+    """The summary of a job whose captured output is `log` (None: the file is missing)."""
+    status = "MISSING" if log is None else classify(log, exit_code)
+    fields = {"status": status, "exit": str(exit_code), **cell, **metrics(log or "")}
     return " ".join([MARKER] + [f"{key}={value}" for key, value in fields.items()])
 
 
@@ -142,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "summarize":
-            log = Path(args.log).read_text(errors="replace") if Path(args.log).exists() else ""
+            log = Path(args.log).read_text(errors="replace") if Path(args.log).exists() else None
             print(summary_line(log, args.exit_code, _cell(args.cell)))
             return 0
         if not (args.folder / "jobs.tsv").exists():

@@ -22,9 +22,9 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional, Sequence
 
-from megatron.training import lr_schedule
+from megatron.training import checkpoint_model, lr_schedule, megatron_lm_flags, writable
 from megatron.training.checkpoint_common import read_common_state, starting_point
-from megatron.training.data import DataConfig, check_data_config, parse_split
+from megatron.training.data import DataConfig, check_data_config, check_token_ids, parse_split
 from megatron.training.tokenizer import (
     add_tokenizer_args, build_tokenizer, padded_vocab_size)
 
@@ -34,10 +34,15 @@ DEFAULT_SCHEDULE = "seq1f1b"
 PARTITIONS = ("even", "compute", "fit", "explicit")   # what seq1f1b.plan.partition implements
 DEFAULT_FIT_ITERATIONS = 2
 PIPE_SP_STRATEGIES = {"average": "even", "uniform_comp": "compute"}  # reference fork's names
-ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te")
+ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te", "local", "unfused", "fused")
+MEGATRON_BACKENDS = {"local": "eager", "unfused": "eager", "fused": "te"}
+"""Megatron-LM's --attention-backend names and ours for them: megatron-core's local attention and
+TE's unfused one are the plain softmax(QK^T)V (eager), TE's fused attention is te."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
+CKPT_FORMATS = ("torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor")
 
 
 class ArgumentError(ValueError):
@@ -109,7 +114,12 @@ def _add_model_args(parser: ArgumentParser) -> None:
                    help="no biases in the linear layers (Llama, Mistral)")
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="bias in the QKV projection even with --disable-bias-linear (Qwen2)")
-    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (theta)")
+    g.add_argument("--kv-channels", type=int,
+                   help="channels per attention head; only hidden / heads (the default) is "
+                        "supported")
+    g.add_argument("--rotary-base", type=int,
+                   help="RoPE base (theta) (default: 10000; resuming, the checkpoint's must "
+                        "match unless this is given)")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="fraction of each head's channels that RoPE rotates")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int,
@@ -117,15 +127,21 @@ def _add_model_args(parser: ArgumentParser) -> None:
     g.add_argument("--use-rope-scaling", action="store_true",
                    help="Llama 3.x RoPE frequency scaling (megatron-core's: low/high frequency "
                         "factors 1/4, original context 8192)")
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
-                   help="the factor of --use-rope-scaling")
+    g.add_argument("--rope-scaling-factor", type=float,
+                   help="the factor of --use-rope-scaling (default: 8)")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="core attention kernel of the span-aware attention")
+                   help="core attention kernel of the span-aware attention; Megatron-LM's "
+                        "local and unfused run eager, fused runs te")
+    g.add_argument("--transformer-impl", default="local", choices=TRANSFORMER_IMPLS,
+                   help="the layers: megatron-core's local ones (Transformer Engine's are not "
+                        "supported; Megatron-LM's default is transformer_engine)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="selective recompute (= --recompute-granularity selective)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"],
                    help="activation recompute: whole layers (full) or core attention "
                         "(selective); exact with spans")
@@ -155,6 +171,8 @@ def _add_parallel_args(parser: ArgumentParser) -> None:
                    help="shard norms/dropout activations along the sequence over TP")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks")
+    g.add_argument("--distributed-timeout-minutes", type=int,
+                   help="Megatron-LM's process-group timeout in minutes: sets --p2p-timeout")
     g.add_argument("--p2p-timeout", type=float, default=600.0,
                    help="seconds a pipeline send/receive, or any collective (the process "
                         "groups' timeout, which NCCL's watchdog enforces), may wait before the "
@@ -206,7 +224,24 @@ def _add_training_args(parser: ArgumentParser) -> None:
     g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
     g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--train-iters", type=int, help="iterations to train (required)")
+    g.add_argument("--train-iters", type=int,
+                   help="iterations to train (required, or --train-samples)")
+    g.add_argument("--train-samples", type=int,
+                   help="samples to train instead of --train-iters (iterations = samples // "
+                        "global batch); the LR schedule is then counted in samples")
+    g.add_argument("--lr-decay-samples", type=int,
+                   help="with --train-samples: samples to decay over (default: --train-samples)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="with --train-samples: warm-up samples")
+    g.add_argument("--lr-warmup-fraction", type=float,
+                   help="warm-up as a fraction of the decay horizon (instead of --lr-warmup-iters"
+                        " / --lr-warmup-samples)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="the learning rate warm-up starts from")
+    g.add_argument("--decoupled-lr", type=float,
+                   help="a separate peak LR for the input embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float,
+                   help="a separate minimum LR for them (with --decoupled-lr)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -220,6 +255,18 @@ def _add_training_args(parser: ArgumentParser) -> None:
                    help="do not stop at a NaN or inf loss or gradient norm (by default the run "
                         "stops, naming the iteration, the stage and the micro-batch)")
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce gradients over data parallelism in bf16 (default: fp32)")
+    g.add_argument("--loss-scale", type=float,
+                   help="with --fp16: a static loss scale (default: dynamic scaling)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                   help="with --fp16: the dynamic loss scale's start")
+    g.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="with --fp16: the dynamic loss scale's floor")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="with --fp16: iterations without overflow before the scale grows")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="with --fp16: overflows tolerated before the scale shrinks")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
 
@@ -231,6 +278,8 @@ def _add_data_args(parser: ArgumentParser) -> None:
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
     g.add_argument("--mock-data", action="store_true", help="synthetic data, no files")
     g.add_argument("--data-cache-path", help="where megatron-core caches sample indices")
+    g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                   help="read the .bin files without memory-mapping them")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD tokens")
     g.add_argument("--reset-position-ids", action="store_true",
                    help="packed documents: positions restart at 0 after each EOD")
@@ -245,11 +294,22 @@ def _add_run_args(parser: ArgumentParser) -> None:
     g.add_argument("--save", help="checkpoint directory to write")
     g.add_argument("--load", help="checkpoint directory to resume from")
     g.add_argument("--save-interval", type=int, help="iterations between checkpoints")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,
+                   help="checkpoint format: torch_dist (megatron-core's dist_checkpointing) is "
+                        "the one written and read here")
     g.add_argument("--eval-interval", type=int, default=1000,
                    help="iterations between evaluations on the validation split")
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches per evaluation (0: no evaluation)")
     g.add_argument("--log-interval", type=int, default=100, help="iterations per log line")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="add Megatron-LM's 'params norm' field: the L2 norm of the parameters")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="add Megatron-LM's 'num zeros' field: the zero gradient entries the "
+                        "optimizer counted")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="add Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' field to the log "
+                        "line (by the paper's FLOP count, as TFLOPS/GPU)")
     g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
     g.add_argument("--exit-interval", type=int,
                    help="save (with --save) and stop once the iteration is a multiple of this")
@@ -338,6 +398,11 @@ def _add_resume_args(parser: ArgumentParser) -> None:
     g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
                    dest="use_checkpoint_opt_param_scheduler", action="store_true",
                    help="on resume, keep the checkpoint's LR schedule over the flags'")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model flags from the checkpoint the run starts from (its "
+                        "args, or a release's config.json), as Megatron-LM: the sizes where not "
+                        "given, the rest forced; a RoPE base or scaling given here stays (a "
+                        "context extension)")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on --exit-signal (on any rank), finish the iteration, save (with --save) "
                         "and exit with code 0")
@@ -354,12 +419,19 @@ def build_parser() -> ArgumentParser:
                 _add_data_args, _add_run_args, _add_resume_args, _add_overlap_args,
                 _add_observability_args):
         add(parser)
+    megatron_lm_flags.add_upstream_flags(parser)    # the rest of Megatron-LM's: no-op or refused
     return parser
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse only (argparse errors: one line on stderr, exit 2). Call validate_args next."""
-    return build_parser().parse_args(argv)
+    """Parse only (argparse errors, and Megatron-LM flags refused here: one line on stderr, exit
+    2). Call validate_args next."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    refused = megatron_lm_flags.refusals(args)
+    if refused is not None:
+        parser.error(refused)
+    return args
 
 
 @dataclass(frozen=True)
@@ -424,7 +496,10 @@ def _fold_alias(args: argparse.Namespace, alias: str, canonical: str, value: obj
 
 def _validate_basics(args: argparse.Namespace) -> None:
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-             "micro_batch_size", "train_iters", "lr")
+             "micro_batch_size", "lr")
+    if (args.train_iters is None) == (args.train_samples is None):
+        _fail("--train-iters or --train-samples is required" if args.train_iters is None else
+              "--train-samples contradicts --train-iters; give one")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "ffn_hidden_size", "max_position_embeddings", "micro_batch_size",
                  "global_batch_size", "train_iters", "tensor_model_parallel_size",
@@ -433,24 +508,37 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "make_vocab_size_divisible_by",
                  "lr_decay_iters", "save_interval", "eval_interval", "log_interval",
                  "exit_interval", "vocab_size", "num_query_groups", "rotary_base",
+                 "kv_channels", "train_samples", "lr_decay_samples",
+                 "distributed_timeout_minutes",
                  "rotary_seq_len_interpolation_factor"):
         _check_range(args, name, 1)
     _check_range(args, "exit_duration_in_mins", 0, low_inclusive=False)
-    for name in ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad"):
+    for name in ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad",
+                 "lr_warmup_samples", "lr_warmup_init", "decoupled_lr", "decoupled_min_lr"):
         _check_range(args, name, 0)
+    _check_range(args, "lr_warmup_fraction", 0, 1)
     for name in ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"):
         _check_range(args, name, 0, 1)
     for name in ("init_method_std", "adam_eps", "p2p_timeout", "norm_epsilon",
-                 "rope_scaling_factor"):
+                 "rope_scaling_factor", "loss_scale", "initial_loss_scale", "min_loss_scale",
+                 "loss_scale_window", "hysteresis"):
         _check_range(args, name, 0, low_inclusive=False)
     if not 0 < args.rotary_percent <= 1:
         _fail(f"--rotary-percent must be > 0 and <= 1, got {args.rotary_percent:g}")
 
 
 def _validate_model(args: argparse.Namespace) -> None:
+    if args.transformer_impl != "local":
+        _fail(f"--transformer-impl {args.transformer_impl}: TE layers are not supported; use "
+              f"--transformer-impl local (megatron-core's own layers, what runs here)")
+    if args.recompute_activations:          # Megatron-LM's older spelling
+        args.recompute_granularity = "selective"
     if args.recompute_granularity == "full":
-        args.recompute_method = args.recompute_method or "uniform"
-        args.recompute_num_layers = args.recompute_num_layers or 1
+        if args.recompute_method is None:   # megatron-core's TransformerConfig refuses it
+            _fail("--recompute-granularity full needs --recompute-method uniform or block")
+        if args.recompute_num_layers is None:
+            _fail("--recompute-granularity full needs --recompute-num-layers (layers per "
+                  "recompute group, or recomputed per stage)")
         if args.recompute_num_layers < 1:
             _fail(f"--recompute-num-layers must be at least 1, got {args.recompute_num_layers}")
     elif args.recompute_method or args.recompute_num_layers is not None:
@@ -472,6 +560,31 @@ def _validate_model(args: argparse.Namespace) -> None:
     args.params_dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
 
 
+def _validate_attention_backend(args: argparse.Namespace) -> None:
+    """What the span attention would refuse at its first forward, refused here: a kernel this
+    machine lacks, FlexAttention's training on the CPU (torch has no CPU backward for it) or
+    with dropout (it has none). Imports the attention module (megatron-core) only for flash, te
+    and flex."""
+    flag = f"--attention-backend {args.attention_backend}"
+    name = args.attention_backend = MEGATRON_BACKENDS.get(args.attention_backend,
+                                                          args.attention_backend)
+    if name not in ("flash", "te", "flex"):
+        return
+    if name == "flex" and args.attention_dropout > 0:
+        _fail(f"{flag}: FlexAttention has no dropout; give --attention-dropout 0 (default 0.1)")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch
+        from seq1f1b.runtime.attention import backend_unavailable_reason
+    if name == "flex" and not torch.cuda.is_available():
+        _fail(f"{flag}: FlexAttention trains on a GPU only (torch has no CPU backward for it); "
+              f"use sdpa or eager")
+    reason = backend_unavailable_reason(name, argparse.Namespace(fp16=args.fp16, bf16=args.bf16))
+    if reason is not None:
+        _fail(f"{flag} is unavailable: {reason}")
+
+
 def _validate_architecture(args: argparse.Namespace) -> None:
     """GQA, norm and RoPE flags, checked as Megatron-LM checks them."""
     if args.group_query_attention:
@@ -485,13 +598,20 @@ def _validate_architecture(args: argparse.Namespace) -> None:
                   f"--tensor-model-parallel-size {args.tensor_model_parallel_size}")
     elif args.num_query_groups is not None:
         _fail("--num-query-groups needs --group-query-attention")
-    rotary_flags = {"rotary_base": 10000, "rotary_percent": 1.0,
+    rotary_flags = {"rotary_base": None, "rotary_percent": 1.0,
                     "rotary_seq_len_interpolation_factor": None, "use_rope_scaling": False}
     if args.position_embedding_type != "rope":
         changed = [name for name, default in rotary_flags.items()
                    if getattr(args, name) != default]
         if changed:
             _fail(f"--{changed[0].replace('_', '-')} needs --position-embedding-type rope")
+    args.rotary_base = args.rotary_base or 10000
+    args.rope_scaling_factor = args.rope_scaling_factor or 8.0
+    head_channels = args.hidden_size // args.num_attention_heads
+    if args.kv_channels is not None and args.kv_channels != head_channels:
+        _fail(f"--kv-channels {args.kv_channels}: only --hidden-size / --num-attention-heads "
+              f"= {head_channels} is supported (the span attention sizes its heads so)")
+    args.kv_channels = head_channels
     if args.swiglu and args.ffn_hidden_size is None and args.hidden_size < 48:
         _fail(f"--swiglu with --hidden-size {args.hidden_size}: the default FFN size rounds "
               "to 0; give --ffn-hidden-size")
@@ -534,12 +654,41 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
         # megatron-core's uniform loop would index past the chunk's last layer (IndexError).
         _fail(f"--recompute-num-layers {args.recompute_num_layers} must divide the "
               f"{chunk_layers} layers of each model chunk with --recompute-method uniform")
+    if args.sequence_parallel and tp == 1:      # as Megatron-LM: a warning, and off
+        print(f"{os.path.basename(sys.argv[0]) or 'pretrain_gpt.py'}: warning: "
+              f"--sequence-parallel is turned off: --tensor-model-parallel-size is 1",
+              file=sys.stderr)
+        args.sequence_parallel = False
+    if args.distributed_timeout_minutes is not None:
+        args.p2p_timeout = 60.0 * args.distributed_timeout_minutes
     if args.sequence_parallel:
-        if tp < 2:
-            _fail("--sequence-parallel needs --tensor-model-parallel-size > 1")
         if args.seq_length % tp:
             _fail(f"--seq-length {args.seq_length} is not divisible by "
                   f"--tensor-model-parallel-size {tp} (needed by --sequence-parallel)")
+
+
+def _validate_training_length(args: argparse.Namespace) -> None:
+    """Megatron-LM's two ways to say how long: iterations, or samples (then the LR schedule is
+    counted in samples too); a fraction of the decay horizon may give the warm-up."""
+    if args.train_samples is not None:
+        for flag in ("lr_decay_iters", "lr_warmup_iters"):
+            if getattr(args, flag):
+                _fail(f"--{flag.replace('_', '-')} counts iterations: with --train-samples give "
+                      f"--{flag.replace('_iters', '_samples').replace('_', '-')}")
+        args.train_iters = args.train_samples // args.global_batch_size
+        if args.train_iters < 1:
+            _fail(f"--train-samples {args.train_samples} is less than one --global-batch-size "
+                  f"{args.global_batch_size}")
+        args.lr_decay_samples = args.lr_decay_samples or args.train_samples
+    else:
+        for flag in ("lr_decay_samples", "lr_warmup_samples"):
+            if getattr(args, flag):
+                _fail(f"--{flag.replace('_', '-')} needs --train-samples (with --train-iters "
+                      f"give --{flag.replace('_samples', '_iters').replace('_', '-')})")
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        _fail("--lr-warmup-fraction contradicts --lr-warmup-iters / --lr-warmup-samples; give one")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        _fail("--decoupled-min-lr needs --decoupled-lr")
 
 
 def _validate_batch(args: argparse.Namespace) -> None:
@@ -588,8 +737,9 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         _check_schedule_file_shape(args)
     if name in MEGATRON_SCHEDULES and k != 1:
         _fail(f"--seq1f1b-splits {k}: --pipeline-schedule {name} runs whole sequences (k = 1)")
-    if name == "megatron-interleaved-1f1b" and \
+    if chunked and (name in MEGATRON_SCHEDULES or _placement(name) == "loop") and \
             args.num_micro_batches % args.pipeline_model_parallel_size:
+        # megatron-core's interleaving rule, which seq1f1b's interleaved schedules keep
         _fail(f"--global-batch-size: {name} needs the micro-batch count "
               f"({args.num_micro_batches}) to be a multiple of --pipeline-model-parallel-size "
               f"{args.pipeline_model_parallel_size}")
@@ -737,6 +887,11 @@ def _refuse_untraced_schedule(args: argparse.Namespace, flag: str) -> None:
 def _validate_optimisation(args: argparse.Namespace) -> None:
     if args.lr < args.min_lr:
         _fail(f"--min-lr {args.min_lr:g} exceeds --lr {args.lr:g}")
+    if args.train_samples is not None:
+        if args.lr_warmup_samples >= args.lr_decay_samples:
+            _fail(f"--lr-warmup-samples {args.lr_warmup_samples} must be < --lr-decay-samples "
+                  f"{args.lr_decay_samples} (default: --train-samples)")
+        return
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters >= args.lr_decay_iters:
@@ -756,17 +911,19 @@ def _validate_data(args: argparse.Namespace) -> None:
         if getattr(args, flag) is not None and args.tokenizer_type != tokenizer_type:
             _fail(f"--{flag.replace('_', '-')} is only read by --tokenizer-type {tokenizer_type}, "
                   f"not {args.tokenizer_type}")
-    if args.reset_attention_mask and args.attention_backend in ("te", "fused"):
+    if args.reset_attention_mask and args.attention_backend == "te":
         _fail(f"--reset-attention-mask: --attention-backend {args.attention_backend} cannot mask "
               f"documents; use eager, sdpa, flex or flash")
     try:
         parse_split(args.split)
-        check_data_config(DataConfig.from_args(args))
+        infos = check_data_config(DataConfig.from_args(args))
         tokenizer = build_tokenizer(args)
+        args.padded_vocab_size = padded_vocab_size(
+            tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+            args.tensor_model_parallel_size)
+        check_token_ids(infos, args.padded_vocab_size)
     except ValueError as err:
         _fail(str(err))
-    args.padded_vocab_size = padded_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
 def _validate_resume_layout(args: argparse.Namespace, start) -> None:
@@ -786,27 +943,46 @@ def _validate_resume_layout(args: argparse.Namespace, start) -> None:
         _fail(str(err))
 
 
-def _validate_run(args: argparse.Namespace) -> None:
+def _validate_run(args: argparse.Namespace, explicit: frozenset[str]) -> None:
     if args.load is not None:
         resumes_own_save = args.save is not None and \
             os.path.abspath(args.load) == os.path.abspath(args.save)
         if not os.path.isdir(args.load) and not resumes_own_save:   # a typo, or a fresh start
             _fail(f"--load: checkpoint directory {args.load} does not exist (it may be missing "
                   f"only when it is also --save)")
-    for flag in ("save", "tensorboard_dir", "data_cache_path"):
+    for flag in ("save", "tensorboard_dir", "data_cache_path", "wandb_save_dir"):
         path = getattr(args, flag)
-        if path is not None and os.path.exists(path) and not os.path.isdir(path):
-            _fail(f"--{flag.replace('_', '-')}: {path} exists and is not a directory")
+        if path is not None:
+            try:
+                writable.check_output_dir(path, f"--{flag.replace('_', '-')}")
+            except ValueError as err:
+                _fail(str(err))
     if args.save_interval is not None and args.save is None:
         _fail("--save-interval needs --save")
-    _validate_start(args)
+    if args.ckpt_format != "torch_dist":
+        _fail(f"--ckpt-format {args.ckpt_format}: only torch_dist (megatron-core's "
+              f"dist_checkpointing, Megatron-LM's default) is written and read here")
+    _validate_start(args, explicit)
     if args.exit_signal is not None and not args.exit_signal_handler:
         _fail(f"--exit-signal {args.exit_signal} needs --exit-signal-handler")
     args.exit_signal = args.exit_signal or "SIGTERM"
 
 
-def _validate_start(args: argparse.Namespace) -> None:
-    """The checkpoint the run starts from: its tracker, its iteration, its LR schedule."""
+def _use_checkpoint_args(args: argparse.Namespace, explicit: frozenset[str]) -> None:
+    """--use-checkpoint-args: the model flags of the checkpoint the run starts from, before any
+    other check (a run without a checkpoint yet keeps its flags, as in Megatron-LM)."""
+    try:
+        start = starting_point(args)
+        stored = None if start is None else checkpoint_model.stored_model(start)
+    except ValueError as err:
+        _fail(str(err))
+    if stored is not None:
+        checkpoint_model.fill_from_checkpoint(args, stored, explicit)
+
+
+def _validate_start(args: argparse.Namespace, explicit: frozenset[str]) -> None:
+    """The checkpoint the run starts from: its tracker, its iteration, its files, its model
+    (checkpoint_model: the flags' model must be the checkpoint's), its LR schedule."""
     for flag in ("finetune", "no_load_optim", "no_load_rng"):
         if getattr(args, flag) and args.load is None and args.pretrained_checkpoint is None:
             _fail(f"--{flag.replace('_', '-')} needs --load or --pretrained-checkpoint")
@@ -822,6 +998,12 @@ def _validate_start(args: argparse.Namespace) -> None:
     if not start.finetune and start.iteration > args.train_iters:
         _fail(f"--train-iters {args.train_iters} is below the iteration {start.iteration} of the "
               f"checkpoint in {start.flag} {start.root}")
+    try:
+        stored = checkpoint_model.stored_model(start)
+        if stored is not None:
+            checkpoint_model.check_model(args, stored, f"{start.flag} {start.root}", explicit)
+    except ValueError as err:
+        _fail(str(err))
     if not start.release:
         _validate_resume_layout(args, start)
     if not start.restores_optimizer or args.override_opt_param_scheduler or \
@@ -858,9 +1040,6 @@ def _validate_observability(args: argparse.Namespace) -> None:
             _fail("--wandb-exp-name is required with --wandb-project")
     elif args.wandb_exp_name or args.wandb_save_dir:
         _fail("--wandb-exp-name / --wandb-save-dir need --wandb-project")
-    if args.wandb_save_dir and os.path.exists(args.wandb_save_dir) and \
-            not os.path.isdir(args.wandb_save_dir):
-        _fail(f"--wandb-save-dir: {args.wandb_save_dir} exists and is not a directory")
     if args.profile:
         if not args.tensorboard_dir:
             _fail("--profile writes its traces to --tensorboard-dir; give one")
@@ -887,16 +1066,10 @@ def _validate_timeline(args: argparse.Namespace) -> None:
             _fail("--timeline-iteration needs --timeline-path")
         return
     _refuse_untraced_schedule(args, "--timeline-path")
-    if not path.endswith(".png"):
-        _fail(f"--timeline-path {path}: name a .png file (its actions are written beside it as "
-              f".json)")
-    if os.path.isdir(path):
-        _fail(f"--timeline-path {path} is a directory; name a .png file")
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):         # the folders it lacks are made when it is drawn
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-        _fail(f"--timeline-path {path}: {folder} is not a directory")
+    try:      # the folders it lacks are made when it is drawn; its actions go beside it (.json)
+        writable.check_output_file(path, "--timeline-path", ".png", makes_folders=True)
+    except ValueError as err:
+        _fail(str(err))
     args.timeline_iteration = args.train_iters if iteration is None else iteration
     if not 1 <= args.timeline_iteration <= args.train_iters:
         _fail(f"--timeline-iteration {args.timeline_iteration} is not one of the iterations 1 to "
@@ -934,14 +1107,19 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     The --pipe-sp-* aliases are folded into seq1f1b_* and removed.
     Raises ArgumentError (one line, naming the flag).
     """
+    explicit = checkpoint_model.explicit_context(args)
+    if args.use_checkpoint_args:
+        _use_checkpoint_args(args, explicit)
     _validate_basics(args)
     _validate_model(args)
     _validate_parallelism(args, world_size)
     _validate_batch(args)
+    _validate_training_length(args)
     _validate_schedule(args)
     _validate_optimisation(args)
     _validate_data(args)
-    _validate_run(args)
+    _validate_attention_backend(args)
+    _validate_run(args, explicit)
     _validate_overlap(args)
     _validate_observability(args)
     _validate_schedule_budget(args)

@@ -193,6 +193,7 @@ class DataConfig:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    mmap_bin_files: bool = True
 
     @classmethod
     def from_args(cls, args: object) -> "DataConfig":
@@ -201,7 +202,8 @@ class DataConfig:
                    mock_data=args.mock_data, data_cache_path=args.data_cache_path,
                    eod_mask_loss=args.eod_mask_loss,
                    reset_position_ids=args.reset_position_ids,
-                   reset_attention_mask=args.reset_attention_mask)
+                   reset_attention_mask=args.reset_attention_mask,
+                   mmap_bin_files=getattr(args, "mmap_bin_files", True))
 
 
 def check_data_config(config: DataConfig) -> list[IndexedDatasetInfo]:
@@ -212,6 +214,29 @@ def check_data_config(config: DataConfig) -> list[IndexedDatasetInfo]:
     infos = [check_indexed_dataset(prefix) for prefix in prefixes]
     check_splits_have_documents(config.split, infos)
     return infos
+
+
+TOKEN_SCAN_CHUNK = 1 << 24
+"""Tokens read at a time when scanning a .bin for its largest id."""
+
+
+def check_token_ids(infos: Sequence[IndexedDatasetInfo], vocab_rows: int,
+                    flag: str = "--data-path") -> None:
+    """Refuse a dataset holding a token id outside the model's `vocab_rows` embedding rows (on a
+    GPU, a device-side assert in the first forward; on the CPU an IndexError), before any work.
+
+    Reads every .bin once, in chunks (about a second per GB).
+    """
+    for info in infos:
+        tokens = numpy.memmap(info.prefix + ".bin", dtype=info.dtype, mode="r")
+        for start in range(0, len(tokens), TOKEN_SCAN_CHUNK):
+            chunk = tokens[start:start + TOKEN_SCAN_CHUNK]
+            low, high = int(chunk.min()), int(chunk.max())
+            if low < 0 or high >= vocab_rows:
+                bad = low if low < 0 else high
+                raise ValueError(f"{flag}: {info.prefix}.bin holds token id {bad}, outside the "
+                                 f"model's vocabulary of {vocab_rows} rows (0 to "
+                                 f"{vocab_rows - 1}): tokenized with another tokenizer?")
 
 
 def _every_rank() -> bool:
@@ -249,6 +274,7 @@ def build_datasets(config: DataConfig, tokenizer: object, num_samples: Sequence[
         reset_attention_mask=config.reset_attention_mask,
         eod_mask_loss=config.eod_mask_loss,
         create_attention_mask=False,
+        mmap_bin_files=config.mmap_bin_files,
     )
     dataset_cls = MockGPTDataset if config.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank,

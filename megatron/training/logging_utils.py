@@ -5,13 +5,15 @@ writers.py).
 The log line keeps Megatron-LM's fields, order and number formats (so tools that parse Megatron
 logs keep working) and appends the paper's metrics:
 
-     [2026-01-31 12:00:00] iteration       10/     100 | consumed samples:          320 |
+     [2026-01-31 12:00:00.123456] iteration       10/     100 | consumed samples:          320 |
      elapsed time per iteration (ms): 812.4 | learning rate: 3.000000E-04 | global batch size:
      32 | lm loss: 4.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped
      iterations:   0 | number of nan iterations:   0 | tokens/s: 5042 | TFLOPS/GPU: 0.01 | peak
      mem per stage (MB held for backward): 12.5, 9.8 | ETA 0:01:13 |
 
-(one line in the log; the timestamp is when the line was written, as in Megatron 0.16). A nan
+(one line in the log; the timestamp is when the line was written, with microseconds, as in
+Megatron-LM core_v0.16.1; the learning rate is Megatron-LM's: the optimizer's after the
+scheduler stepped, i.e. the one the next iteration uses). A nan
 iteration is, as in Megatron, a skipped iteration (no update) whose loss was NaN or infinite.
 Peak memory: on a GPU, `torch.cuda.max_memory_reserved` (what the paper's
 reference logged); on the CPU, the bytes autograd holds for backward (activations and the weights
@@ -75,19 +77,29 @@ class IntervalReport:
     memory_source: str
     nan_iterations: int = 0
     time: Optional[datetime] = None     # when the line is written (None: now)
+    log_throughput: bool = False        # --log-throughput: Megatron-LM's TFLOP/s/GPU field
+    num_zeros_in_grad: Optional[int] = None     # --log-num-zeros-in-grad (last iteration's)
+    params_norm: Optional[float] = None         # --log-params-norm
 
     def line(self) -> str:
-        stamp = (self.time or datetime.now()).strftime("%Y-%m-%d %H:%M:%S")
+        stamp = (self.time or datetime.now()).strftime("%Y-%m-%d %H:%M:%S.%f")
         fields = [f" [{stamp}] iteration {self.iteration:8d}/{self.train_iters:8d}",
                   f" consumed samples: {self.consumed_samples:12d}",
-                  f" elapsed time per iteration (ms): {self.seconds_per_iteration * 1000:.1f}",
-                  f" learning rate: {self.learning_rate:.6E}",
+                  f" elapsed time per iteration (ms): {self.seconds_per_iteration * 1000:.1f}"]
+        if self.log_throughput:
+            fields.append(f" throughput per GPU (TFLOP/s/GPU): "
+                          f"{self.throughput.tflops_per_gpu:.1f}")
+        fields += [f" learning rate: {self.learning_rate:.6E}",
                   f" global batch size: {self.global_batch_size:5d}"]
         if self.lm_loss is not None:
             fields.append(f" lm loss: {self.lm_loss:.6E}")
         fields.append(f" loss scale: {self.loss_scale:.1f}")
         if self.grad_norm is not None:
             fields.append(f" grad norm: {self.grad_norm:.3f}")
+        if self.num_zeros_in_grad is not None:
+            fields.append(f" num zeros: {self.num_zeros_in_grad}")
+        if self.params_norm is not None:
+            fields.append(f" params norm: {self.params_norm:.3f}")
         remaining = (self.train_iters - self.iteration) * self.seconds_per_iteration
         fields += [f" number of skipped iterations: {self.skipped_iterations:3d}",
                    f" number of nan iterations: {self.nan_iterations:3d}",
@@ -105,6 +117,27 @@ def validation_lines(where: str, lm_loss: float) -> list[str]:
     text = f" validation loss at {where} | lm loss value: {lm_loss:.6E} | lm loss PPL: {ppl:.6E} | "
     rule = "-" * (len(text) + 1)
     return [rule, text, rule]
+
+
+def params_l2_norm(model: Sequence[torch.nn.Module]) -> float:
+    """--log-params-norm: the L2 norm of the whole model's parameters, as Megatron-LM counts
+    it (each tensor-parallel shard once, a tied output layer once); collective over the
+    model-parallel group. From the model's own (bf16 or fp32) weights, in fp32: Megatron-LM
+    reads the optimizer's fp32 main copies under mixed precision, which differ by rounding."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    squares = torch.zeros((), dtype=torch.float32)
+    for chunk in model:
+        for param in chunk.parameters():
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                squares = squares + param.detach().float().pow(2).sum().cpu()
+    if torch.cuda.is_available():
+        squares = squares.cuda()
+    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    return float(squares.sqrt())
 
 
 class PeakMemory:

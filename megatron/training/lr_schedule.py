@@ -21,7 +21,7 @@ class ScheduleSettings:
 
     max_lr: float
     min_lr: float
-    lr_warmup_steps: int
+    lr_warmup_steps: float      # a fraction of the decay horizon need not be whole
     lr_decay_steps: int
     lr_decay_style: str
     start_wd: float
@@ -31,12 +31,20 @@ class ScheduleSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ScheduleSettings":
-        samples = args.global_batch_size
-        return cls(max_lr=args.lr, min_lr=args.min_lr,
-                   lr_warmup_steps=args.lr_warmup_iters * samples,
-                   lr_decay_steps=args.lr_decay_iters * samples,
-                   lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-                   end_wd=args.weight_decay, wd_incr_steps=args.train_iters * samples,
+        """As Megatron-LM's get_optimizer_param_scheduler: iterations x global batch, or the
+        samples themselves with --train-samples; --lr-warmup-fraction of the decay horizon."""
+        if getattr(args, "train_samples", None) is not None:
+            decay, warmup = args.lr_decay_samples, args.lr_warmup_samples
+            total = args.train_samples
+        else:
+            samples = args.global_batch_size
+            decay, warmup = args.lr_decay_iters * samples, args.lr_warmup_iters * samples
+            total = args.train_iters * samples
+        if getattr(args, "lr_warmup_fraction", None) is not None:
+            warmup = args.lr_warmup_fraction * decay
+        return cls(max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
+                   lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
+                   start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=total,
                    wd_incr_style="constant")
 
 

@@ -91,7 +91,8 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.overlap_param_gather and args.align_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
@@ -132,6 +133,10 @@ def build_optimizer(args: argparse.Namespace, config: TransformerConfig,
         optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         params_dtype=params_dtype(args), use_distributed_optimizer=args.use_distributed_optimizer,
         timers=config.timers, barrier_with_L1_time=config.barrier_with_L1_time)
     optimizer = get_megatron_optimizer(optimizer_config, model)
@@ -148,7 +153,7 @@ def build_lr_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer
     the checkpoint's, neither requires them to agree (validation has checked they do).
     """
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, **asdict(ScheduleSettings.from_args(args)),
+        optimizer, init_lr=args.lr_warmup_init, **asdict(ScheduleSettings.from_args(args)),
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler)
 

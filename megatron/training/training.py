@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer import MegatronOptimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import (OptimizerParamScheduler,
+                                                     get_canonical_lr_for_logging)
 from megatron.core.timers import Timers
 from megatron.core.utils import get_model_config
 
@@ -39,12 +40,13 @@ from megatron.training.data import MicroBatchIterator, train_valid_test_num_samp
 from megatron.training.exit_conditions import ExitConditions
 from megatron.training.global_vars import get_args, get_tokenizer, set_global_variables
 from megatron.training.initialize import finish_megatron, initialize_megatron
-from megatron.training.logging_utils import (IntervalReport, PeakMemory, throughput,
-                                             validation_lines)
+from megatron.training.logging_utils import (IntervalReport, PeakMemory, params_l2_norm,
+                                             throughput, validation_lines)
 from megatron.training.profiling import Profiler
 from megatron.training.schedule_function import ScheduleFunction
 from megatron.training.writers import ScalarWriters
 from seq1f1b import platform
+from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan.actions import virtual_stage
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.runtime.forward_backward import placement_of
@@ -62,8 +64,12 @@ class IterationRecord:
     iteration: int
     losses: dict[str, float]
     grad_norm: Optional[float]
-    learning_rate: float
+    learning_rate: float        # the LR the iteration's update used
     skipped: bool
+    num_zeros_in_grad: Optional[int] = None      # with --log-num-zeros-in-grad
+    logged_learning_rate: Optional[float] = None
+    """The LR Megatron-LM logs for the iteration: the optimizer's after the scheduler stepped
+    (get_canonical_lr_for_logging after train_step), which is the next iteration's."""
 
     @property
     def nan(self) -> bool:
@@ -166,7 +172,7 @@ class _Run:
         if self.args.check_for_nan_in_loss_and_grad:
             self._check_numerics(losses)
         self.timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
-        update_successful, grad_norm, _ = self.optimizer.step()
+        update_successful, grad_norm, num_zeros = self.optimizer.step()
         self.timers("optimizer").stop()
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
@@ -175,7 +181,9 @@ class _Run:
         return IterationRecord(self.iteration,
                                reduce_losses(losses, placement_of(self.args.pipeline_schedule)),
                                None if grad_norm is None else float(grad_norm),
-                               learning_rate, not update_successful)
+                               learning_rate, not update_successful,
+                               None if num_zeros is None else int(num_zeros),
+                               get_canonical_lr_for_logging(self.optimizer.param_groups))
 
     def _check_numerics(self, losses: list) -> None:
         """--check-for-nan-in-loss-and-grad, before the update (megatron/training/numerics.py)."""
@@ -207,17 +215,19 @@ class _Run:
         report = IntervalReport(
             iteration=self.iteration, train_iters=args.train_iters,
             consumed_samples=self.consumed_train_samples, seconds_per_iteration=seconds,
-            learning_rate=records[-1].learning_rate, global_batch_size=args.global_batch_size,
+            learning_rate=records[-1].logged_learning_rate,
+            global_batch_size=args.global_batch_size,
             lm_loss=(sum(r.losses["lm loss"] for r in counted) / len(counted)) if counted
             else None,
             loss_scale=float(self.optimizer.get_loss_scale()),
-            grad_norm=records[-1].grad_norm,
+            grad_norm=records[-1].grad_norm, num_zeros_in_grad=records[-1].num_zeros_in_grad,
+            params_norm=params_l2_norm(self.model) if args.log_params_norm else None,
             skipped_iterations=sum(r.skipped for r in records),
             nan_iterations=sum(r.nan for r in records),
             throughput=throughput(self.cost_model, args.seq_length, args.global_batch_size,
                                   args.world_size, seconds),
             peak_memory_mb=[peak / 2**20 for peak in stage_peaks],
-            memory_source=self.memory.source)
+            memory_source=self.memory.source, log_throughput=args.log_throughput)
         print_rank_last(report.line())
         if args.timing_log_level > 0:   # collective: every rank's times, printed on the last
             timing = self.timers.get_all_timers_string(LOGGED_TIMERS, normalizer=len(records),
@@ -393,12 +403,13 @@ def pretrain(args: argparse.Namespace, train_valid_test_datasets_provider: Datas
 def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
               model_provider: model_setup.ModelProvider,
               forward_step_func: ForwardStep, exits: ExitConditions) -> TrainingSummary:
+    config = model_setup.core_transformer_config_from_args(args)
     print_rank_0(f"> training with {args.world_size} processes: TP={args.tensor_model_parallel_size}"
                  f" PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}"
                  f" V={args.virtual_pipeline_model_parallel_size or 1}, schedule "
                  f"{args.pipeline_schedule} k={args.seq1f1b_splits} ({args.seq1f1b_partition}),"
+                 f" span lengths {_first_span_lengths(args, config)},"
                  f" {args.num_micro_batches} micro-batches of {args.micro_batch_size}")
-    config = model_setup.core_transformer_config_from_args(args)
     timers = Timers(args.timing_log_level, args.timing_log_option)
     config.timers = timers                     # megatron's schedules, finalize and optimizer
     config.barrier_with_L1_time = args.barrier_with_L1_time
@@ -434,15 +445,28 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
                           valid_iterators)
     finally:
         run.profiler.stop()
+    # Megatron-LM's end-of-training prefixes ("validation loss at iteration N on test set" too)
     if finished and valid_iterators is not None:
         run.summary.validation.append(
-            ("end/valid", run.evaluate(valid_iterators, "the end of training for val data")))
+            ("end/valid", run.evaluate(valid_iterators,
+                                       f"iteration {run.iteration} on validation set")))
     if finished and has_test and args.eval_iters:
         run.summary.validation.append(
             ("end/test", run.evaluate(run.iterators(test_ds, 0),
-                                      "the end of training for test data", split="test")))
+                                      f"iteration {run.iteration} on test set", split="test")))
     run.writers.close()
     return run.summary
+
+
+def _first_span_lengths(args: argparse.Namespace, config) -> str:
+    """The span lengths the first iteration runs, as the runtime cuts them (the fit partition
+    starts from the compute cut and prints its own after calibrating)."""
+    partition = "compute" if args.seq1f1b_partition == "fit" else args.seq1f1b_partition
+    lengths = span_partition.partition(
+        args.seq_length, args.seq1f1b_splits, partition,
+        model=ModelConfig.of_transformer_config(config), tp=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, lengths=args.seq1f1b_span_lengths)
+    return " ".join(map(str, lengths))
 
 
 def _splits_present(datasets: Sequence[Optional[object]]) -> list[bool]:

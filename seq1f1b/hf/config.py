@@ -31,7 +31,7 @@ _DEFAULTS = {
 _COMMON_DEFAULTS = dict(rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
                         hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
                         mlp_bias=False, torch_dtype="float32")
-_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+LLAMA3_FACTORS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 8192}
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -137,8 +137,8 @@ def _rope_scaling_factor(scaling, path: str) -> Optional[float]:
         return None
     if kind != "llama3":
         raise _fail(path, f"rope_scaling {scaling!r}: only rope_type 'llama3' is supported")
-    others = {name: scaling.get(name) for name in _LLAMA3}
-    if others != _LLAMA3:
+    others = {name: scaling.get(name) for name in LLAMA3_FACTORS}
+    if others != LLAMA3_FACTORS:
         raise _fail(path, f"rope_scaling llama3 with {others}: megatron-core's Llama 3 scaling "
                           f"has low_freq_factor 1, high_freq_factor 4 and "
                           f"original_max_position_embeddings 8192")

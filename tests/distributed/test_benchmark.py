@@ -223,3 +223,19 @@ def test_device_check_gpu_suite_tiny_runs_every_part_on_cpu(tmp_path):
     assert "skipped" in documents["flash_mha"]
     with pytest.raises(CalibrationError, match="without a GPU"):   # reads the suite's layout
         read_device_check(tmp_path / "device_check.json")
+
+
+@pytest.mark.parametrize("flag, path", [("--plot", "{tmp}"), ("--plot", "{tmp}/plot.svg"),
+                                        ("--output", "{tmp}"), ("--output", "/proc/self/r.json"),
+                                        ("--output", "{tmp}/missing/r.json")])
+def test_bad_output_paths_are_refused_before_the_run(tmp_path, flag, path):
+    """The results are written after the whole run: a path that cannot take them is refused
+    while the flags are parsed (a folder as --plot used to become FOLDER.png)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_tool", ROOT / "tools" / "benchmark.py")
+    tool = sys.modules["benchmark_tool"] = importlib.util.module_from_spec(spec)  # dataclasses
+    spec.loader.exec_module(tool)
+    with pytest.raises(tool.UsageError, match=f"^{flag}") as err:
+        tool.parse_args(["--schedules", "1f1b", flag, path.format(tmp=tmp_path)])
+    assert "\n" not in str(err.value)

@@ -64,6 +64,9 @@ import pytest
 from launch import ROOT, run_cases
 from seq1f1b.plan import registry, schedule_file
 
+sys.path.insert(0, str(ROOT / "tests"))
+import megatron_llama3_script as llama3  # noqa: E402
+
 WORLD = 4
 CASES_PER_LAUNCH = 10
 """Runs per torchrun launch. A finished run's gloo groups are destroyed, but some of their
@@ -286,6 +289,7 @@ def results(data_prefix, tmp_path_factory):
         "megatron-1f1b": {"argv": _schedule_flags(data_prefix, "megatron-1f1b", 1)},
         "documents-1f1b": {"argv": _document_flags(data_prefix, "1f1b", 1)},
         "documents-seq1f1b": {"argv": _document_flags(data_prefix, "seq1f1b", 4)},
+        "llama3_script": {"argv": _llama3_cpu_flags(str(root / "llama3"))},
     })
     for layout in OVERLAP_LAYOUTS:
         for overlapped in (False, True):
@@ -311,6 +315,34 @@ def results(data_prefix, tmp_path_factory):
 
 SIGTERM_AT = (1, 2)
 """Rank 1 (not the last, which logs) receives SIGTERM as iteration 2 starts."""
+
+
+def _llama3_cpu_flags(folder: str) -> list[str]:
+    """Megatron-LM's Llama-3 8B script's flags at a tiny shape, less its GPU-only ones (and the
+    flags another change of this project adds, until it is merged)."""
+    from megatron.training import megatron_lm_flags
+    from megatron.training.arguments import build_parser
+
+    flags, defined = llama3.cpu_flags(folder), build_parser()._option_string_actions
+    for flag in megatron_lm_flags.PENDING:
+        if flag in flags and isinstance(defined[flag], megatron_lm_flags._Refused):
+            del flags[flags.index(flag):flags.index(flag) + 2]
+    return flags
+
+
+def test_megatron_lms_llama3_script_trains_on_the_cpu_with_seq1f1b(results):
+    """TP 2 x DP 2, bf16, distributed optimizer with both overlaps, the sample-based schedule
+    with a decoupled LR for the embedding and output layer, --log-throughput, --profile."""
+    result = results["llama3_script"]
+    assert result["iteration"] == 4 and len(result["history"]) == 4
+    losses = [r["losses"]["lm loss"] for r in result["history"]]
+    assert all(math.isfinite(loss) for loss in losses)
+    lines = [line for line in result["stdout"].splitlines() if "consumed samples" in line]
+    assert len(lines) == 4 and all(" throughput per GPU (TFLOP/s/GPU): " in line
+                                   for line in lines)
+    rates = [float(re.search(r"learning rate: (\S+) \|", line).group(1)) for line in lines]
+    assert rates[0] == pytest.approx(1.5e-4)      # after the 4 warm-up samples: the peak
+    assert rates == sorted(rates, reverse=True)   # then cosine decay
 
 
 def _preemption_cases(data_prefix: str, root) -> dict:
@@ -464,7 +496,7 @@ def test_log_lines_carry_a_timestamp_and_the_nan_iteration_count(results):
              and "consumed samples" in line]
     assert len(lines) == SCHEDULE_ITERS
     for line in lines:
-        stamp = re.match(r" \[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] iteration ", line)
+        stamp = re.match(r" \[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6})\] iteration ", line)
         assert stamp, line
         assert abs((datetime.now() - datetime.fromisoformat(stamp.group(1))).total_seconds()) \
             < 3600

@@ -55,6 +55,20 @@ def test_exit_code_decides_ok_and_failed():
                                 ":00 DUE TO TIME LIMIT ***", None) == "TIMEOUT"
 
 
+def test_a_host_oom_kill_is_oom_and_a_missing_log_is_missing(tmp_path):
+    """The kernel's OOM killer sends SIGKILL and leaves no message in the job's log."""
+    assert job_results.classify(TRAINING_LOG, 137) == "OOM"
+    assert job_results.classify(TRAINING_LOG + "\nSignal 9 (SIGKILL) received by PID 7", 1) == \
+        "OOM"
+    assert job_results.classify(TRAINING_LOG + "\nDUE TO TIME LIMIT ***", 137) == "TIMEOUT"
+    for code in ("0", "1"):
+        result = subprocess.run([sys.executable, str(EXAMPLES / "job_results.py"), "summarize",
+                                 "--log", str(tmp_path / "absent.log"), "--exit-code", code],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(f"SEQ1F1B_RESULT status=MISSING exit={code}")
+
+
 def test_metrics_of_the_trainer_log_line():
     figures = job_results.metrics(TRAINING_LOG)
     assert figures["iterations"] == "4" and figures["train_iters"] == "4"

@@ -67,11 +67,23 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
     ({"ffn_hidden_size": 101}, WORLD, "--ffn-hidden-size"),
     ({"seq1f1b_splits": 65}, WORLD, "--seq1f1b-splits"),
     ({"recompute_method": "block"}, WORLD, "--recompute-method"),
-    ({"recompute_granularity": "full", "recompute_num_layers": -1}, WORLD,
-     "--recompute-num-layers"),
-    ({"recompute_granularity": "full", "recompute_num_layers": 3}, WORLD,
+    ({"recompute_granularity": "full", "recompute_method": "uniform",
+      "recompute_num_layers": -1}, WORLD, "--recompute-num-layers"),
+    ({"recompute_granularity": "full", "recompute_method": "uniform",
+      "recompute_num_layers": 3}, WORLD,
      "--recompute-num-layers"),       # uniform groups of 3 do not divide a stage's layers
-    ({"sequence_parallel": True, "tensor_model_parallel_size": 1}, WORLD, "--sequence-parallel"),
+    ({"recompute_granularity": "full"}, WORLD, "--recompute-method"),    # megatron-core refuses
+    ({"recompute_granularity": "full", "recompute_method": "block"}, WORLD,
+     "--recompute-num-layers"),
+    ({"transformer_impl": "transformer_engine"}, WORLD, "--transformer-impl transformer_engine"),
+    ({"ckpt_format": "torch"}, WORLD, "--ckpt-format torch"),
+    ({"train_samples": 80}, WORLD, "--train-samples"),                 # and --train-iters
+    ({"train_iters": None, "train_samples": 80, "lr_warmup_iters": 2}, WORLD,
+     "--lr-warmup-samples"),
+    ({"lr_decay_samples": 40}, WORLD, "--lr-decay-samples"),
+    ({"lr_warmup_fraction": 0.1, "lr_warmup_iters": 1}, WORLD, "--lr-warmup-fraction"),
+    ({"lr_warmup_fraction": 1.5}, WORLD, "--lr-warmup-fraction"),
+    ({"decoupled_min_lr": 1e-5}, WORLD, "--decoupled-min-lr"),
     ({"sequence_parallel": True, "seq_length": 63}, WORLD, "--seq-length"),
     ({"seq1f1b_span_lengths": [16, 16, 16, 8]}, WORLD, "--seq1f1b-span-lengths"),
     ({"seq1f1b_span_lengths": [32, 32]}, WORLD, "--seq1f1b-span-lengths"),
@@ -148,6 +160,17 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
     ({"norm_epsilon": 0}, WORLD, "--norm-epsilon"),
     ({"swiglu": True, "hidden_size": 32}, WORLD, "--swiglu"),
     ({"reset_attention_mask": True, "attention_backend": "te"}, WORLD, "--reset-attention-mask"),
+    ({"attention_backend": "flash"}, WORLD, "--attention-backend flash"),     # no GPU, no package
+    ({"attention_backend": "te"}, WORLD, "--attention-backend te"),
+    ({"attention_backend": "fused"}, WORLD, "--attention-backend fused"),
+    ({"attention_backend": "flex"}, WORLD, "--attention-dropout 0"),           # default dropout 0.1
+    ({"attention_backend": "flex", "attention_dropout": 0}, WORLD, "--attention-backend flex"),
+    ({"pipeline_schedule": "seq1f1b-interleaved", "num_layers_per_virtual_pipeline_stage": 2,
+      "global_batch_size": 12}, WORLD, "--global-batch-size"),   # 3 micro-batches over PP 2
+    ({"save": "/proc/self/checkpoints"}, WORLD, "--save"),          # not writable, even by root
+    ({"tensorboard_dir": "/proc/self/tb"}, WORLD, "--tensorboard-dir"),
+    ({"data_cache_path": "/proc/self/cache"}, WORLD, "--data-cache-path"),
+    ({"kv_channels": 8}, WORLD, "--kv-channels 8"),
     ({"overlap_grad_reduce": True, "overlap_param_gather": True}, WORLD,
      "--use-distributed-optimizer"),
     ({"use_distributed_optimizer": True, "overlap_param_gather": True}, WORLD,
@@ -213,12 +236,14 @@ def test_llama_flags_derive_megatrons_values(tmp_path):
 
 
 def test_interleaving_and_global_batch_default(tmp_path):
-    flags = _with(tmp_path, pipeline_schedule="seq1f1b-interleaved", global_batch_size=None,
+    flags = _with(tmp_path, pipeline_schedule="seq1f1b-interleaved",
                   num_layers_per_virtual_pipeline_stage=2, bf16=True)
     args = validate_args(parse_args(_argv(flags)), WORLD)
     assert args.virtual_pipeline_model_parallel_size == 2
+    assert args.num_micro_batches == 2 and args.params_dtype == "bfloat16"
+    # the default global batch is one micro-batch per DP rank, which interleaving refuses
+    args = validate_args(parse_args(_argv(_with(tmp_path, global_batch_size=None))), WORLD)
     assert (args.global_batch_size, args.num_micro_batches) == (4, 1)
-    assert args.params_dtype == "bfloat16"
 
 
 def test_fit_partition_and_timeline_defaults(tmp_path):

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import sys
 
 import numpy
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from megatron.training import data
-from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from megatron.training.tokenizer import ByteLevelTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -301,3 +302,22 @@ def test_packed_documents_reach_the_batch_as_megatron_defines_them(corpus):
         assert torch.equal(batch["loss_mask"][row], loss_mask)
         ids = batch["attention_mask"][row:row + 1]
         assert torch.equal(span_document_mask(ids, 16, 48)[0], mask[:, 16:48, :48])
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_at_validation(corpus, tmp_path):
+    """On a GPU an out-of-vocabulary id is a device-side assert in the first forward."""
+    _, prefix = corpus
+    copy = str(tmp_path / "copy")
+    for ext in (".bin", ".idx"):
+        shutil.copy(prefix + ext, copy + ext)
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "32", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+            "--data-path", copy, "--split", "80,20,0"]
+    rows = validate_args(parse_args(argv), 1).padded_vocab_size
+    tokens = numpy.memmap(copy + ".bin", dtype=numpy.uint16, mode="r+")
+    tokens[7] = rows
+    tokens.flush()
+    del tokens
+    with pytest.raises(ArgumentError, match=rf"^--data-path: {copy}.bin holds token id {rows}, "
+                                            rf"outside the model's vocabulary of {rows} rows"):
+        validate_args(parse_args(argv), 1)

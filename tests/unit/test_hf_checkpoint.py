@@ -247,3 +247,128 @@ def test_tokenizer_flag_takes_the_folder(models):
     assert tok.vocab_size == by_file.vocab_size == TOKENIZER_VOCAB
     assert tok.eod == tok._tok.token_to_id("</s>")
     assert tok.detokenize(tok.tokenize("the red fox")) == "the red fox"
+
+
+# ----------------------------------------------------------------------------- the model travels
+
+def _release_flags(models, family, tmp_path, capsys) -> list[str]:
+    code, out, err = _run(capsys, "hf-to-megatron", "--hf-dir", models[family], "--save",
+                          tmp_path / "ckpt")
+    assert code == 0, err
+    return _flags(out)
+
+
+_RUN = ["--seq-length", "32", "--micro-batch-size", "1", "--mock-data", "--train-iters", "1",
+        "--lr", "1e-4"]
+
+
+def _without(flags: list[str], flag: str, values: int = 1) -> list[str]:
+    at = flags.index(flag)
+    return flags[:at] + flags[at + 1 + values:]
+
+
+def _validate(flags):
+    from megatron.training.arguments import parse_args, validate_args
+
+    return validate_args(parse_args(_RUN + [str(f) for f in flags]), 1)   # later flags win
+
+
+def _refused_by_validation(flags, names):
+    from megatron.training.arguments import ArgumentError
+
+    with pytest.raises(ArgumentError) as err:
+        _validate(flags)
+    line = str(err.value)
+    assert "\n" not in line and all(str(name) in line for name in names), line
+    return line
+
+
+def test_a_release_refuses_flags_of_another_model(models, tmp_path, capsys):
+    flags = _release_flags(models, "llama", tmp_path, capsys)
+    _validate(flags)
+    _refused_by_validation(_without(flags, "--rotary-base"), ["--rotary-base", "10000", "500000"])
+    _refused_by_validation(_without(flags, "--untie-embeddings-and-output-weights", 0),
+                           ["--untie-embeddings-and-output-weights", "off", "on"])
+    heads = flags.index("--num-attention-heads") + 1
+    _refused_by_validation(flags[:heads] + ["2"] + flags[heads + 1:],
+                           ["--num-attention-heads", "2", "4", "config.json"])
+    _refused_by_validation(_without(flags, "--use-rope-scaling", 0), ["--use-rope-scaling"])
+    extended = _validate(flags + ["--rotary-base", "2000000"])     # on purpose: a context extension
+    assert extended.rotary_base == 2000000
+
+
+def test_use_checkpoint_args_takes_the_model_from_the_release(models, tmp_path, capsys):
+    flags = _release_flags(models, "llama", tmp_path, capsys)
+    full = _validate(flags)
+    only = _validate(["--load", tmp_path / "ckpt", "--use-checkpoint-args", "--tokenizer-type",
+                      "NullTokenizer", "--vocab-size", "95"])
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                 "num_query_groups", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
+                 "untie_embeddings_and_output_weights", "swiglu", "normalization",
+                 "norm_epsilon", "disable_bias_linear", "position_embedding_type"):
+        assert getattr(only, name) == getattr(full, name), name
+
+
+def _trained_checkpoint(models, tmp_path, capsys, **trained) -> Path:
+    """The llama release, re-labelled as iteration 3 of a run whose flags are `trained`."""
+    flags = _release_flags(models, "llama", tmp_path, capsys)
+    args = _validate(flags + [item for flag, value in trained.items()
+                              for item in ("--" + flag.replace("_", "-"), value)])
+    root = tmp_path / "trained"
+    shutil.copytree(tmp_path / "ckpt" / "release", root / "iter_0000003")
+    common = torch.load(root / "iter_0000003" / "common.pt", weights_only=False)
+    common.update(args=args, iteration=3)
+    torch.save(common, root / "iter_0000003" / "common.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("3\n")
+    return root
+
+
+def test_export_writes_the_context_the_checkpoint_was_trained_with(models, tmp_path, capsys):
+    root = _trained_checkpoint(models, tmp_path, capsys, rotary_base=2000000,
+                               max_position_embeddings=32768)
+    code, out, err = _run(capsys, "megatron-to-hf", "--load", root, "--save", tmp_path / "back",
+                          "--hf-dir", models["llama"])
+    assert code == 0, err
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (written["rope_theta"], written["max_position_embeddings"]) == (2000000.0, 32768)
+    assert written["rope_scaling"]["factor"] == 8.0
+    export = ["megatron-to-hf", "--load", root, "--save", tmp_path / "out", "--hf-dir",
+              models["llama"]]
+    _refused(capsys, tmp_path, export + ["--rotary-base", 500000], ["--rotary-base 500000",
+                                                                     "2000000"])
+    _refused(capsys, tmp_path, export + ["--max-position-embeddings", 16],
+             ["--max-position-embeddings 16", "32768"])
+    _refused(capsys, tmp_path, ["megatron-to-hf", "--load", root, "--save", tmp_path / "out",
+                                "--hf-dir", models["qwen2"]], ["trained with", "config.json",
+                                                               "not this model"])
+
+
+def test_a_release_shorter_context_flag_is_refused(models, tmp_path, capsys):
+    _release_flags(models, "qwen2", tmp_path, capsys)
+    _refused(capsys, tmp_path, ["megatron-to-hf", "--load", tmp_path / "ckpt", "--save",
+                                tmp_path / "out", "--max-position-embeddings", 16],
+             ["--max-position-embeddings 16", "64"])
+
+
+def test_resuming_another_model_or_a_damaged_checkpoint_is_refused(models, tmp_path, capsys):
+    root = _trained_checkpoint(models, tmp_path, capsys)
+    flags = _without(_release_flags(models, "llama", tmp_path / "again", capsys), "--load")
+    resume = flags + ["--load", root, "--train-iters", "5"]
+    _validate(resume)
+    learned = _without(_without(_without(_without(resume, "--position-embedding-type"),
+                                         "--rotary-base"), "--use-rope-scaling", 0),
+                       "--rope-scaling-factor")
+    _refused_by_validation(learned,
+                           ["--position-embedding-type", "learned_absolute", "rope",
+                            "checkpoint's args"])
+    folder = root / "iter_0000003"
+    shard = sorted(folder.glob("*.distcp"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2])
+    _refused_by_validation(resume, [shard.name, "cut short"])
+    shard.unlink()
+    _refused_by_validation(resume, ["--load", shard.name, "missing"])
+    shard.write_bytes(data)
+    common = (folder / "common.pt").read_bytes()
+    (folder / "common.pt").write_bytes(common[:len(common) // 2])
+    _refused_by_validation(resume, ["--load", "common.pt"])

@@ -468,3 +468,17 @@ def test_errors_are_one_line(capsys, argv, needle):
     assert rp.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err
+
+
+@pytest.mark.parametrize("argv, flag", [(["--time", "banana"], "--time 'banana'"),
+                                        (["--time", "1:2:3:4"], "--time"),
+                                        ([], "--launch")])
+def test_launch_refuses_a_bad_time_or_folder_before_writing(tmp_path, capsys, argv, flag):
+    (tmp_path / "a_file").write_text("x")
+    folder = tmp_path / ("a_file" if not argv else "l")
+    assert rp.main(["--launch", str(folder), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and flag in err, err
+    assert not (tmp_path / "l").exists()
+    for good in ("30", "0:30", "00:30:00", "1-0", "2-12:00", "1-00:00:00", "UNLIMITED"):
+        assert rp.SLURM_TIME.match(good), good

@@ -1,4 +1,5 @@
-"""The log line: Megatron's fields and formats in Megatron's order (0.16's timestamp first, the
+"""The log line: Megatron's fields and formats in Megatron's order (0.16's timestamp, with
+microseconds, first, the
 nan-iteration count after the skipped one), then the paper's metrics (tokens/s, TFLOPS/GPU by the
 paper's formula, peak memory per stage) and an ETA."""
 import math
@@ -31,7 +32,7 @@ def test_fields_follow_megatrons_order_and_formats():
                      "lm loss", "loss scale", "grad norm", "number of skipped iterations",
                      "number of nan iterations", "tokens/s", "TFLOPS/GPU",
                      "peak mem per stage (MB held for backward)", "ETA 0"]
-    assert line.startswith(" [2026-01-31 09:05:07] iteration       20/     100 | consumed "
+    assert line.startswith(" [2026-01-31 09:05:07.000000] iteration       20/     100 | consumed "
                            "samples:          640 |")
     assert " number of skipped iterations:   0 | number of nan iterations:   0 |" in line
     assert " elapsed time per iteration (ms): 500.0 |" in line
@@ -48,6 +49,14 @@ def test_the_loss_parses_back_to_seven_significant_digits():
     loss = 3.14159265
     match = re.search(r"lm loss: (\S+) \|", _report(lm_loss=loss).line())
     assert float(match.group(1)) == pytest.approx(loss, rel=5e-7)
+
+
+def test_megatrons_optional_fields_go_where_megatron_puts_them():
+    line = _report(log_throughput=True, num_zeros_in_grad=7, params_norm=12.25).line()
+    assert " elapsed time per iteration (ms): 500.0 | throughput per GPU (TFLOP/s/GPU): 0.0 | " \
+           "learning rate:" in line
+    assert " grad norm: 1.500 | num zeros: 7 | params norm: 12.250 | number of skipped " \
+           "iterations:" in line
 
 
 def test_fields_without_a_value_are_left_out():
@@ -82,8 +91,8 @@ def test_validation_box_has_loss_and_perplexity():
 
 
 def test_the_timestamp_is_now_unless_given():
-    before = datetime.now().replace(microsecond=0)
-    stamp = re.match(r" \[(.{19})\] iteration", _report(time=None).line()).group(1)
+    before = datetime.now()
+    stamp = re.match(r" \[(.{26})\] iteration", _report(time=None).line()).group(1)
     assert before <= datetime.fromisoformat(stamp) <= datetime.now()
     assert " number of nan iterations:   3 |" in _report(nan_iterations=3).line()
 

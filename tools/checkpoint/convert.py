@@ -12,8 +12,11 @@ tokenizer files travel along in `DIR/release/huggingface`.
 megatron-to-hf writes the newest checkpoint under DIR (release or a training iteration, any
 layout) as a folder `transformers` loads: config.json, model.safetensors and the tokenizer files.
 The model's description comes from --hf-dir, or from `DIR/release/huggingface` when DIR holds
-the converted release checkpoint; --rotary-base and --max-position-embeddings record a context
-extension the training made (rope_theta, max_position_embeddings of the written config.json).
+the converted release checkpoint. A training checkpoint carries the flags it was trained with:
+their architecture must be config.json's, and the RoPE base, the Llama 3 scaling and the context
+length it was trained at are written (rope_theta, rope_scaling, max_position_embeddings; the
+context only when longer than config.json's). --rotary-base and --max-position-embeddings give
+them for a checkpoint that records none (a release); they must agree with one that does.
 
 Bad input (an unsupported architecture, a missing or corrupt file, a layout the model does not
 divide into) is refused in one line naming the file or flag, exit code 2, before anything is
@@ -46,11 +49,13 @@ def parse_args(argv) -> argparse.Namespace:
     to_hf.add_argument("--hf-dir", help="the folder the model came from (config.json, tokenizer); "
                                         "default: the release checkpoint's copy")
     to_hf.add_argument("--rotary-base", type=int,
-                       help="the --rotary-base the checkpoint was trained with, when it differs "
-                            "from config.json's rope_theta (a context extension): written there")
+                       help="the --rotary-base the checkpoint was trained with (default: the "
+                            "one it records, else config.json's rope_theta); written as "
+                            "rope_theta")
     to_hf.add_argument("--max-position-embeddings", type=int,
                        help="the context the checkpoint was trained at, when longer than "
-                            "config.json's max_position_embeddings: written there")
+                            "config.json's max_position_embeddings (default: the one it "
+                            "records, when longer): written there; a shorter one is refused")
     return parser.parse_args(argv)
 
 
@@ -131,6 +136,57 @@ def _template_dir(args: argparse.Namespace) -> str:
     return copy
 
 
+def _trained_args(folder: str):
+    """The flags the checkpoint in `folder` was trained with; None for a release (or a
+    checkpoint that records none)."""
+    from megatron.training import checkpoint_model
+
+    try:
+        checkpoint_model.check_complete(folder, "--load")
+        return checkpoint_model.saved_args(folder, "--load")
+    except ValueError as err:
+        raise ConversionError(str(err)) from None
+
+
+def _record_training(raw: dict, template_spec, trained, args: argparse.Namespace,
+                     config_path: str) -> None:
+    """Write into `raw` (config.json) the RoPE base, scaling and context the checkpoint was
+    trained with; refuse a checkpoint of another architecture, or flags it contradicts."""
+    from megatron.training import checkpoint_model
+    from seq1f1b.hf import config as hf_config
+
+    template = checkpoint_model.model_values(checkpoint_model.spec_namespace(template_spec))
+    values = checkpoint_model.model_values(trained) if trained is not None else {}
+    for field, mine, theirs in checkpoint_model.mismatches(template, values, context=False):
+        raise ConversionError(f"--load: the checkpoint was trained with {field.flag} "
+                              f"{checkpoint_model.shown(theirs)}, {config_path} describes "
+                              f"{checkpoint_model.shown(mine)}: not this model")
+    base = values.get("rotary_base")
+    if args.rotary_base is not None:
+        if base is not None and args.rotary_base != base:
+            raise ConversionError(f"--rotary-base {args.rotary_base} contradicts the "
+                                  f"checkpoint's, which was trained with {base}")
+        base = args.rotary_base
+    if base is not None and base != template_spec.rotary_base:
+        raw["rope_theta"] = float(base)
+    if trained is not None:
+        factor = values["rope_scaling_factor"]
+        if factor != template_spec.rope_scaling_factor:
+            raw["rope_scaling"] = None if factor is None else {
+                "rope_type": "llama3", "factor": factor, **hf_config.LLAMA3_FACTORS}
+    longest = max(template_spec.max_position_embeddings,
+                  getattr(trained, "max_position_embeddings", None) or 0)
+    if args.max_position_embeddings is not None:
+        if args.max_position_embeddings < longest:
+            raise ConversionError(f"--max-position-embeddings {args.max_position_embeddings} is "
+                                  f"shorter than the {longest} tokens the model already has "
+                                  f"(config.json or the checkpoint); only a longer context is "
+                                  f"written")
+        longest = args.max_position_embeddings
+    if longest != template_spec.max_position_embeddings:
+        raw["max_position_embeddings"] = longest
+
+
 def megatron_to_hf(args: argparse.Namespace) -> str:
     """Validate everything, write the Hugging Face folder; returns the text to print."""
     from megatron.training import checkpoint_layout
@@ -146,16 +202,15 @@ def megatron_to_hf(args: argparse.Namespace) -> str:
     if folder is None:
         raise ConversionError(f"--load: {args.load} holds no checkpoint "
                               f"({checkpoint_layout.TRACKER_NAME} is missing)")
+    for flag, value in (("--rotary-base", args.rotary_base),
+                        ("--max-position-embeddings", args.max_position_embeddings)):
+        if value is not None and value < 1:
+            raise ConversionError(f"{flag} must be >= 1, got {value}")
     template = _template_dir(args)
-    raw, _ = hf_config.read_spec(template)
-    for flag, field, value in (("--rotary-base", "rope_theta", args.rotary_base),
-                               ("--max-position-embeddings", "max_position_embeddings",
-                                args.max_position_embeddings)):
-        if value is not None:
-            if value < 1:
-                raise ConversionError(f"{flag} must be >= 1, got {value}")
-            raw[field] = float(value) if field == "rope_theta" else value
-    spec = hf_config.spec_from_config(raw, os.path.join(template, hf_config.CONFIG_FILE))
+    raw, template_spec = hf_config.read_spec(template)
+    config_path = os.path.join(template, hf_config.CONFIG_FILE)
+    _record_training(raw, template_spec, _trained_args(folder), args, config_path)
+    spec = hf_config.spec_from_config(raw, config_path)
     check_new_folder(args.save, "--save")
 
     from seq1f1b.hf import checkpoint, weights

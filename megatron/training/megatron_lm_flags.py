@@ -1,0 +1,309 @@
+"""Every flag of Megatron-LM's arguments.py (core_v0.16.1) and what it does here.
+
+A Megatron-LM user's command line runs unchanged, or stops in one line saying why. Each upstream
+flag (the list in megatron_lm_flags.tsv, extracted once from Megatron-LM's parser) has one status:
+
+- honoured: pretrain_gpt.py's parser defines it, with Megatron-LM's name, default and meaning
+  (megatron/training/arguments.py);
+- no-op: accepted and ignored, because what it changes upstream is already so here or does not
+  exist here (a kernel fusion the CPU path never uses, DataLoader workers this harness has not);
+  `NO_OPS` gives the reason of each;
+- refused: the parse stops with one line naming every refused flag given and why (`REFUSED`
+  for single flags, `REFUSED_PREFIXES` for families such as --moe-*, `REFUSED_GROUPS` for whole
+  upstream argument groups, and a group's own reason otherwise).
+
+`add_upstream_flags(parser)` registers the flags the parser lacks with these statuses, so a flag
+honoured later needs nothing here: a defined flag is honoured by construction. `python -m
+megatron.training.megatron_lm_flags` prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+UPSTREAM_FILE = Path(__file__).with_name("megatron_lm_flags.tsv")
+REFUSED_KEY = "_megatron_lm_refused"
+
+
+@dataclass(frozen=True)
+class UpstreamFlag:
+    """One flag of Megatron-LM's parser: its argument group, its option strings, its arity."""
+
+    group: str
+    options: tuple[str, ...]
+    arity: str          # "0" for a switch, else argparse's nargs ("1" for one value)
+
+    @property
+    def name(self) -> str:
+        return self.options[0]
+
+
+@functools.lru_cache(maxsize=1)
+def upstream_flags() -> tuple[UpstreamFlag, ...]:
+    """The flags of megatron_lm_flags.tsv, in Megatron-LM's order."""
+    flags = []
+    for line in UPSTREAM_FILE.read_text().splitlines():
+        if line and not line.startswith("#"):
+            group, options, arity = line.split("\t")
+            flags.append(UpstreamFlag(group, tuple(options.split()), arity))
+    return tuple(flags)
+
+
+_FUSION = "a kernel fusion: megatron-core's fused kernels are not used here, the unfused path " \
+          "computes the same"
+_PERF = "performance only upstream (memory or scheduling); nothing to change here"
+_TE = "needs Transformer Engine on a GPU (not supported: the layers are megatron-core's local ones)"
+_FP8 = "FP8/FP4 training needs Transformer Engine on a Hopper-class GPU (not supported)"
+_NVIDIA = "NVIDIA's resiliency and telemetry services are not available here"
+
+NO_OPS: dict[str, str] = {
+    "--use-mcore-models": "megatron-core's models are the only ones here (the upstream default)",
+    "--no-rope-fusion": _FUSION, "--no-masked-softmax-fusion": _FUSION,
+    "--no-bias-swiglu-fusion": _FUSION, "--no-bias-dropout-fusion": _FUSION,
+    "--no-bias-gelu-fusion": _FUSION, "--no-persist-layer-norm": _FUSION,
+    "--disable-jit-fuser": _FUSION, "--no-gradient-reduce-div-fusion": _FUSION,
+    "--cross-entropy-loss-fusion": "the span loss computes the same cross entropy unfused",
+    "--cross-entropy-fusion-impl": "the span loss computes the same cross entropy unfused",
+    "--attention-softmax-in-fp32": "the span attention's softmax is computed in fp32 already",
+    "--no-create-attention-mask-in-dataloader": "the [s, s] mask is never created here (causal "
+                                                "attention needs none)",
+    "--num-workers": "micro-batches are read in the training process (no DataLoader workers)",
+    "--dataloader-type": "micro-batches follow Megatron's pretraining sampler order (single)",
+    "--manual-gc": _PERF, "--manual-gc-interval": _PERF, "--no-manual-gc-eval": _PERF,
+    "--empty-unused-memory-level": _PERF, "--no-pin-cpu-grads": _PERF,
+    "--no-pin-cpu-params": _PERF, "--high-priority-stream-groups": _PERF,
+    "--use-cpu-initialization": "parameters are initialised on the CPU whenever there is no GPU",
+    "--tiktoken-pattern": "read only by --tokenizer-type TikTokenizer (not available here)",
+    "--tiktoken-num-special-tokens": "read only by --tokenizer-type TikTokenizer",
+    "--tiktoken-special-tokens": "read only by --tokenizer-type TikTokenizer",
+    "--distributed-backend": "NCCL on GPUs, gloo on the CPU, chosen by the device",
+    "--local-rank": "read from torchrun's LOCAL_RANK",
+    "--no-async-tensor-model-parallel-allreduce": _PERF,
+    "--no-ckpt-fully-parallel-save": "every rank writes its own shards (megatron-core's default)",
+    "--ckpt-fully-parallel-save": "every rank writes its own shards (megatron-core's default)",
+    "--ckpt-fully-parallel-load": _PERF, "--ckpt-assume-constant-structure": _PERF,
+    "--use-dist-ckpt": "deprecated upstream: checkpoints are torch_dist (dist_checkpointing)",
+    "--no-one-logger": _NVIDIA, "--disable-msc": "the multi-storage client is not used here",
+    "--logging-level": "Python logging levels are left as they are",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and reduced in fp32 "
+                                            "already (unless --grad-reduce-in-bf16)",
+    "--log-validation-ppl-to-tensorboard": "the perplexity is always written ('lm loss "
+                                           "validation ppl')",
+}
+"""Flags accepted without effect, and why nothing changes."""
+
+REFUSED: dict[str, str] = {
+    "--apply-layernorm-1p": "zero-centred gamma is TE's (megatron-core's torch norm refuses it)",
+    "--use-flash-attn": "deprecated upstream; use --attention-backend flash",
+    "--fp8-param-gather": _FP8, "--te-precision-config-file": _TE, "--te-rng-tracker": _TE,
+    "--tp-comm-overlap-cfg": _TE, "--use-te-activation-func": _TE,
+    "--use-legacy-models": "the legacy (pre-megatron-core) models are not available",
+    "--async-save": "not implemented: checkpoints are saved synchronously (megatron-core's "
+                    "async save is not wired into the atomic publish)",
+    "--checkpoint-activations": "removed upstream; use --recompute-granularity",
+    "--batch-size": "removed upstream; use --micro-batch-size",
+    "--warmup": "removed upstream; use --lr-warmup-iters or --lr-warmup-samples",
+    "--model-parallel-size": "removed upstream; use --tensor-model-parallel-size",
+    "--rampup-batch-size": "batch-size ramp-up is not implemented: the micro-batch count (the "
+                           "pipeline plan) is fixed for the run",
+    "--optimizer": "only Adam is built (megatron-core's Adam or distributed optimizer)",
+    "--encoder-num-layers": "encoder-decoder models are not supported (GPT only)",
+    "--decoder-num-layers": "encoder-decoder models are not supported (GPT only)",
+    "--encoder-seq-length": "encoder-decoder models are not supported; use --seq-length",
+    "--decoder-seq-length": "encoder-decoder models are not supported; use --seq-length",
+    "--use-rotary-position-embeddings": "deprecated upstream; use --position-embedding-type rope",
+    "--no-position-embedding": "deprecated upstream; use --position-embedding-type none",
+    "--train-data-path": "per-split data paths are not implemented; use --data-path and --split",
+    "--valid-data-path": "per-split data paths are not implemented; use --data-path and --split",
+    "--test-data-path": "per-split data paths are not implemented; use --data-path and --split",
+    "--skip-train": "evaluation-only runs are not implemented",
+    "--no-save-optim": "not implemented: every checkpoint holds the optimizer and LR schedule",
+    "--no-save-rng": "not implemented: every checkpoint holds the RNG states",
+    "--tensorboard-log-interval": "not implemented: TensorBoard gets each log line's figures "
+                                  "(every --log-interval)",
+    "--log-timers-to-tensorboard": "not implemented: the timers go to the log "
+                                   "(--timing-log-level)",
+    "--log-memory-to-tensorboard": "not implemented: the log line's peak memory per stage is "
+                                   "written (peak-memory-mb/stage-N)",
+    "--deterministic-mode": "not implemented (the CPU runs are deterministic; on a GPU, "
+                            "megatron-core's deterministic kernels are TE's)",
+    "--padded-vocab-size": "derived from the tokenizer, --make-vocab-size-divisible-by and TP "
+                           "(or kept from the checkpoint), as Megatron-LM derives it",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "the interleaved plans group "
+                                                          "micro-batches by the pipeline size",
+    "--pipeline-model-parallel-layout": "layers are split evenly over the pipeline stages",
+    "--account-for-embedding-in-pipeline-split": "layers are split evenly over the stages",
+    "--account-for-loss-in-pipeline-split": "layers are split evenly over the stages",
+    "--num-virtual-stages-per-pipeline-rank": "use --num-layers-per-virtual-pipeline-stage",
+    "--apply-query-key-layer-scaling": "fp16 attention scaling of megatron's fused softmax is "
+                                       "not used (the span softmax runs in fp32)",
+    "--rotary-interleaved": "interleaved RoPE is not supported by the span positions",
+    "--fp16-lm-cross-entropy": "the span loss computes the cross entropy in fp32",
+}
+"""Single flags refused, and why."""
+
+_PENDING = "not available in this version yet (another change adds it)"
+PENDING = ("--context-parallel-size", "--cp-comm-type", "--decoder-first-pipeline-num-layers",
+           "--decoder-last-pipeline-num-layers", "--no-gradient-accumulation-fusion")
+"""Flags other changes of this project add (context parallelism, uneven first/last stages,
+gradient-accumulation fusion); refused until then, honoured by construction once defined."""
+REFUSED.update({flag: _PENDING for flag in PENDING})
+
+REFUSED_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("--fp8", _FP8), ("--fp4", _FP8), ("--no-fp8", _FP8), ("--first-last-layers-bf16", _FP8),
+    ("--num-layers-at-", _FP8), ("--kitchen", _FP8), ("--use-kitchen", _FP8),
+    ("--moe", "mixture of experts is not supported (dense GPT only)"),
+    ("--num-experts", "mixture of experts is not supported (dense GPT only)"),
+    ("--expert-", "mixture of experts is not supported (dense GPT only)"),
+    ("--mtp-", "multi-token prediction is not supported"),
+    ("--mamba", "Mamba / hybrid models are not supported"),
+    ("--hybrid-", "Mamba / hybrid models are not supported"),
+    ("--is-hybrid-model", "Mamba / hybrid models are not supported"),
+    ("--tp-comm", "TP communication overlap needs Transformer Engine's userbuffers"),
+    ("--no-tp-comm", "TP communication overlap needs Transformer Engine's userbuffers"),
+    ("--cuda-graph", "CUDA graphs are not supported (the span schedule is dynamic Python)"),
+    ("--enable-cuda-graph", "CUDA graphs are not supported (the span schedule is dynamic Python)"),
+    ("--external-cuda-graph", "CUDA graphs are not supported"),
+    ("--fsdp", "FSDP is not supported; use --use-distributed-optimizer"),
+    ("--use-megatron-fsdp", "FSDP is not supported; use --use-distributed-optimizer"),
+    ("--use-torch-fsdp2", "FSDP is not supported; use --use-distributed-optimizer"),
+    ("--torch-fsdp2", "FSDP is not supported; use --use-distributed-optimizer"),
+    ("--non-persistent", "non-persistent (local) checkpoints are not supported"),
+    ("--muon", "only Adam is built"), ("--sgd", "only Adam is built"),
+    ("--dsa-", "experimental attention variants are not supported"),
+    ("--linear-", "experimental attention variants are not supported"),
+    ("--qk-", "QK normalisation / clipping is not supported by the span attention"),
+    ("--inference", "inference and serving are not part of this training harness"),
+    ("--fim-", "fill-in-the-middle data is not supported"),
+    ("--nccl-", "NCCL tuning options are not exposed"),
+    ("--ddp-", "megatron DDP's bucket tuning is not exposed (its defaults are used)"),
+    ("--optimizer-", "optimizer CPU offload is not supported"),
+    ("--offload", "activation offloading is not supported"),
+    ("--ckpt-convert", "checkpoint format conversion: use tools/checkpoint/convert.py"),
+    ("--replication", "checkpoint replication is not supported"),
+)
+"""Families of flags refused for one reason (matched by prefix, in order)."""
+
+REFUSED_GROUPS: dict[str, str] = {
+    "Transformer-Engine": _TE, "inference": "inference and serving are not part of this "
+                                           "training harness",
+    "rl": "reinforcement learning is not part of this harness",
+    "sft": "supervised fine-tuning datasets are not supported (pretraining data only)",
+    "biencoder": "biencoder / retrieval models are not supported", "vision": "vision models "
+                                                                           "are not supported",
+    "moe": "mixture of experts is not supported (dense GPT only)",
+    "mla": "multi-latent attention is not supported by the span attention",
+    "experimental_attention_variant": "experimental attention variants are not supported",
+    "heterogeneous architecture": "heterogeneous layer configurations are not supported",
+    "In-process restart": _NVIDIA, "ft_package": _NVIDIA, "straggler": _NVIDIA,
+    "one logger": _NVIDIA, "workload inspector": _NVIDIA, "msc": _NVIDIA,
+    "autoresume": "ADLR autoresume is not available; use --exit-signal-handler with Slurm",
+    "rerun engine": "megatron's rerun state machine is not used (NaN checks stop the run)",
+}
+"""Whole upstream argument groups refused for one reason."""
+
+
+def status(flag: UpstreamFlag, defined: frozenset[str]) -> tuple[str, str]:
+    """("honoured", "") when the parser defines one of `flag`'s option strings, else ("no-op" or
+    "refused", the reason)."""
+    if any(option in defined for option in flag.options):
+        return "honoured", ""
+    if flag.name in NO_OPS:
+        return "no-op", NO_OPS[flag.name]
+    if flag.name in REFUSED:
+        return "refused", REFUSED[flag.name]
+    for prefix, reason in REFUSED_PREFIXES:
+        if flag.name.startswith(prefix):
+            return "refused", reason
+    if flag.group in REFUSED_GROUPS:
+        return "refused", REFUSED_GROUPS[flag.group]
+    return "refused", f"not implemented here (Megatron-LM's {flag.group} options)"
+
+
+class _NoOp(argparse.Action):
+    """Accept the flag (and its values) and keep what was given under its name."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+
+
+class _Refused(argparse.Action):
+    """Note the flag and why; `refusals` reports all of them in one line after the parse."""
+
+    def __init__(self, *args, reason: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        found = dict(getattr(namespace, REFUSED_KEY, None) or {})
+        found[option_string] = self.reason
+        setattr(namespace, REFUSED_KEY, found)
+
+
+def _nargs(arity: str):
+    return 0 if arity == "0" else None if arity == "1" else arity
+
+
+def add_upstream_flags(parser: argparse.ArgumentParser) -> None:
+    """Register every upstream flag `parser` does not define, as a no-op or a refusal (hidden
+    from --help: `python -m megatron.training.megatron_lm_flags` lists them)."""
+    defined = frozenset(parser._option_string_actions)
+    group = parser.add_argument_group("Megatron-LM flags without effect here, or refused")
+    for flag in upstream_flags():
+        kind, reason = status(flag, defined)
+        if kind == "honoured":
+            _add_aliases(parser, flag)
+            continue
+        dest = flag.name.lstrip("-").replace("-", "_")
+        action = dict(action=_NoOp) if kind == "no-op" else dict(action=_Refused, reason=reason)
+        # no default: an absent flag leaves no attribute, so getattr(args, name, default)
+        # elsewhere (a checkpoint's Megatron-LM args, say) keeps meaning "not given"
+        group.add_argument(*flag.options, dest=dest, nargs=_nargs(flag.arity),
+                           default=argparse.SUPPRESS, help=argparse.SUPPRESS, **action)
+
+
+def _add_aliases(parser: argparse.ArgumentParser, flag: UpstreamFlag) -> None:
+    """Megatron-LM's other spellings of a flag the parser defines under one of them (e.g.
+    --persistent-save-interval for --save-interval) go to the same action."""
+    action = next(parser._option_string_actions[o] for o in flag.options
+                  if o in parser._option_string_actions)
+    for option in flag.options:
+        if option not in parser._option_string_actions:
+            action.option_strings.append(option)
+            parser._option_string_actions[option] = action
+
+
+def refusals(args: argparse.Namespace) -> Optional[str]:
+    """The one line naming every refused Megatron-LM flag given and why, or None; removes the
+    record from `args`."""
+    found = vars(args).pop(REFUSED_KEY, None)
+    if not found:
+        return None
+    by_reason: dict[str, list[str]] = {}
+    for option, reason in found.items():
+        by_reason.setdefault(reason, []).append(option)
+    return "Megatron-LM flags not supported here: " + "; ".join(
+        f"{' '.join(options)} ({reason})" for reason, options in by_reason.items())
+
+
+def main() -> int:
+    """Print the table: flag, status, reason (honoured flags are pretrain_gpt.py --help's)."""
+    from megatron.training.arguments import build_parser
+
+    parser = build_parser()
+    honoured = frozenset(option for option, action in parser._option_string_actions.items()
+                         if not isinstance(action, (_NoOp, _Refused)))
+    for flag in upstream_flags():
+        kind, reason = status(flag, honoured)
+        print(f"{flag.name}\t{kind}\t{reason}")
+    return 0
+
+
+if __name__ == "__main__":    # through the imported module: its classes are the parser's
+    from megatron.training import megatron_lm_flags
+
+    sys.exit(megatron_lm_flags.main())

@@ -1,0 +1,137 @@
+"""Megatron-LM's flags (arguments.py at core_v0.16.1, megatron_lm_flags.tsv): each one honoured,
+accepted as a no-op, or refused in one line saying why; and Megatron-LM's Llama-3 8B script's
+flag set, unchanged at a tiny shape, refused only for its GPU-only flags."""
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.training import megatron_lm_flags as table
+from megatron.training.arguments import (ArgumentError, build_parser, parse_args,
+                                         validate_args)
+from megatron.training.lr_schedule import ScheduleSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import megatron_llama3_script as llama3  # noqa: E402
+
+WORLD = 4
+
+
+def _honoured() -> frozenset[str]:
+    return frozenset(option for option, action in build_parser()._option_string_actions.items()
+                     if not isinstance(action, (table._NoOp, table._Refused)))
+
+
+def test_every_upstream_flag_has_a_status_and_a_reason():
+    flags = table.upstream_flags()
+    assert len(flags) == 651 and len({f.name for f in flags}) == 651
+    parser, honoured = build_parser(), _honoured()
+    counts = {"honoured": 0, "no-op": 0, "refused": 0}
+    for flag in flags:
+        kind, reason = table.status(flag, honoured)
+        counts[kind] += 1
+        assert all(option in parser._option_string_actions for option in flag.options), flag
+        assert (kind == "honoured") == (reason == ""), flag
+    assert counts["honoured"] >= 100 and counts["no-op"] >= 30, counts
+    # the table's own entries name real upstream flags (no typos that would never match)
+    names = {option for flag in flags for option in flag.options}
+    assert set(table.NO_OPS) <= names and set(table.REFUSED) <= names
+
+
+def test_no_ops_are_accepted_with_their_values(capsys):
+    args = parse_args(["--use-mcore-models", "--num-workers", "4", "--no-rope-fusion",
+                       "--tiktoken-pattern", "v2", "--attention-softmax-in-fp32"])
+    assert args.num_workers == "4" and args.use_mcore_models is True
+    # flags not given leave no attribute: `getattr(args, "optimizer", "adam")` (what a checkpoint
+    # records) must not read a None from a flag nobody passed
+    assert not hasattr(args, "optimizer") and not hasattr(args, "async_save")
+
+
+def test_refused_flags_are_named_in_one_line_with_why(capsys):
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--num-experts", "8", "--fp8-format", "hybrid", "--inference-max-requests",
+                    "2", "--yaml-cfg", "x.yaml"])
+    assert stop.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line
+    for name in ("--num-experts (mixture of experts", "--fp8-format (FP8/FP4",
+                 "--inference-max-requests (inference", "--yaml-cfg (not implemented here"):
+        assert name in line, line
+
+
+def _run(**extra):
+    base = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--lr", "1e-3", "--mock-data"]
+    values = {flag: [] if value is True else value if isinstance(value, list) else [value]
+              for flag, value in extra.items()}
+    return base + [str(item) for flag, given in values.items()
+                   for item in ["--" + flag.replace("_", "-"), *given]]
+
+
+def test_the_sample_based_schedule_counts_in_samples():
+    args = validate_args(parse_args(_run(train_samples=100, lr_decay_samples=80,
+                                         lr_warmup_samples=8)), 1)
+    assert args.train_iters == 12                           # 100 // 8, as Megatron-LM
+    settings = ScheduleSettings.from_args(args)
+    assert (settings.lr_decay_steps, settings.lr_warmup_steps, settings.wd_incr_steps) == \
+        (80, 8, 100)
+    args = validate_args(parse_args(_run(train_samples=100, lr_warmup_fraction=0.25)), 1)
+    assert ScheduleSettings.from_args(args).lr_warmup_steps == 25    # of --train-samples
+    args = validate_args(parse_args(_run(train_iters=10, lr_warmup_fraction=0.5)), 1)
+    assert ScheduleSettings.from_args(args).lr_warmup_steps == 40    # of 10 x 8 samples
+
+
+def test_sequence_parallel_at_tp_1_warns_and_turns_off_as_megatron(capsys):
+    args = validate_args(parse_args(_run(train_iters=2, sequence_parallel=True,
+                                         distributed_timeout_minutes=2)), 1)
+    assert args.sequence_parallel is False and args.p2p_timeout == 120
+    assert "warning: --sequence-parallel is turned off" in capsys.readouterr().err
+
+
+def _pending(flags: list[str]) -> list[str]:
+    """Script flags another change of this project adds (refused until it is merged)."""
+    honoured = _honoured()
+    return [flag for flag in table.PENDING if flag in flags and flag not in honoured]
+
+
+def test_the_llama3_script_is_refused_only_for_its_gpu_only_flags(tmp_path, capsys):
+    flags = llama3.script_flags(str(tmp_path))
+    with pytest.raises(SystemExit) as stop:
+        parse_args(flags)
+    assert stop.value.code == 2
+    line = capsys.readouterr().err.strip()
+    named = sorted(word for word in line.split() if word.startswith("--"))
+    assert "\n" not in line and named == sorted(llama3.REFUSED_AT_PARSE + _pending(flags)), line
+    flags = llama3.cpu_flags(str(tmp_path), attention_backend="fused")
+    for flag in _pending(flags):
+        del flags[flags.index(flag):flags.index(flag) + 2]
+    with pytest.raises(ArgumentError, match=r"^--attention-backend fused is unavailable: needs "
+                                            r"a CUDA GPU$"):
+        validate_args(parse_args(flags), WORLD)
+    cpu = llama3.cpu_flags(str(tmp_path))
+    for flag in _pending(cpu):
+        del cpu[cpu.index(flag):cpu.index(flag) + 2]
+    args = validate_args(parse_args(cpu), WORLD)
+    assert (args.train_iters, args.num_micro_batches, args.kv_channels) == (4, 2, 16)
+    assert args.decoupled_lr == 5e-4 and args.sequence_parallel and args.log_throughput
+    assert not (tmp_path / "checkpoints").exists()          # validation writes nothing
+
+
+def test_the_first_line_gives_the_span_lengths_the_runtime_uses():
+    from megatron.training import model_setup
+    from megatron.training.training import _first_span_lengths
+
+    for extra, lengths in (({"seq1f1b_splits": 4}, "4 4 4 4"),
+                           ({"seq1f1b_splits": 2, "seq1f1b_partition": "compute",
+                             "seq_length": 4096, "max_position_embeddings": 4096}, None),
+                           ({"seq1f1b_span_lengths": [10, 6]}, "10 6")):
+        args = validate_args(parse_args(_run(train_iters=2, **extra)), 1)
+        text = _first_span_lengths(args, model_setup.core_transformer_config_from_args(args))
+        spans = [int(n) for n in text.split()]
+        assert sum(spans) == args.seq_length and len(spans) == args.seq1f1b_splits, text
+        if lengths is None:           # compute: the later span attends to more keys, shorter
+            assert spans[0] > spans[1], text
+        else:
+            assert text == lengths
