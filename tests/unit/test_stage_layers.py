@@ -128,7 +128,8 @@ def _flags(*extra):
      "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers leave 7 layers"),
     (["--decoder-first-pipeline-num-layers", "1"], "need a pipeline of >= 2 ranks"),
     (["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "3",
-      "--recompute-granularity", "full", "--recompute-num-layers", "2"],
+      "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "2"],
      "--recompute-num-layers 2 must divide the 5 layers"),
 ])
 def test_the_trainer_validates_the_flags_in_one_line(monkeypatch, extra, message):
