@@ -7,7 +7,7 @@
         --reset-attention-mask --reset-position-ids --document-lengths 5 9 10
 
 prints JSON {"loss", "ref_loss", "max_rel_grad_diff", "params_compared", "passed", ...} on rank 0
-and exits 1 when the loss or any gradient differs beyond the tolerances. DP = world / (TP x PP).
+and exits 1 when the loss or any gradient differs beyond the tolerances. DP = world / (TP x CP x PP).
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add = parser.add_argument
     add("--schedule", default="seq1f1b", choices=schedule_names())
     add_model_flags(parser)
+    add("--cp", type=int, default=1,
+        help="context-parallel size (Ulysses all-to-all around the span attention)")
     add("--init-method-std", type=float, default=0.2,
         help="weight init std (0.2: sharp attention, so a wrong position or K/V shows)")
     add("--hidden-dropout", type=float, default=0.0)

@@ -62,6 +62,8 @@ class StepInputs:
     micro_batch_size: int
     tp_size: int = 1
     cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: Optional[dist.ProcessGroup] = None    # megatron's context-parallel group
     forward_only: bool = False
     collect_non_loss_data: bool = False
     p2p_timeout_s: float = 600.0
@@ -120,7 +122,8 @@ class Executor:
                                           torch.float16 if config.fp16 else torch.float32)
         self.channels = PipelineChannels(sched, inputs.rank, inputs.pp_group, self._shape_of,
                                          dtype, self.device, inputs.p2p_timeout_s)
-        self.sources = [SpanDataSource(it, inputs.seq_length) for it in inputs.data_iterators]
+        self.sources = [SpanDataSource(it, inputs.seq_length, inputs.cp_rank, inputs.cp_size)
+                        for it in inputs.data_iterators]
         self.caches: dict[tuple[int, int], MicrobatchKVCache] = {}
         self.saved: dict[tuple[int, int, int], tuple[Optional[torch.Tensor], Any]] = {}
         self.losses: dict[int, MicrobatchLoss] = {}
@@ -206,6 +209,10 @@ class Executor:
             return output
         record = self.losses.setdefault(i, MicrobatchLoss(lengths))
         record.add(j, loss_func(output))
+        if record.complete and record.per_token_form and self.inp.cp_size > 1 \
+                and not self.inp.forward_only \
+                and not getattr(self.config, "calculate_per_token_loss", False):
+            record.reduce_tokens(self.inp.cp_group)
         if record.complete:
             self.total_num_tokens += record.total_tokens().to(self.device)
             self.forward_data_store.append(record.combined_reduced())

@@ -55,6 +55,10 @@ def splits_backward(name: str) -> bool:
 def _megatron_function(name: str) -> Callable:
     def run(**kwargs):
         pp_group = _pp_group(kwargs.get("p2p_communicator"), kwargs.get("pg_collection"))
+        if _cp_group(kwargs.get("pg_collection")).size() > 1:
+            raise ValueError(f"--pipeline-schedule {name} with context parallelism needs "
+                             "megatron's own CP attention (Transformer Engine) and data "
+                             "sharding; span schedules run it (--cp-comm-type a2a)")
         if name == "megatron-interleaved-1f1b":
             return megatron_schedules.forward_backward_pipelining_with_interleaving(**kwargs)
         if pp_group.size() == 1:
@@ -78,6 +82,24 @@ def _pp_group(p2p_communicator, pg_collection) -> dist.ProcessGroup:
 def _group_size(pg_collection, attr: str, fallback: Callable[[], int]) -> int:
     group = getattr(pg_collection, attr, None) if pg_collection is not None else None
     return group.size() if group is not None else fallback()
+
+
+def _cp_group(pg_collection) -> dist.ProcessGroup:
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    return group if group is not None else parallel_state.get_context_parallel_group()
+
+
+def check_context_parallel_spans(spans: Sequence[tuple[int, int]], cp: int, tp: int,
+                                 sequence_parallel: bool) -> None:
+    """Every span must split evenly over the CP ranks (and, under sequence parallelism, each
+    rank's part over TP); raises ValueError naming the span lengths."""
+    unit = cp * tp if sequence_parallel else cp
+    lengths = [end - start for start, end in spans]
+    if any(length % unit for length in lengths):
+        what = f"--context-parallel-size {cp}" + (f" x TP {tp} (sequence parallel)"
+                                                  if sequence_parallel and tp > 1 else "")
+        raise ValueError(f"{what} must divide every span length, got "
+                         f"{' '.join(map(str, lengths))}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -177,9 +199,8 @@ def get_forward_backward_func(name: str = "seq1f1b",
         pp_group = _pp_group(p2p_communicator, pg_collection)
         pp = pp_group.size()
         tp = _group_size(pg_collection, "tp", parallel_state.get_tensor_model_parallel_world_size)
-        cp = _group_size(pg_collection, "cp", parallel_state.get_context_parallel_world_size)
-        if cp != 1:
-            raise ValueError("context parallelism is not supported by span schedules")
+        cp_group = _cp_group(pg_collection)
+        cp = cp_group.size()
         if info.chunked:
             if not isinstance(model, list) or len(model) < 2:
                 raise AssertionError("interleaved pipeline parallelism expected model chunking")
@@ -187,13 +208,16 @@ def get_forward_backward_func(name: str = "seq1f1b",
                 _check_interleaving_like_megatron(num_microbatches, pp, config)
         spans = _spans(settings, length, _cost_model(config), tp,
                        bool(config.sequence_parallel))
+        if cp > 1:
+            check_context_parallel_spans(spans, cp, tp, bool(config.sequence_parallel))
         schedule = _schedule(name, pp, num_microbatches, settings.splits, len(chunks),
                              settings.budget)
         executor = Executor(StepInputs(
             schedule=schedule, spans=spans, rank=pp_group.rank(), pp_group=pp_group,
             forward_step_func=forward_step_func, data_iterators=iterators, model_chunks=chunks,
             config=config, seq_length=length, micro_batch_size=micro_batch_size,
-            tp_size=tp, cp_size=cp, forward_only=forward_only,
+            tp_size=tp, cp_size=cp, cp_rank=cp_group.rank(), cp_group=cp_group,
+            forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, p2p_timeout_s=settings.p2p_timeout_s,
             trace=settings.trace))
         if config.timers is not None:

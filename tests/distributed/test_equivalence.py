@@ -13,7 +13,10 @@ identical to the same run without recompute (same masks). Packed documents (`DOC
 masking and reset positions over the packing `document_lengths`, the reference masked alike):
 documents crossing one and several span boundaries, starting exactly at one, shorter than a span,
 and one document per sample, across PP 1-4 (middle stages), TP with SP, k, V=2, GQA, the
-zero-bubble schedule and both recomputes.
+zero-bubble schedule and both recomputes. Context parallelism (CP, the all-to-all around the span
+attention, runtime/context_parallel.py) at CP 2 and 4: with PP 2, TP 2 with SP, V 2 interleaved,
+the zero-bubble schedule, GQA with 2 K/V groups and 1 (replicated to every CP rank), packed
+documents and full recompute, k 2-4.
 """
 import pytest
 
@@ -97,6 +100,12 @@ CASES: dict[int, list[dict]] = {
          "position_embedding_type": "learned_absolute"},
         {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 3, "partition": "compute",
          **LLAMA},
+        # context parallelism: one K/V group replicated to both CP ranks, then two (one each)
+        {"schedule": "seq1f1b", "cp": 2, "splits": 2, **QWEN2},
+        {"schedule": "seq1f1b", "cp": 2, "splits": 4, "span_lengths": [4, 8, 6, 6], **LLAMA},
+        {"schedule": "seq1f1b", "cp": 2, "splits": 3, **DOCS, "document_lengths": [5, 9, 10]},
+        {"schedule": "seq1f1b", "cp": 2, "splits": 3, **FULL},
+        {"schedule": "seq1f1b-zb-h1", "cp": 2, "splits": 2},
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},
@@ -152,6 +161,14 @@ CASES: dict[int, list[dict]] = {
          "untie_embeddings": True, **L8},
         {"schedule": "seq1f1b-zb-auto", "tp": 2, "pp": 2, "chunks": 2, "splits": 2,
          "sequence_parallel": True, "untie_embeddings": True},
+        # context parallelism (CP 4 with one K/V group: replicated to all four ranks)
+        {"schedule": "seq1f1b", "cp": 2, "pp": 2, "splits": 3},
+        {"schedule": "seq1f1b", "cp": 2, "tp": 2, "splits": 3, "sequence_parallel": True,
+         "span_lengths": [4, 12, 8]},
+        {"schedule": "seq1f1b", "cp": 4, "splits": 2},
+        {"schedule": "seq1f1b", "cp": 4, "splits": 3, **QWEN2},
+        {"schedule": "seq1f1b-interleaved", "cp": 2, "pp": 2, "chunks": 2, "splits": 3},
+        {"schedule": "seq1f1b-zb-h1", "cp": 2, "pp": 2, "splits": 4, "span_lengths": [4, 8, 6, 6]},
     ],
 }
 
