@@ -268,13 +268,14 @@ executor's per-op compute timers); milliseconds per iteration, min and max over 
 def reduce_losses(losses: list) -> dict[str, float]:
     """Megatron's report of the loss dicts one iteration returned on the last stage.
 
-    Per-token entries (`[sum, count]`) are summed over micro-batches and DP ranks and divided: the
-    token mean of the global batch. Scalar entries are averaged over micro-batches and DP ranks.
+    Per-token entries (`[sum, count]`) are summed over micro-batches and DP x CP ranks (each CP
+    rank holds 1/C of every span's tokens) and divided: the token mean of the global batch.
+    Scalar entries are averaged over micro-batches and DP x CP ranks, as megatron does.
     Returns {} off the last pipeline stage.
     """
     if not losses or not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return {}
-    group = parallel_state.get_data_parallel_group()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     reduced = {}
     for key in losses[0]:
         values = [torch.as_tensor(entry[key]).detach().float().view(-1) for entry in losses]
@@ -364,7 +365,8 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
               model_provider: model_setup.ModelProvider,
               forward_step_func: ForwardStep, exits: ExitConditions) -> TrainingSummary:
     print_rank_0(f"> training with {args.world_size} processes: TP={args.tensor_model_parallel_size}"
-                 f" PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}"
+                 f" PP={args.pipeline_model_parallel_size} CP={args.context_parallel_size}"
+                 f" DP={args.data_parallel_size}"
                  f" V={args.virtual_pipeline_model_parallel_size or 1}, schedule "
                  f"{args.pipeline_schedule} k={args.seq1f1b_splits} ({args.seq1f1b_partition}),"
                  f" {args.num_micro_batches} micro-batches of {args.micro_batch_size}")

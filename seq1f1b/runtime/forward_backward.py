@@ -89,12 +89,11 @@ def _cp_group(pg_collection) -> dist.ProcessGroup:
     return group if group is not None else parallel_state.get_context_parallel_group()
 
 
-def check_context_parallel_spans(spans: Sequence[tuple[int, int]], cp: int, tp: int,
+def check_context_parallel_spans(lengths: Sequence[int], cp: int, tp: int,
                                  sequence_parallel: bool) -> None:
     """Every span must split evenly over the CP ranks (and, under sequence parallelism, each
     rank's part over TP); raises ValueError naming the span lengths."""
     unit = cp * tp if sequence_parallel else cp
-    lengths = [end - start for start, end in spans]
     if any(length % unit for length in lengths):
         what = f"--context-parallel-size {cp}" + (f" x TP {tp} (sequence parallel)"
                                                   if sequence_parallel and tp > 1 else "")
@@ -104,10 +103,15 @@ def check_context_parallel_spans(spans: Sequence[tuple[int, int]], cp: int, tp: 
 
 @functools.lru_cache(maxsize=64)
 def _spans(settings: SpanSettings, seq_length: int, model: Optional[ModelConfig], tp: int,
-           sequence_parallel: bool) -> tuple[tuple[int, int], ...]:
+           sequence_parallel: bool, cp: int = 1) -> tuple[tuple[int, int], ...]:
+    """The span bounds; under context parallelism every span is a multiple of C (of C x TP
+    under sequence parallelism: each CP rank's part is then cut over TP)."""
+    if cp > 1 and settings.span_lengths is not None:
+        check_context_parallel_spans(settings.span_lengths, cp, tp, sequence_parallel)
     lengths = span_partition.partition(
         seq_length, settings.splits, settings.partition, model=model, tp=tp,
-        sequence_parallel=sequence_parallel, lengths=settings.span_lengths)
+        sequence_parallel=sequence_parallel, lengths=settings.span_lengths,
+        align=cp * tp if sequence_parallel else cp)
     return tuple(span_partition.span_bounds(lengths))
 
 
@@ -207,9 +211,7 @@ def get_forward_backward_func(name: str = "seq1f1b",
             if info.placement == "loop":    # megatron's interleaving rules; a V has no groups
                 _check_interleaving_like_megatron(num_microbatches, pp, config)
         spans = _spans(settings, length, _cost_model(config), tp,
-                       bool(config.sequence_parallel))
-        if cp > 1:
-            check_context_parallel_spans(spans, cp, tp, bool(config.sequence_parallel))
+                       bool(config.sequence_parallel), cp)
         schedule = _schedule(name, pp, num_microbatches, settings.splits, len(chunks),
                              settings.budget)
         executor = Executor(StepInputs(

@@ -6,8 +6,9 @@ if it began at position 0. `RotaryEmbedding.forward(max_seq_len, offset)` return
 positions `offset .. offset + max_seq_len - 1`, so inside a span it suffices to add `start` to the
 offset. Under context parallelism (span tokens split contiguously over the C ranks of the CP
 group) the rows are this rank's part of the span, [start + r * L / C, start + (r + 1) * L / C),
-not megatron's load-balanced slicing of the table. Learned absolute positions need nothing here: the data slicer passes the span's absolute
-`position_ids`, which index the embedding table directly.
+not megatron's load-balanced slicing of the table. Learned absolute positions need nothing
+here: the data slicer passes the span's absolute `position_ids`, which index the embedding table
+directly.
 
 With `--reset-position-ids` (packed documents, positions restarting with each document) the rows
 come from the per-token `position_ids` instead of a span offset: `use_position_ids` makes a
