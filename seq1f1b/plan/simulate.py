@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from seq1f1b.plan.actions import (Action, Schedule, ScheduleError, dependencies,
                                   parse_action)
+from seq1f1b.plan.context_parallel import kv_replication
 from seq1f1b.plan.costs import (ModelConfig, Recompute, SpanFlops, chunk_activation_bytes,
                                 kv_cache_bytes, layer_flops, logits_bytes, logits_flops,
                                 output_layer_input_bytes)
@@ -100,7 +101,8 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                 batch: int = 1, bytes_per_element: int = 2,
                 attention_flops_per_second: float | None = None,
                 recompute: Recompute | None = None,
-                efficiency: Callable[[int, int], Efficiency] | None = None) -> SpanCosts:
+                efficiency: Callable[[int, int], Efficiency] | None = None,
+                cp: int = 1) -> SpanCosts:
     """Durations and bytes from costs.py for `model` with the sequence cut into `span_lengths`.
 
     A virtual stage runs N/(P*V) layers on each span; the last one also runs the output layer
@@ -113,7 +115,9 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
     every layer (full, uniform), the first N layers (full, block) or the core attention of every
     layer (selective). `efficiency(start, end)` (None: all 1) gives the fractions of the rates
     the span [start, end) reaches (`Efficiency`): how short spans run slower
-    (projection.DeviceModel's curves).
+    (projection.DeviceModel's curves). Under context parallelism (`cp` = C ranks per span) a rank
+    does 1/C of every FLOP and holds span / C tokens' activations and logits, and its share of
+    the K/V cache (plan/context_parallel.py); the all-to-alls are the projection's to price.
     """
     if len(span_lengths) != schedule.splits:
         raise ScheduleError(f"--splits is {schedule.splits} but {len(span_lengths)} span "
@@ -150,9 +154,9 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
         # The TP group shares each span's FLOPs.
         share = shares[span]
         attention = share.attention_backward if backward else share.attention_forward
-        return (kind(SpanFlops(flops.linear, 0.0)) / (tp * flops_per_second * share.gemm)
+        return (kind(SpanFlops(flops.linear, 0.0)) / (tp * cp * flops_per_second * share.gemm)
                 + kind(SpanFlops(0.0, flops.attention))
-                / (tp * attention_flops_per_second * attention))
+                / (tp * cp * attention_flops_per_second * attention))
 
     def seconds(kind: Callable[[SpanFlops], float], backward: bool = False,
                 recomputed: bool = False) -> Table:
@@ -161,13 +165,15 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
             + (duration(rerun[j], lambda f: f.forward, j, False) if recomputed else 0.0)
             for j, cell in enumerate(row)) for row in grid)
 
-    def per_span_bytes(kind: Callable[[int], float]) -> Table:
-        row = tuple(float(kind(length)) for length in span_lengths)
+    def per_span_bytes(kind: Callable[[int], float], scale: float = 1.0) -> Table:
+        # a CP rank's tokens of each span (the spans are multiples of C)
+        row = tuple(float(kind(length // cp)) * scale for length in span_lengths)
         return (row,) * schedule.num_stages
 
+    replication = kv_replication(model, tp, cp)
     no_logits = tuple(0.0 for _ in span_lengths)
-    logits = tuple(float(logits_bytes(model, n, batch, tp)
-                         + output_layer_input_bytes(model, n, batch, tp, sequence_parallel,
+    logits = tuple(float(logits_bytes(model, n // cp, batch, tp)
+                         + output_layer_input_bytes(model, n // cp, batch, tp, sequence_parallel,
                                                     bytes_per_element))
                    for n in span_lengths)
 
@@ -181,10 +187,12 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
             lambda n: chunk_activation_bytes(model, layers, n, batch, tp, sequence_parallel,
                                              bytes_per_element, recompute)),
         kv_cache_bytes=per_span_bytes(
-            lambda n: layers * kv_cache_bytes(model, n, batch, tp, bytes_per_element)),
+            lambda n: layers * kv_cache_bytes(model, n, batch, tp, bytes_per_element),
+            replication),
         kv_accumulator_bytes=per_span_bytes(
             lambda n: layers * kv_cache_bytes(model, n, batch, tp,
-                                              max(bytes_per_element, ACCUMULATOR_BYTES))),
+                                              max(bytes_per_element, ACCUMULATOR_BYTES)),
+            replication),
         logits_bytes=tuple(logits if stage == last else no_logits
                            for stage in range(schedule.num_stages)))
 

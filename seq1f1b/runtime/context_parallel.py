@@ -37,23 +37,11 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from seq1f1b.plan.context_parallel import check_heads
 from seq1f1b.runtime.attention import SpanAttention
 
 CP_COMM_TYPES = ("a2a",)
 """The --cp-comm-type values span schedules run: see the module docstring for why not p2p."""
-
-
-def check_heads(num_attention_heads: int, num_query_groups: int, tp: int, cp: int) -> None:
-    """Refuse (ValueError, one line) a head count that C cannot shard: query heads per TP rank
-    must divide by C, K/V groups per TP rank must divide by C or divide C."""
-    heads, groups = num_attention_heads // tp, num_query_groups // tp
-    if heads % cp:
-        raise ValueError(f"--context-parallel-size {cp} must divide the attention heads per "
-                         f"tensor-parallel rank ({num_attention_heads} / TP {tp} = {heads})")
-    if groups % cp and cp % groups:
-        raise ValueError(f"--context-parallel-size {cp}: the K/V groups per tensor-parallel rank "
-                         f"({num_query_groups} / TP {tp} = {groups}) must divide by it or "
-                         "divide it")
 
 
 def check_comm_type(cp_comm_type: Optional[str]) -> None:
