@@ -16,19 +16,20 @@ from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.costs import ModelConfig
 
 
-def check_heads(num_attention_heads: int, num_query_groups: int, tp: int, cp: int) -> None:
-    """Refuse (ScheduleError, one line) heads C cannot shard: query heads per TP rank must divide
-    by C, K/V groups per TP rank must divide by C or divide C."""
+def check_heads(num_attention_heads: int, num_query_groups: int, tp: int, cp: int,
+                flag: str = "--context-parallel-size") -> None:
+    """Refuse (ScheduleError, one line naming `flag`) heads C cannot shard: query heads per TP
+    rank must divide by C, K/V groups per TP rank must divide by C or divide C."""
     if not isinstance(cp, int) or cp < 1:
-        raise ScheduleError(f"--context-parallel-size must be a positive integer, got {cp!r}")
+        raise ScheduleError(f"{flag} must be a positive integer, got {cp!r}")
     heads, groups = num_attention_heads // tp, num_query_groups // tp
     if heads % cp:
-        raise ScheduleError(f"--context-parallel-size {cp} must divide the attention heads per "
-                            f"tensor-parallel rank ({num_attention_heads} / TP {tp} = {heads})")
+        raise ScheduleError(f"{flag} {cp} must divide the attention heads per tensor-parallel "
+                            f"rank ({num_attention_heads} / TP {tp} = {heads})")
     if groups % cp and cp % groups:
-        raise ScheduleError(f"--context-parallel-size {cp}: the K/V groups per tensor-parallel "
-                            f"rank ({num_query_groups} / TP {tp} = {groups}) must divide by it "
-                            "or divide it")
+        raise ScheduleError(f"{flag} {cp}: the K/V groups per tensor-parallel rank "
+                            f"({num_query_groups} / TP {tp} = {groups}) must divide by it or "
+                            "divide it")
 
 
 def kv_replication(model: ModelConfig, tp: int, cp: int) -> float:

@@ -120,7 +120,7 @@ class TrainingSetup:
             if value % self.tp:
                 raise ScheduleError(f"{flag} {value} is not divisible by --tp {self.tp}")
         check_heads(self.model.num_attention_heads, self.model.num_query_groups, self.tp,
-                    self.cp)
+                    self.cp, flag="--cp")
 
     def spans(self, model: Optional[ModelConfig] = None) -> list[int]:
         """The span lengths: multiples of C (of C x TP under sequence parallelism), since each
