@@ -21,6 +21,12 @@ On a GPU (what the CPU cannot show, so it is written down here):
   been waited (ProcessGroupNCCL also records the storage on its stream, so the caching allocator
   cannot hand it out before the send ran). Backward then calls the autograd engine directly, as
   megatron's `custom_backward` does, to skip the shape check against the swapped `.data`.
+- **Context parallelism.** The all-to-alls around each layer's core attention
+  (runtime/context_parallel.py) and the last stage's token all-reduce per micro-batch are
+  synchronous collectives on megatron's CP communicator: enqueued on its stream after the
+  compute issued before them, the compute stream waiting for them. Every CP rank of a stage runs
+  this same program, so all of them issue the same collectives in the same order between the
+  same p2p groups (tests/distributed/test_p2p_recorded.py replays both communicators together).
 - **dK/dV buffers.** The KV cache of a (micro-batch, chunk) and its dK/dV accumulators live on
   the compute stream only: they are written by F(i,j) and read by B(i,j') in program order on
   this rank, never sent, and freed after B(i,0); no cross-stream use, so no event is needed.
