@@ -95,15 +95,12 @@ class ContextParallelSpanAttention(SpanAttention):
     """`SpanAttention` for sequence-sharded q, k, v: all-to-all to head-sharded, the span
     attention of this rank's heads, all-to-all back (see the module docstring).
 
-    Takes what `SpanAttention` takes; `pg_collection.cp` (else megatron's context-parallel group
-    from parallel_state) is the group the all-to-alls run on."""
+    Takes what `SpanAttention` takes (megatron passes them by keyword); `pg_collection.cp` (else
+    megatron's context-parallel group from parallel_state) is the group the all-to-alls run on,
+    and `cp_comm_type` must be a2a (or unset)."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int,
-                 attn_mask_type: AttnMaskType, attention_type: str,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None,
-                 pg_collection: Optional[ProcessGroupCollection] = None,
-                 backend: str = "auto") -> None:
+    def __init__(self, config: TransformerConfig, *args, cp_comm_type: Optional[str] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None, **kwargs) -> None:
         check_comm_type(cp_comm_type)
         cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if cp_group is None:
@@ -111,9 +108,8 @@ class ContextParallelSpanAttention(SpanAttention):
         cp = cp_group.size()
         check_heads(config.num_attention_heads, config.num_query_groups,
                     config.tensor_model_parallel_size, cp)
-        super().__init__(head_sharded_config(config, cp), layer_number, attn_mask_type,
-                         attention_type, attention_dropout, softmax_scale, None, pg_collection,
-                         backend)
+        super().__init__(head_sharded_config(config, cp), *args, pg_collection=pg_collection,
+                         **kwargs)
         self.cp_group = cp_group
         groups = config.num_query_groups // config.tensor_model_parallel_size
         self.kv_repeats = max(cp // groups, 1)
