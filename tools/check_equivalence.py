@@ -5,6 +5,7 @@
         --splits 3 --partition compute
     torchrun --nproc-per-node 2 tools/check_equivalence.py --pp 2 --splits 3 \
         --reset-attention-mask --reset-position-ids --document-lengths 5 9 10
+    torchrun --nproc-per-node 4 tools/check_equivalence.py --pp 2 --cp 2 --splits 3
 
 prints JSON {"loss", "ref_loss", "max_rel_grad_diff", "params_compared", "passed", ...} on rank 0
 and exits 1 when the loss or any gradient differs beyond the tolerances. DP = world / (TP x CP x PP).

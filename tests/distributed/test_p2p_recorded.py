@@ -2,7 +2,7 @@
 every registry schedule, TP 2 and sequence parallelism included, finishes; our schedules issue
 exactly their communication plan's groups; megatron-core's own 1F1B is recorded as a baseline; the
 runtime's old prefetch order, which gloo runs without complaint, is caught. Context parallelism
-(PP 2 x CP 2: seq1f1b, the zero-bubble and the interleaved span schedules): every CP rank issues
+(PP 2 x CP 2: seq1f1b and the interleaved span schedule): every CP rank issues
 the same all-to-alls and all-reduces in the same order, as many as the layers, spans and
 micro-batches call for, and the p2p and CP collectives of all four ranks replayed together, each
 on its communicator, finish under both modes (eager: every communicator on one device stream)."""
@@ -13,7 +13,6 @@ from seq1f1b.plan import registry
 
 L8 = {"num_layers": 8}
 CP_CASES = [{"schedule": "seq1f1b", "cp": 2, "pp": 2, "splits": 3},
-            {"schedule": "seq1f1b-zb-h1", "cp": 2, "pp": 2, "splits": 2},
             {"schedule": "seq1f1b-interleaved", "cp": 2, "pp": 2, "chunks": 2, "splits": 3}]
 CASES = {
     2: [{"schedule": "1f1b", "pp": 2},
