@@ -261,6 +261,15 @@ def strict_mode() -> Iterator[None]:
         _active_mode.rules = previous
 
 
+def seen_on_device(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is in GPU memory: a CUDA tensor, or one strict mode keeps on its
+    emulated device (without strict mode the CPU layer keeps no such record: False)."""
+    if tensor.is_cuda:
+        return True
+    rules = _active_mode.rules if _active_mode is not None else None
+    return rules is not None and rules.enforcing > 0 and rules.is_device(tensor)
+
+
 def compute_device() -> torch.device:
     """The device the model computes on, as the code should name it: the current CUDA device on
     a GPU and under the CPU layer (whose mode lands it on the CPU, so code written for the GPU is

@@ -39,8 +39,15 @@ The rules:
    `.tolist()`, `int()`, `float()`, `bool()`, `__index__`, printing, `.cpu()` / `.to("cpu")` (unless
    non_blocking), a blocking `copy_` to the host, `torch.equal` / `allclose`, `nonzero` and boolean-
    mask indexing of a device tensor raise, and so does `Work.wait(timeout)` (on NCCL a wait with a
-   timeout busy-waits the host). `host_sync_allowed()` lifts this for a deliberate sync. The rule
-   holds in the thread that entered it (the autograd engine runs a CPU backward in that thread).
+   timeout busy-waits the host). So does a blocking host-to-device copy: `.to(device)`, `.cuda()`
+   or `copy_` of a host tensor without `non_blocking=True`, `torch.tensor` / `as_tensor` /
+   `asarray` of host data with a device placement, a host tensor assigned into a device tensor
+   (CUDA's blocking copies synchronize the stream: they wait for every queued kernel).
+   `host_sync_allowed()` lifts this for a deliberate sync. The rule holds in the thread that
+   entered it (the autograd engine runs a CPU backward in that thread).
+4. kernel dispatch: our scaled_dot_product_attention calls are checked against the kernel CUDA
+   would choose for them (seq1f1b/runtime/sdpa_dispatch.py): the math kernel above a size, or a
+   padded copy of a mask of that size, raises.
 
 What strict mode cannot emulate:
 - streams and asynchrony: kernels run at once on the CPU, so a missing stream wait or
@@ -212,6 +219,8 @@ class StrictRules:
             Tensor.copy_: self._copy, Tensor.__getitem__: self._getitem,
             Tensor.__setitem__: self._setitem, Tensor.numpy: self._numpy,
             Tensor.__array__: self._numpy,
+            torch.tensor: self._from_data, torch.as_tensor: self._from_data,
+            torch.asarray: self._from_data,
             **{func: self._sync_op for func in _SYNCS},
             **{func: self._any_devices for func in _ANY_DEVICES}}
         self._attributes: dict[tuple[Any, str], Callable] = {
@@ -317,7 +326,15 @@ class StrictRules:
             out = source.clone()
         return self.place(out, to_device)
 
+    def _upload(self, what: str, source: Tensor, non_blocking: bool) -> None:
+        """A host tensor going to the device: a sync unless the copy is non-blocking."""
+        if not non_blocking and self.where(source) is False:
+            _check_sync(f"{what} of a host tensor", "is a blocking host-to-device copy: it "
+                        "waits for every queued GPU kernel (use non_blocking=True, from pinned "
+                        "memory)")
+
     def _cuda(self, func, args, kwargs, run):
+        self._upload("Tensor.cuda()", args[0], kwargs.get("non_blocking", False))
         return self._moved(args[0], args[0], True)
 
     def _cpu(self, func, args, kwargs, run):
@@ -332,6 +349,8 @@ class StrictRules:
             return self.place(run(func, args, kwargs), self.is_device(source))
         if not target and self.is_device(source) and not kwargs.get("non_blocking"):
             _check_sync("Tensor.to(host) of a device tensor")
+        if target:
+            self._upload("Tensor.to(device)", source, kwargs.get("non_blocking", False))
         return self._moved(source, run(func, args, kwargs), target)
 
     def _to_target(self, args: tuple, kwargs: dict) -> Optional[bool]:
@@ -351,7 +370,21 @@ class StrictRules:
         non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2])
         if self.is_device(source) and not self.is_device(target) and not non_blocking:
             _check_sync("copy_ of a device tensor into a host tensor")
+        if self.is_device(target) and isinstance(source, Tensor):
+            self._upload("copy_ into a device tensor", source, non_blocking)
         return run(func, args, kwargs)
+
+    def _from_data(self, func, args, kwargs, run):
+        """torch.tensor / as_tensor / asarray: with a device placement, host data (a Python
+        value or a host tensor) is copied to the device, blocking."""
+        data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+        if self.placement(kwargs.get("device")) and not (
+                isinstance(data, Tensor) and self.is_device(data)):
+            _check_sync(f"torch.{func.__name__}(host data, device=cuda)", "is a blocking "
+                        "host-to-device copy: it waits for every queued GPU kernel (make it on "
+                        "the host and move it with non_blocking=True, or use a fill such as "
+                        "torch.full)")
+        return self._op(func, args, kwargs, run)
 
     def _getitem(self, func, args, kwargs, run):
         on_device = self.is_device(args[0])
@@ -374,6 +407,8 @@ class StrictRules:
             _check_sync("boolean-mask assignment into a device tensor (data-dependent shape)")
         if not on_device and isinstance(value, Tensor) and self.is_device(value):
             _check_sync("assignment of a device tensor into a host tensor")
+        if on_device and isinstance(value, Tensor) and value.dim() > 0:
+            self._upload("assignment into a device tensor", value, False)
         return run(func, args, kwargs)
 
     def _numpy(self, func, args, kwargs, run):

@@ -5,11 +5,13 @@
     device_check.py OUTDIR --tiny     small shapes, runs on a CPU in seconds (CI smoke test)
     device_check.py OUTDIR --suite gpu [--tiny]   the first GPU run's evidence (issue 19)
 
---suite gpu writes four parts, each with its own budget (SUITE_BUDGETS_S, 8.5 minutes in all) and
+--suite gpu writes five parts, each with its own budget (SUITE_BUDGETS_S, 8.5 minutes in all) and
 its failure kept to itself: numerics (device_numerics.py: bf16 span attention with a cached
 prefix against an fp32 reference, per backend), training (device_training.py: pretrain_gpt.py,
 bf16, the 1.3B shape at 16K, 20 iterations with seq1f1b k=1 and k=4), memory (the stage run at
-32K and held_microbatches below) and attention (the comparison and span_kernels below).
+32K and held_microbatches below), attention (the comparison and span_kernels below) and
+documents (device_documents.py: packed documents' peak memory against the dense case at the
+same shape, per backend).
 
 The default suite writes OUTDIR/device_check.json with these parts (the stage first; parts that
 would start after --budget-s are skipped and say so):
@@ -571,12 +573,14 @@ def _environment() -> dict:
     return info
 
 
-SUITE_BUDGETS_S = {"numerics": 60.0, "training": 180.0, "memory": 120.0, "attention": 150.0}
+SUITE_BUDGETS_S = {"numerics": 60.0, "training": 165.0, "memory": 120.0, "attention": 135.0,
+                   "documents": 30.0}
 """--suite gpu: each part's own budget, 8.5 minutes in all (the session's device time is 15)."""
 
 
 def run_gpu_suite(shapes: Shapes, tiny: bool) -> dict:
     """The parts of --suite gpu, each with its own budget and its failures kept to itself."""
+    from device_documents import check_documents
     from device_numerics import check_numerics
     from device_training import GPU_TRAINING, TINY_TRAINING, check_training
 
@@ -593,6 +597,8 @@ def run_gpu_suite(shapes: Shapes, tiny: bool) -> dict:
         "attention": lambda deadline: {
             "comparison": check_attention(shapes, deadline),
             "span_kernels": check_span_kernels(shapes, deadline)},
+        "documents": lambda deadline: check_documents(
+            shapes.numerics_length, shapes.heads, shapes.head_dim, deadline),
     }
     result = {}
     for name, part in parts.items():
@@ -612,8 +618,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="only the attention comparison and the span kernels")
     parser.add_argument("--suite", choices=["stage", "gpu"], default="stage",
                         help="stage (default): the calibration parts above; gpu: the first GPU "
-                             "run's evidence under the keys numerics, training, memory and "
-                             "attention, each part with its own budget (under 9 minutes)")
+                             "run's evidence under the keys numerics, training, memory, "
+                             "attention and documents, each part with its own budget (under 9 "
+                             "minutes)")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="--suite stage: skip the parts that would start after this many "
                              "seconds (default 420)")

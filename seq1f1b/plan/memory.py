@@ -26,7 +26,9 @@ schedule's memory is read off the same plan that runs. What the estimate counts,
   rank's share of the K/V cache (plan/context_parallel.py), the send and receive buffers of one
   layer's all-to-alls in the workspace, and the distributed optimizer sharded over DP x CP.
 Not counted: the pipeline's stashed stage outputs (megatron deallocates them after the send),
-p2p buffers, fragmentation beyond the fixed overhead.
+p2p buffers (the runtime holds at most about two span messages of s*b*h per rank at a time, an
+output awaiting its send and a receive posted ahead: tests/unit/test_p2p_held.py; 128 MiB at 7B,
+32K, k=4, bf16; the meter counts them), fragmentation beyond the fixed overhead.
 """
 from __future__ import annotations
 

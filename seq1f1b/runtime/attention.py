@@ -38,14 +38,16 @@ Document masking (`--reset-attention-mask`, runtime/documents.py): the attention
 the micro-batch's document ids (integer [b, 1, 1, s], the whole sample's). Span [start, end)'s
 queries then see only the keys of their own document, in the cache and in the span: eager gets a
 (span x prefix) bool mask, sdpa the same as an additive float mask, flex a document BlockMask,
-flash its varlen kernel over the span's documents (`flash_attn_varlen_func`, cu_seqlens per
-(row, document) over the cached prefix: untested without a GPU), each built once per span and
-shared by the layers. TE refuses them (auto falls back to sdpa). The cache keeps the keys of
+flash its varlen kernel over the span's documents (`flash_attn_varlen_func`, one call per row on
+views of the cache, cu_seqlens per document from the host copy of the ids: untested without a
+GPU), each built once per span and shared by the layers. TE refuses them (auto then takes flex
+on a GPU, sdpa on the CPU). The cache keeps the keys of
 documents that ended before the span (its buffers are the whole sequence's); only flash skips
 them in compute.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import importlib.metadata
@@ -66,15 +68,19 @@ from packaging.version import Version
 from torch import Tensor
 
 from seq1f1b.runtime.documents import (
+    _FLEX_BLOCK,
     additive_mask,
     check_document_ids,
     document_block_mask,
+    host_document_ids,
     is_document_ids,
     memoised,
     span_document_mask,
+    tile_block_mask,
     varlen_layout,
 )
-from seq1f1b.runtime.kv_cache import SpanContext, current_span
+from seq1f1b.runtime.kv_cache import SpanContext, current_span, tensors_of
+from seq1f1b.runtime.sdpa_dispatch import check_sdpa_kernel
 
 BACKENDS = ("auto", "eager", "sdpa", "flex", "flash", "te")
 _MEGATRON_BACKEND_NAMES = {"local": "eager", "unfused": "eager", "fused": "te"}
@@ -137,6 +143,41 @@ def resolve_backend(name: str, config: TransformerConfig) -> str:
     return name
 
 
+# ----------------------------------------------------------------------------- mask caches
+
+class _ShapeCache:
+    """Masks kept across iterations, one per span shape (least recently used dropped past
+    `size`): an lru_cache whose contents the memory meter can see (`cached_mask_tensors`)."""
+
+    def __init__(self, build: Callable, size: int) -> None:
+        self.build, self.size = build, size
+        self.entries: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+        functools.update_wrapper(self, build)
+        _SHAPE_CACHES.append(self)
+
+    def __call__(self, *key):
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        value = self.entries[key] = self.build(*key)
+        if len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return value
+
+
+_SHAPE_CACHES: list[_ShapeCache] = []
+
+
+def _shape_cached(size: int) -> Callable[[Callable], _ShapeCache]:
+    return lambda build: _ShapeCache(build, size)
+
+
+def cached_mask_tensors() -> list[Tensor]:
+    """Every tensor the shape-keyed mask caches hold now (the memory meter counts them)."""
+    return [t for cache in _SHAPE_CACHES for form in cache.entries.values()
+            for t in tensors_of(form)]
+
+
 # ----------------------------------------------------------------------------- kernels
 
 def bottom_right_causal_mask(sq: int, sk: int, device: torch.device | str = "cpu") -> Tensor:
@@ -168,7 +209,7 @@ def _eager(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float
     return _merge_heads(torch.matmul(probs, v))
 
 
-@functools.lru_cache(maxsize=32)
+@_shape_cached(32)
 def _additive_causal_mask(sq: int, sk: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """[sq, sk] additive bottom-right causal mask (0 = seen, -inf = masked), one per span shape.
 
@@ -187,8 +228,9 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
     gqa = q.size(2) != k.size(2)
     q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
     if mask is not None:
-        allowed = mask if mask.is_floating_point() else ~mask
+            allowed = mask if mask.is_floating_point() else ~mask
     elif sq == sk:      # square: bottom-right and top-left alignment agree
+        check_sdpa_kernel(q, k, v, None, is_causal=True)
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                              scale=scale, enable_gqa=gqa)
         return _merge_heads(out)
@@ -196,6 +238,8 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
         allowed = _additive_causal_mask(sq, sk, q.dtype, q.device)
     else:               # CUDA: the efficient kernel applies it without a materialised mask
         allowed = causal_lower_right(sq, sk)
+    # On CUDA the causal case passes causal_lower_right, which holds no mask tensor.
+    check_sdpa_kernel(q, k, v, allowed if mask is not None else None)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p,
                                          scale=scale, enable_gqa=gqa)
     return _merge_heads(out)
@@ -213,34 +257,19 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float
 
 def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, layout, scale: float,
                   dropout_p: float) -> Tensor:
-    """flash-attn's varlen kernel over the (row, document) segments of a span (documents.py's
-    VarlenLayout): queries of all rows packed, each row's keys from its first document on."""
+    """flash-attn's varlen kernel over the document segments of a span, one call per batch row
+    (documents.py's VarlenLayout): the row's queries, and its keys from its first document on
+    as a view of the KV cache. flash-attn takes any row stride (only the last dimension must be
+    contiguous), so the kernel saves views of the cache for its backward, not a gathered copy of
+    the prefix per layer and span."""
     from flash_attn import flash_attn_varlen_func
 
-    sq, b, heads, d = q.shape
-    sk = k.size(0)
-
-    def packed_keys(t: Tensor) -> Tensor:
-        return t.transpose(0, 1).reshape(b * sk, *t.shape[2:]).index_select(0, layout.key_index)
-
-    out = flash_attn_varlen_func(
-        q.transpose(0, 1).reshape(b * sq, heads, d), packed_keys(k), packed_keys(v),
-        layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q, layout.max_seqlen_k,
-        dropout_p=dropout_p, softmax_scale=scale, causal=True)
-    return out.reshape(b, sq, heads * d).transpose(0, 1).contiguous()
-
-
-_FLEX_BLOCK = 128
-"""FlexAttention's default tile of a BlockMask: 128 queries x 128 keys."""
-
-
-def _block_rows(tiles: Tensor) -> tuple[Tensor, Tensor]:
-    """[query tiles, key tiles] bool -> BlockMask's row form ([1, 1, ...] int32): per query tile
-    the number of marked key tiles, and the key tile indices with the marked ones first."""
-    marked = tiles.to(torch.int32)
-    counts = marked.sum(-1, dtype=torch.int32)
-    order = torch.argsort(marked, dim=-1, descending=True, stable=True).to(torch.int32)
-    return counts[None, None].contiguous(), order[None, None].contiguous()
+    sq, b = q.shape[:2]
+    outs = [flash_attn_varlen_func(
+        q[:, r], k[row.first:, r], v[row.first:, r], row.cu_seqlens_q, row.cu_seqlens_k,
+        row.max_seqlen_q, row.max_seqlen_k, dropout_p=dropout_p, softmax_scale=scale,
+        causal=True) for r, row in enumerate(layout.rows)]
+    return torch.stack(outs, dim=1).reshape(sq, b, -1)
 
 
 def _bottom_right_mask_mod(shift: Tensor):
@@ -253,7 +282,7 @@ def _bottom_right_mask_mod(shift: Tensor):
     return bottom_right_causal
 
 
-@functools.lru_cache(maxsize=64)
+@_shape_cached(64)
 def _flex_block_mask(sq: int, sk: int, device: torch.device):
     """The bottom-right causal BlockMask of sq queries over sk keys, one per span shape.
 
@@ -262,19 +291,16 @@ def _flex_block_mask(sq: int, sk: int, device: torch.device):
     classed as `create_block_mask` classes them: full when every entry is seen and the tile lies
     inside [sq, sk] (the mask is not evaluated there), partial when some entry is seen.
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     shift = sk - sq
     first_q = torch.arange(0, sq, _FLEX_BLOCK, device=device)[:, None]
     first_k = torch.arange(0, sk, _FLEX_BLOCK, device=device)[None, :]
     last_q = (first_q + _FLEX_BLOCK).clamp(max=sq) - 1
-    seen = first_k <= last_q + shift
+    seen = (first_k <= last_q + shift)[None]
     full = ((first_k + _FLEX_BLOCK - 1 <= first_q + shift)
-            & (first_q + _FLEX_BLOCK <= sq) & (first_k + _FLEX_BLOCK <= sk))
-    return BlockMask.from_kv_blocks(
-        *_block_rows(seen & ~full), *_block_rows(full), BLOCK_SIZE=_FLEX_BLOCK,
-        mask_mod=_bottom_right_mask_mod(torch.tensor(shift, device=device)),
-        seq_lengths=(sq, sk))
+            & (first_q + _FLEX_BLOCK <= sq) & (first_k + _FLEX_BLOCK <= sk))[None]
+    return tile_block_mask(seen, full, _bottom_right_mask_mod(torch.full((), shift,
+                                                                         device=device)),
+                           (sq, sk))
 
 
 @functools.lru_cache(maxsize=1)
@@ -318,7 +344,8 @@ def _document_form(backend: str, ids: Tensor, start: int, end: int, dtype: torch
                         lambda: additive_mask(span_document_mask(ids, start, end), dtype))
     if backend == "flex":
         return memoised(("flex", start, end), lambda: document_block_mask(ids, start, end))
-    return memoised(("flash", start, end), lambda: varlen_layout(ids, start, end))
+    return memoised(("flash", start, end),
+                    lambda: varlen_layout(host_document_ids(ids), start, end, ids.device))
 
 
 def _build_te_attention(config: TransformerConfig, layer_number: int, dropout_p: float,
@@ -525,8 +552,7 @@ class SpanAttention(MegatronModule):
         backend, kernels = self.backend, _KERNELS
         if is_document_ids(mask):
             check_document_ids(mask, num_keys)
-            backend = self._backend_among(DOCUMENT_BACKENDS, "cannot mask documents "
-                                                             "(--reset-attention-mask)")
+            backend = self._document_backend()
             mask = _document_form(backend, mask, num_keys - query.size(0), num_keys, query.dtype)
             kernels = _DOCUMENT_KERNELS
         elif mask is not None:
@@ -546,6 +572,19 @@ class SpanAttention(MegatronModule):
                 return kernel(q, k, v, mask, self.softmax_scale, dropout_p)
 
         return attend
+
+    def _document_backend(self) -> str:
+        """The backend that masks documents for this layer: its own when it can; under auto on
+        a GPU flex (tile tables, no (span x prefix) mask, and no math fallback: CUDA's SDPA
+        runs a float mask with grouped-query attention on its math kernel), unless attention
+        dropout is on, which flex lacks; sdpa otherwise."""
+        if self.backend in DOCUMENT_BACKENDS or self.requested_backend != "auto":
+            return self._backend_among(DOCUMENT_BACKENDS, "cannot mask documents "
+                                                          "(--reset-attention-mask)")
+        if torch.cuda.is_available() and self.dropout_p == 0 \
+                and backend_unavailable_reason("flex", self.config) is None:
+            return "flex"
+        return "sdpa"
 
     def _backend_among(self, supported: tuple[str, ...], refusal: str) -> str:
         """This layer's backend if it is one of `supported`, else sdpa under auto; a backend the

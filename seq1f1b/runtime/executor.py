@@ -17,9 +17,10 @@ On a GPU (what the CPU cannot show, so it is written down here):
   the trace uses CUDA events read after the iteration), so the host can run ahead of the GPU.
 - **Sent tensors.** `send` keeps a detached view of the output; with
   `deallocate_pipeline_outputs` the output's `.data` is then swapped for a one-element tensor so
-  its graph no longer pins the activation, but the view keeps the storage until the group has
-  been waited (ProcessGroupNCCL also records the storage on its stream, so the caching allocator
-  cannot hand it out before the send ran). Backward then calls the autograd engine directly, as
+  its graph no longer pins the activation, but the view keeps the storage until the group is
+  known to have run (`Work.is_completed()`, asked after every action without blocking;
+  ProcessGroupNCCL also keeps the storage alive until its kernel has run, so the caching
+  allocator cannot hand it out before the send ran). Backward then calls the autograd engine directly, as
   megatron's `custom_backward` does, to skip the shape check against the swapped `.data`.
 - **Context parallelism.** The all-to-alls around each layer's core attention
   (runtime/context_parallel.py) and the last stage's token all-reduce per micro-batch are
@@ -43,6 +44,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from seq1f1b import platform
 from seq1f1b.plan.actions import Action, Schedule, ScheduleError
+from seq1f1b.runtime.attention import cached_mask_tensors
 from seq1f1b.runtime.grad_sync import GradSync
 from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
 from seq1f1b.runtime.loss import MicrobatchLoss
@@ -187,6 +189,8 @@ class Executor:
         model = self.inp.model_chunks[c]
         _set_input_tensor(model, input_tensor)
         data = self.sources[c].span_iterator(i, start, end, last_span)
+        if j == 0:      # flash's varlen layout reads the document ids here, with no host sync
+            cache.host_document_ids = self.sources[c].host_document_ids(i)
         with span_context(SpanContext(i, j, start, end, cache)), self._autocast():
             output, loss_func = self.inp.forward_step_func(data, model)
         if self._is_last_stage(action):
@@ -299,11 +303,14 @@ class Executor:
         return self.forward_data_store if self._holds_last_stage() else []
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """What the executor holds for backward outside autograd's saved tensors: stage outputs,
-        output grads deferred to W, the KV caches; the saved-tensor meter adds them."""
+        """What the executor holds outside autograd's saved tensors: stage outputs, output grads
+        deferred to W, the KV caches with their derived masks, the shape-keyed mask caches of
+        the attention kernels, and what the p2p channels still hold (sends not yet run,
+        receives not yet taken); the saved-tensor meter adds them."""
         outputs = [out for _, out in self.saved.values() if isinstance(out, torch.Tensor)]
         caches = [t for cache in self.caches.values() for t in cache.tensors()]
-        return outputs + caches + self.wgrad.held_tensors()
+        return (outputs + caches + self.wgrad.held_tensors() + cached_mask_tensors()
+                + self.channels.held_tensors())
 
     def _holds_last_stage(self) -> bool:
         last = self.schedule.num_stages - 1

@@ -102,6 +102,10 @@ class MicrobatchKVCache:
     # What every layer of a span derives alike from the micro-batch's attention mask (a span's
     # document mask, block mask or varlen layout, runtime/documents.py), built once per span.
     derived: dict = field(default_factory=dict)
+    # The micro-batch's document ids in host memory (the data loader's, before get_batch moved
+    # them): what flash's varlen layout reads without a host sync. Not device memory: not in
+    # `tensors()`.
+    host_document_ids: Optional[torch.Tensor] = None
 
     def layer(self, layer: object, key: torch.Tensor, value: torch.Tensor) -> LayerKV:
         """`layer`'s buffers, allocated on first use with `key`/`value`'s per-token shape."""
@@ -117,9 +121,22 @@ class MicrobatchKVCache:
         return len(self._layers)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every buffer, gradient accumulator and derived mask the cache holds."""
-        derived = [t for t in self.derived.values() if isinstance(t, torch.Tensor)]
+        """Every buffer, gradient accumulator and derived mask the cache holds (a derived form
+        that is no tensor itself, a varlen layout or a BlockMask, holds its tensors as
+        attributes)."""
+        derived = [t for form in self.derived.values() for t in tensors_of(form)]
         return [t for entry in self._layers.values() for t in entry.tensors()] + derived
+
+
+def tensors_of(form: object) -> list[torch.Tensor]:
+    """The tensors `form` holds: itself, or those in its tuples and lists and among its
+    attributes (a varlen layout's rows, a BlockMask's block tables)."""
+    if isinstance(form, torch.Tensor):
+        return [form]
+    if isinstance(form, (tuple, list)):
+        return [t for item in form for t in tensors_of(item)]
+    return [t for value in getattr(form, "__dict__", {}).values()
+            if isinstance(value, (torch.Tensor, tuple, list)) for t in tensors_of(value)]
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,14 @@ _PEER = "pipeline rank"     # how errors name a peer: its rank in the pipeline g
 
 
 class Transport(Protocol):
-    """Issues a group's P2POps and waits for them; `describe` words a timeout."""
+    """Issues a group's P2POps and waits for them; `describe` words a timeout; `done` asks,
+    without blocking, whether a group has finished (so its tensors can be let go)."""
 
     def issue(self, ops: list[dist.P2POp], batched: bool) -> object: ...
 
     def wait(self, handle: object, describe: Callable[[], str]) -> None: ...
+
+    def done(self, handle: object) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -69,6 +72,10 @@ class ImmediateTransport:
     def wait(self, handle: object, describe: Callable[[], str]) -> None:
         for work in handle:
             work.wait()
+
+    def done(self, handle: object) -> bool:
+        """`Work.is_completed()`: on NCCL a query of the work's CUDA event, no host sync."""
+        return all(work.is_completed() for work in handle)
 
     def close(self) -> None:
         pass
@@ -121,6 +128,10 @@ class StreamGlooTransport:
             first = str(handle.error).splitlines()[0] if str(handle.error) else ""
             raise RuntimeError(f"{describe()}: {type(handle.error).__name__} {first}")
 
+    def done(self, handle: object) -> bool:
+        """Finished without an error (a failed group is left for `wait` to report)."""
+        return handle.done.is_set() and handle.error is None
+
     def close(self) -> None:
         self._queue.put(None)
 
@@ -140,13 +151,14 @@ def make_transport(group: Optional[dist.ProcessGroup], timeout_s: float) -> Tran
 
 @dataclass
 class _Issued:
-    """A group this rank has issued: its handle and its receive buffers."""
+    """A group this rank has issued: its handle, its receive buffers and the tensors it sends,
+    both let go as soon as the group is known to have finished."""
 
     index: int
     handle: object
     buffers: dict[Message, torch.Tensor]
     sent: list[torch.Tensor]
-    waited: bool = False
+    finished: bool = False
 
 
 class PipelineChannels:
@@ -156,6 +168,15 @@ class PipelineChannels:
     holding its tensor), `send(action, tensor)` (hands its output over), `after(action)` (issues
     the groups planned right after it), and `finish()` at the end. `shape_of(span)` gives the
     tensor shape of span `span`; a message between two chunks of this rank goes through memory.
+
+    What the channels hold, and for how long (`held_tensors()`, which the memory meter counts):
+    a sent tensor and its group's handle until the group is known to have finished, a received
+    buffer until its action takes it, an output until its group is issued. Groups nobody waits
+    for before the iteration's end (an input gradient sent upstream, an activation sent
+    downstream) are asked `Transport.done` after every action, without blocking, and let go the
+    moment they have run: otherwise a middle rank would keep every gradient it sent until
+    `finish()` (ProcessGroupNCCL keeps a tensor alive until its kernel has run by itself, and
+    gloo's works hold theirs for their own lifetime, so nothing needs a reference beyond that).
     """
 
     def __init__(self, schedule: Schedule, rank: int, group: Optional[dist.ProcessGroup],
@@ -171,7 +192,7 @@ class PipelineChannels:
         self.timeout_s = timeout_s
         self.plan = plan if plan is not None else communication_plan(schedule).ranks[rank]
         self._transport: Optional[Transport] = None
-        self._issued: list[_Issued] = []
+        self._running: list[_Issued] = []           # issued, not known to have finished
         self._holder: dict[Message, _Issued] = {}
         self._outputs: dict[Message, torch.Tensor] = {}
         self._local: dict[Message, torch.Tensor] = {}
@@ -198,7 +219,7 @@ class PipelineChannels:
                 buffers[op.payload] = buffer
                 ops.append(dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=op.peer))
         issued = _Issued(index, self._transport.issue(ops, group.batched), buffers, sent)
-        self._issued.append(issued)
+        self._running.append(issued)
         for message in buffers:
             self._holder[message] = issued
 
@@ -215,11 +236,22 @@ class PipelineChannels:
         return issued.buffers.pop(message)
 
     def _wait(self, issued: _Issued, action: Optional[Action]) -> None:
-        if issued.waited:
+        if issued.finished:
             return
         self._transport.wait(issued.handle, lambda: self._timeout_text(issued, action))
-        issued.waited = True
+        self._let_go(issued)
+
+    def _let_go(self, issued: _Issued) -> None:
+        """The group has run: drop its handle and sent tensors (its buffers go with receive)."""
+        issued.finished = True
+        issued.handle = None
         issued.sent.clear()
+        self._running.remove(issued)
+
+    def _let_go_finished(self) -> None:
+        """Let go of every group that has finished, asking without blocking."""
+        for issued in [i for i in self._running if self._transport.done(i.handle)]:
+            self._let_go(issued)
 
     def _timeout_text(self, issued: _Issued, action: Optional[Action]) -> str:
         show = self.schedule.chunks > 1
@@ -229,7 +261,7 @@ class PipelineChannels:
         text = (f"pipeline rank {self.rank}: {who} more than {self.timeout_s:g} s for its p2p "
                 f"group {issued.index} {group.describe(_PEER)}")
         running = getattr(self._transport, "running", None)
-        stuck = next((i for i in self._issued if i.handle is running), None)
+        stuck = next((i for i in self._running if i.handle is running), None)
         if stuck is not None and stuck is not issued:
             text += (f"; its stream is stuck at group {stuck.index} "
                      f"{self.plan.groups[stuck.index].group.describe(_PEER)}")
@@ -252,13 +284,24 @@ class PipelineChannels:
             self._outputs[message] = tensor.contiguous()
 
     def after(self, action: Action) -> None:
-        """Issue the groups planned right after `action`."""
+        """Issue the groups planned right after `action`; let go of those that have run."""
         self._issue_at(self.schedule.position(self.rank, action))
+        if self._running:
+            self._let_go_finished()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the channels keep alive now: tensors of groups still running, received buffers
+        not yet taken, outputs not yet issued, messages between this rank's chunks."""
+        buffers = {id(i): i for i in self._holder.values()}
+        return ([t for i in self._running for t in i.sent]
+                + [b for i in buffers.values() for b in i.buffers.values()]
+                + list(self._outputs.values()) + list(self._local.values()))
 
     def finish(self) -> None:
-        """Wait for every group (the sends); check that every planned message was used."""
+        """Wait for every group still running (the sends); check that every planned message
+        was used."""
         try:
-            for issued in self._issued:
+            for issued in list(self._running):
                 self._wait(issued, None)
         finally:
             if self._transport is not None:

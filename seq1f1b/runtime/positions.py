@@ -25,6 +25,7 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 
+from seq1f1b import platform
 from seq1f1b.runtime.kv_cache import current_span
 
 
@@ -62,6 +63,9 @@ def make_span_aware(rotary: RotaryEmbedding) -> SpanRotaryEmbedding:
         raise TypeError(f"span offsets support megatron's RotaryEmbedding ('rope'), got "
                         f"{type(rotary).__name__}")
     rotary.__class__ = SpanRotaryEmbedding
+    # megatron moves the inverse frequencies to the GPU at the first forward, a blocking
+    # host-to-device copy inside the first iteration's hot loop: done here, at build time.
+    rotary.inv_freq = rotary.inv_freq.to(platform.compute_device())
     return rotary
 
 

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from seq1f1b import platform
 from seq1f1b.runtime.documents import is_document_ids
 
 
@@ -58,6 +59,7 @@ class SpanDataSource:
         self.seq_length = seq_length
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self._held: dict[int, Any] = {}
+        self._host_ids: dict[int, torch.Tensor] = {}
         self._next_microbatch = 0
 
     def span_iterator(self, microbatch: int, start: int, end: int, last_span: bool
@@ -75,7 +77,27 @@ class SpanDataSource:
                                    f"{self._next_microbatch}: data must be read in order")
             self._held[microbatch] = next(self.iterator)
             self._next_microbatch += 1
+            ids = _host_document_ids(self._held[microbatch])
+            if ids is not None:
+                self._host_ids[microbatch] = ids
         item = self._held[microbatch]
         if last_span:
             del self._held[microbatch]
         return iter([slice_span(item, self.seq_length, start, end, self.cp_rank, self.cp_size)])
+
+    def host_document_ids(self, microbatch: int) -> Optional[torch.Tensor]:
+        """Micro-batch `microbatch`'s document ids as the data loader made them in host memory
+        (before the forward step moves them to the device), once, after its first span was
+        served; None when it has none there."""
+        return self._host_ids.pop(microbatch, None)
+
+
+def _host_document_ids(item: Any) -> Optional[torch.Tensor]:
+    """The document ids among a micro-batch's values, if they are in host memory."""
+    values = item.values() if isinstance(item, dict) else item if isinstance(
+        item, (list, tuple)) else (item,)
+    for value in values:
+        if is_document_ids(value) and value.device.type == "cpu" \
+                and not platform.seen_on_device(value):
+            return value
+    return None

@@ -176,7 +176,7 @@ def test_device_check_gpu_suite_tiny_runs_every_part_on_cpu(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads((tmp_path / "device_check.json").read_text())
-    assert {"numerics", "training", "memory", "attention"} <= set(data)
+    assert {"numerics", "training", "memory", "attention", "documents"} <= set(data)
     backends = data["numerics"]["backends"]
     for name in ("sdpa", "eager", "flex"):                   # flex: forward only on a CPU
         assert backends[name]["within_bound"], backends[name]
@@ -190,5 +190,9 @@ def test_device_check_gpu_suite_tiny_runs_every_part_on_cpu(tmp_path):
     stage = data["memory"]["stage"][0]
     assert stage["memory"]["saved_over_estimated"] == pytest.approx(1, abs=0.1)
     assert "sdpa" in data["attention"]["comparison"]["backends"]
+    documents = data["documents"]["backends"]
+    for name in ("sdpa_mha", "sdpa_gqa", "flex_mha"):
+        assert documents[name]["peak_bytes"]["dense"] > 0, documents[name]
+    assert "skipped" in documents["flash_mha"]
     with pytest.raises(CalibrationError, match="without a GPU"):   # reads the suite's layout
         read_device_check(tmp_path / "device_check.json")

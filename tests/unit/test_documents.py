@@ -170,13 +170,13 @@ def test_flash_varlen_packing_equals_eager(monkeypatch, groups, lengths):
     q, k, v = (t.detach() for t in qkv)
     scale = HEAD_DIM ** -0.5
     for start, end in span_bounds(lengths):
-        layout = varlen_layout(ids, start, end)
+        layout = varlen_layout(ids, start, end, ids.device)
         got = attention._flash_varlen(q[start:end], k[:end], v[:end], layout, scale, 0.0)
         want = attention._eager(q[start:end], k[:end], v[:end],
                                 span_document_mask(ids, start, end), scale, 0.0)
         assert rel_err(got, want) <= 1e-6
     # the span [10, 24) of row 0 needs keys from 10 on (documents 0-1 ended before it)
-    assert varlen_layout(ids, 10, SEQ).key_index[0] == 10
+    assert varlen_layout(ids, 10, SEQ, ids.device).rows[0].first == 10
 
 
 def test_backend_that_cannot_mask_documents_is_refused():
