@@ -67,6 +67,7 @@ class EquivalenceCase:
     num_microbatches: int = 4
     tp: int = 1
     pp: int = 1
+    cp: int = 1                        # context parallelism (a2a around the span attention)
     chunks: int = 1
     splits: int = 1
     partition: str = "even"
@@ -282,8 +283,9 @@ def _recompute_fields(case: EquivalenceCase) -> dict:
 
 
 def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_parallel: bool,
-            placement: str = "loop"):
+            placement: str = "loop", cp: int = 1):
     return megatron_adapter.make_transformer_config(
+        context_parallel_size=cp, cp_comm_type="a2a" if cp > 1 else None,
         placement=placement, stage_layers=stage_layers(case),
         init_method_std=case.init_method_std, hidden_dropout=case.hidden_dropout,
         attention_dropout=case.attention_dropout, **_recompute_fields(case),
@@ -469,10 +471,12 @@ class ParallelLayout:
 
     def __init__(self, case: EquivalenceCase, chunked: bool, ref_weights: dict) -> None:
         parallel_state.initialize_model_parallel(
-            case.tp, case.pp, virtual_pipeline_model_parallel_size=case.chunks if chunked else None)
+            case.tp, case.pp, virtual_pipeline_model_parallel_size=case.chunks if chunked else None,
+            context_parallel_size=case.cp)
         tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
         placement = placement_of(case.schedule)
-        config = _config(case, case.tp, case.pp, case.chunks, case.sequence_parallel, placement)
+        config = _config(case, case.tp, case.pp, case.chunks, case.sequence_parallel, placement,
+                         case.cp)
         rank = parallel_state.get_pipeline_model_parallel_rank()
         models, self.shards = [], []
         for chunk in range(case.chunks):
@@ -518,11 +522,17 @@ class ParallelLayout:
             model=self.chunks if self.chunked else self.chunks[0],
             num_microbatches=case.num_microbatches, seq_length=case.seq_length,
             micro_batch_size=case.micro_batch_size)
-        # Mean over micro-batches of each one's token mean, then over DP (megatron's report).
-        loss = torch.zeros((), device=platform.compute_device())
-        if losses and parallel_state.get_tensor_model_parallel_rank() == 0:
-            loss += sum(float(x["lm loss"][0]) / max(float(x["lm loss"][1]), 1.0)
-                        for x in losses) / case.num_microbatches
+        # Mean over micro-batches of each one's token mean, then over DP (megatron's report);
+        # under CP each micro-batch's [loss sum, tokens] is summed over the CP ranks first.
+        device = platform.compute_device()
+        sums = torch.zeros(case.num_microbatches, 2, device=device)
+        if losses:
+            sums += torch.stack([x["lm loss"].float().to(device) for x in losses])
+        dist.all_reduce(sums, group=parallel_state.get_context_parallel_group())
+        loss = torch.zeros((), device=device)
+        if losses and parallel_state.get_tensor_model_parallel_rank() == 0 \
+                and parallel_state.get_context_parallel_rank() == 0:
+            loss += (sums[:, 0] / sums[:, 1].clamp(min=1.0)).sum() / case.num_microbatches
         dist.all_reduce(loss)
         grads = []
         for model, shards in zip(self.chunks, self.shards):
@@ -534,7 +544,8 @@ class ParallelLayout:
 
 
 def run_case(case: EquivalenceCase) -> EquivalenceResult:
-    """Run `case` on the current process group (world = TP x PP x DP); same result on all ranks.
+    """Run `case` on the current process group (world = TP x CP x PP x DP); same result on all
+    ranks.
 
     With `case.against` set, the baseline is that schedule run on the same chunks and data
     (e.g. our `1f1b` against megatron-core's own `megatron-1f1b`) instead of the unsplit model.
@@ -543,9 +554,10 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
     if case.pipeline_schedule_file is not None:     # registered in this process under its name
         case = replace(case, schedule=schedule_file.load(case.pipeline_schedule_file).name)
     world = dist.get_world_size()
-    if world % (case.tp * case.pp):
-        raise ValueError(f"world size {world} is not divisible by --tp {case.tp} x --pp {case.pp}")
-    dp = world // (case.tp * case.pp)
+    if world % (case.tp * case.pp * case.cp):
+        raise ValueError(f"world size {world} is not divisible by --tp {case.tp} x --pp {case.pp}"
+                         f" x --cp {case.cp}")
+    dp = world // (case.tp * case.pp * case.cp)
     chunked = is_chunked(case.schedule)
     if chunked != (case.chunks > 1) or (case.against and is_chunked(case.against) != chunked):
         raise ValueError(f"--chunks {case.chunks} does not fit schedule {case.schedule!r}")
@@ -568,7 +580,7 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
     triples = [(name, grad, reference[_identity(sharded)] if reference is not None
                 else _slice(ref_grads[_place(sharded)], sharded))
                for name, sharded, grad in grads]
-    worst, name, compared = _worst_over_ranks(*_max_rel_diff(triples), dp)
+    worst, name, compared = _worst_over_ranks(*_max_rel_diff(triples), dp * case.cp)
     release_model_parallel()
     loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
     passed = (loss_rel <= case.loss_tolerance and worst <= case.grad_tolerance

@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from seq1f1b.plan.actions import virtual_stage
 from seq1f1b.plan.stage_layers import EVEN, StageLayers, layers_per_virtual_stage
 from seq1f1b.runtime.attention import SpanAttention, SpanSelfAttention
+from seq1f1b.runtime.context_parallel import ContextParallelSpanAttention
 from seq1f1b.runtime.positions import make_span_aware, use_position_ids
 from seq1f1b.runtime.wgrad import (
     SplitBackwardColumnParallelLinear,
@@ -201,7 +202,8 @@ def span_layer_spec(config: TransformerConfig, attention_backend: str = "auto",
     layer.pre_mlp_layernorm = SequenceParallelNorm
     layer.self_attention.module = SpanSelfAttention
     attention = layer.self_attention.submodules
-    attention.core_attention = functools.partial(SpanAttention, backend=attention_backend)
+    core = ContextParallelSpanAttention if config.context_parallel_size > 1 else SpanAttention
+    attention.core_attention = functools.partial(core, backend=attention_backend)
     if config.qk_layernorm:
         attention.q_layernorm = SequenceParallelNorm
         attention.k_layernorm = SequenceParallelNorm

@@ -5,9 +5,10 @@
         --splits 3 --partition compute
     torchrun --nproc-per-node 2 tools/check_equivalence.py --pp 2 --splits 3 \
         --reset-attention-mask --reset-position-ids --document-lengths 5 9 10
+    torchrun --nproc-per-node 4 tools/check_equivalence.py --pp 2 --cp 2 --splits 3
 
 prints JSON {"loss", "ref_loss", "max_rel_grad_diff", "params_compared", "passed", ...} on rank 0
-and exits 1 when the loss or any gradient differs beyond the tolerances. DP = world / (TP x PP).
+and exits 1 when the loss or any gradient differs beyond the tolerances. DP = world / (TP x CP x PP).
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
              "checked before any work; --pp, --num-microbatches, --splits and --chunks are the "
              "file's (given ones must agree)")
     add_model_flags(parser)
+    add("--cp", type=int, default=1,
+        help="context-parallel size (Ulysses all-to-all around the span attention)")
     add("--init-method-std", type=float, default=0.2,
         help="weight init std (0.2: sharp attention, so a wrong position or K/V shows)")
     add("--hidden-dropout", type=float, default=0.0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -122,6 +123,9 @@ def _add_span_args(parser: argparse.ArgumentParser, method_flag: str) -> None:
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="spans must then be multiples of --tp")
     parser.add_argument("--align", type=int, default=1, help="spans are multiples of this")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel size C (Ulysses all-to-all around the span "
+                             "attention): spans are multiples of C, each rank holds 1/C of them")
 
 
 def _model(args: argparse.Namespace) -> ModelConfig | None:
@@ -157,8 +161,10 @@ def _time_fit(args: argparse.Namespace) -> SpanTimeFit | None:
 
 
 def _spans(args: argparse.Namespace, model: ModelConfig | None, splits: int) -> list[int]:
+    cp_unit = args.cp * (args.tp if args.sequence_parallel else 1)
     return partition(args.seq_length, splits, args.method, model, tp=args.tp,
-                     sequence_parallel=args.sequence_parallel, align=args.align,
+                     sequence_parallel=args.sequence_parallel,
+                     align=math.lcm(args.align, cp_unit),
                      lengths=args.span_lengths, fit=_time_fit(args))
 
 
@@ -250,7 +256,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         spans = [args.seq_length] if whole else _spans(args, model, schedule.splits)
         return model_costs(schedule, model, spans, flops_per_second=args.device_tflops * 1e12,
                            tp=args.tp, sequence_parallel=args.sequence_parallel,
-                           stage_layers=_stage_layers(args))
+                           stage_layers=_stage_layers(args), cp=args.cp)
 
     schedule = _schedule(args, costs_of if model is not None else None)
     if model is None and _stage_layers(args).uneven:
@@ -306,7 +312,7 @@ def cmd_memory(args: argparse.Namespace) -> None:
     setup = TrainingSetup(
         model=model, seq_length=args.seq_length, schedule=args.schedule, pp=args.pp,
         microbatches=args.microbatches, splits=args.splits, chunks=args.chunks, tp=args.tp,
-        dp=args.dp, micro_batch_size=args.micro_batch_size,
+        dp=args.dp, cp=args.cp, micro_batch_size=args.micro_batch_size,
         sequence_parallel=args.sequence_parallel,
         distributed_optimizer=args.distributed_optimizer,
         # fit: the measured cut, handed over as explicit lengths
@@ -341,7 +347,7 @@ def _print_memory(estimate: MemoryEstimate, gpu_memory_gib: float, reserve: floa
     setup = estimate.setup
     print(f"{setup.schedule}: P={setup.pp} m={setup.microbatches} k={setup.splits} "
           f"V={setup.chunks} TP={setup.tp}{' (SP)' if setup.sequence_parallel else ''} "
-          f"DP={setup.dp} L={setup.seq_length} spans {' '.join(map(str, estimate.span_lengths))} "
+          f"CP={setup.cp} DP={setup.dp} L={setup.seq_length} spans {' '.join(map(str, estimate.span_lengths))} "
           f"{setup.precision}, distributed optimizer "
           f"{'on' if setup.distributed_optimizer else 'off'}, "
           f"{setup.recompute.describe() if setup.recompute else 'no activation recompute'}; "

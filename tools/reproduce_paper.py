@@ -60,6 +60,7 @@ from typing import Callable, Iterator, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
+from seq1f1b.plan.context_parallel import check_heads  # noqa: E402
 from seq1f1b.plan.costs import preset  # noqa: E402
 from seq1f1b.plan.memory import (GIB, MemoryEstimate, TrainingSetup,  # noqa: E402
                                  estimate_memory)
@@ -74,6 +75,12 @@ SPLITS = 4                  # k of the authors' scripts (--pipe-sp-splits 4)
 CHUNKS = 2                  # V of the interleaved runs (the authors' VPP 2)
 SWEPT_PANEL = ("7b", 32)    # the panel whose throughput is shown by micro-batch count
 MICROBATCH_COUNTS = (8, 16, 32)
+CP_SIZES = (1, 2, 4, 8)
+REACH_LENGTHS = tuple(16384 * 2 ** i for i in range(9))     # 16K .. 4M tokens
+REACH_SPAN = 32768
+"""Seq1F1B's spans in the context-reach table: k = L / 32K (at least SPLITS, at most 32)."""
+RECOMPUTES = (None, "selective", "full")
+"""Tried in this order at each length of the reach table: the least recompute that fits."""
 """The paper measured 8 and 16 micro-batches (PAPER.md holds none of its throughput figures);
 32 is the authors' 7B script's."""
 
@@ -244,6 +251,66 @@ def throughput_rows(models: Models) -> list[dict]:
     return [_throughput_row(cell, setup, models)[0] for cell, setup in _cells()]
 
 
+def cp_layout(panel: Panel, cp: int) -> Optional[tuple[int, int]]:
+    """(TP, PP) for the panel's GPUs with CP = `cp` and DP = 1: the largest TP up to the panel's
+    whose heads C can shard, PP the rest (dividing the layers); None when none exists."""
+    model = preset(panel.model)
+    tp = panel.tp
+    while tp >= 1:
+        pp = panel.gpus // (tp * cp)
+        try:
+            check_heads(model.num_attention_heads, model.num_query_groups, tp, cp)
+            heads_ok = model.num_attention_heads % tp == 0
+        except ScheduleError:
+            heads_ok = False
+        if heads_ok and pp >= 1 and pp * tp * cp == panel.gpus and model.num_layers % pp == 0:
+            return tp, pp
+        tp //= 2
+    return None
+
+
+def _reach_setup(panel: Panel, layout: tuple[int, int], cp: int, schedule: str,
+                 seq_length: int, recompute: Optional[str]) -> TrainingSetup:
+    tp, pp = layout
+    splits = min(max(seq_length // REACH_SPAN, SPLITS), 32) if _is_seq1f1b(schedule) else 1
+    return TrainingSetup(
+        model=preset(panel.model), seq_length=seq_length, schedule=schedule, pp=pp,
+        microbatches=panel.microbatches, splits=splits, tp=tp, cp=cp, dp=1,
+        sequence_parallel=tp > 1, distributed_optimizer=True, recompute_granularity=recompute)
+
+
+def reach_rows(models: Models) -> list[dict]:
+    """Per paper panel, CP size and schedule (1F1B, Seq1F1B): the longest context of
+    REACH_LENGTHS that fits its GPUs (DP = 1, the least recompute of RECOMPUTES that fits),
+    with the projected throughput there."""
+    rows = []
+    for panel in PANELS:
+        for cp in CP_SIZES:
+            layout = cp_layout(panel, cp)
+            for schedule in ("1f1b", "seq1f1b"):
+                row = {"model": panel.model, "gpus": panel.gpus, "cp": cp, "schedule": schedule,
+                       "tp": layout[0] if layout else None, "pp": layout[1] if layout else None,
+                       "seq_length": None, "splits": None, "recompute": None,
+                       "tflops_per_gpu": None, "tokens_per_s": None}
+                reached = None
+                for seq_length in REACH_LENGTHS if layout else ():
+                    fitting = next((setup for recompute in RECOMPUTES
+                                    for setup in [_reach_setup(panel, layout, cp, schedule,
+                                                               seq_length, recompute)]
+                                    if models.fits(estimate_memory(setup))), None)
+                    if fitting is None:
+                        break
+                    reached = fitting
+                if reached is not None:
+                    projection = project(reached, models.device)
+                    row.update(seq_length=reached.seq_length, splits=reached.splits,
+                               recompute=reached.recompute_granularity,
+                               tflops_per_gpu=projection.tflops_per_gpu,
+                               tokens_per_s=projection.tokens_per_s)
+                rows.append(row)
+    return rows
+
+
 def microbatch_rows(models: Models) -> list[dict]:
     """SWEPT_PANEL's throughput at each of MICROBATCH_COUNTS, each row with the seconds each
     k-dependent term adds to its iteration (`Projection.overheads`); none without the panel."""
@@ -411,6 +478,36 @@ def print_tables(result: dict, models: Models) -> None:
         ("compute spans", lambda r: " ".join(map(str, r["compute_spans"]))),
         ("TFLOPS", lambda r: f"{r['tflops_compute']:.1f}"),
         ("gain", lambda r: f"{r['gain']:+.1%}")])))
+    print()
+    print(f"(d) Context reach with context parallelism (Ulysses a2a, --context-parallel-size): "
+          f"the longest of {REACH_LENGTHS[0] // 1024}K x 2^i tokens that fits each panel's "
+          f"GPUs at DP=1, with the least recompute that fits, and the projected throughput "
+          f"there; Seq1F1B with k = L / {REACH_SPAN // 1024}K spans ({SPLITS} to 32)")
+    print("\n".join(_reach_table(result["context_reach"])))
+
+
+def _reach_table(rows: list[dict]) -> list[str]:
+    """One line per (panel, CP): the layout, then each schedule's reach."""
+    lines = [f"{'model':>6} {'GPUs':>4} {'CP':>2} {'TP':>2} {'PP':>2}  "
+             f"{'1F1B: L, recompute, TFLOPS, tok/s':<40}  Seq1F1B: L, k, recompute, TFLOPS, tok/s"]
+
+    def reach(row: Optional[dict]) -> str:
+        if row is None or row["tp"] is None:
+            return "no layout (heads)"
+        if row["seq_length"] is None:
+            return f"< {REACH_LENGTHS[0] // 1024}K"
+        k = f" k={row['splits']}" if row["schedule"] != "1f1b" else ""
+        return (f"{row['seq_length'] // 1024}K{k} {row['recompute'] or 'none'} "
+                f"{row['tflops_per_gpu']:.0f} TF {row['tokens_per_s']:.0f} tok/s")
+
+    by_key = {(r["model"], r["gpus"], r["cp"], r["schedule"]): r for r in rows}
+    for model, gpus, cp in dict.fromkeys((r["model"], r["gpus"], r["cp"]) for r in rows):
+        one, seq = by_key.get((model, gpus, cp, "1f1b")), by_key.get((model, gpus, cp, "seq1f1b"))
+        tp = "-" if one["tp"] is None else one["tp"]
+        pp = "-" if one["pp"] is None else one["pp"]
+        lines.append(f"{model:>6} {gpus:>4} {cp:>2} {tp:>2} {pp:>2}  {reach(one):<40}  "
+                     f"{reach(seq)}")
+    return lines
 
 
 def _microbatch_table(rows: list[dict]) -> list[str]:
@@ -747,7 +844,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                             if args.device_check else None)
             result = {"memory": memory_rows(models), "throughput": throughput_rows(models),
                       "microbatch_sweep": microbatch_rows(models),
-                      "ablation": ablation_rows(models)}
+                      "ablation": ablation_rows(models), "context_reach": reach_rows(models)}
             if models.calibration:
                 result["calibration"] = models.calibration.to_dict()
     except (UsageError, ScheduleError, CalibrationError) as err:

@@ -29,6 +29,7 @@ from megatron.training.tokenizer import (
     add_tokenizer_args, build_tokenizer, padded_vocab_size)
 
 MEGATRON_SCHEDULES = {"megatron-1f1b": False, "megatron-interleaved-1f1b": True}
+MEGATRON_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")   # megatron's --cp-comm-type
 """megatron-core's unmodified schedules (full sequences): name -> interleaves model chunks."""
 DEFAULT_SCHEDULE = "seq1f1b"
 PARTITIONS = ("even", "compute", "fit", "explicit")   # what seq1f1b.plan.partition implements
@@ -169,6 +170,12 @@ def _add_parallel_args(parser: ArgumentParser) -> None:
                         "of virtual stage 2P-1, the output layer's chunk of rank 0)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="shard norms/dropout activations along the sequence over TP")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context parallelism C: each span's tokens split over C ranks, an "
+                        "all-to-all around core attention (span schedules)")
+    g.add_argument("--cp-comm-type", default="a2a",
+                   help="context-parallel communication: a2a (Ulysses, the only one span "
+                        "schedules run; Megatron's p2p ring, all_gather and a2a+p2p are refused)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks")
     g.add_argument("--distributed-timeout-minutes", type=int,
@@ -503,7 +510,8 @@ def _validate_basics(args: argparse.Namespace) -> None:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "ffn_hidden_size", "max_position_embeddings", "micro_batch_size",
                  "global_batch_size", "train_iters", "tensor_model_parallel_size",
-                 "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                 "pipeline_model_parallel_size", "context_parallel_size",
+                 "num_layers_per_virtual_pipeline_stage",
                  "seq1f1b_splits", "pipe_sp_splits", "seq1f1b_fit_iterations",
                  "make_vocab_size_divisible_by",
                  "lr_decay_iters", "save_interval", "eval_interval", "log_interval",
@@ -619,13 +627,17 @@ def _validate_architecture(args: argparse.Namespace) -> None:
 
 def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
     if world_size < 1:
         _fail(f"world size must be >= 1, got {world_size}")
-    if world_size % (tp * pp):
-        _fail(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
-              f"{tp * pp} does not divide the world size {world_size}")
+    if world_size % (tp * pp * cp):
+        _fail(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
+              f"--context-parallel-size {cp} = {tp * pp * cp} does not divide the world size "
+              f"{world_size}")
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = world_size // (tp * pp * cp)
+    if cp > 1:
+        _validate_context_parallel(args)
     if args.num_attention_heads % tp:
         _fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
               f"--tensor-model-parallel-size {tp}")
@@ -691,6 +703,29 @@ def _validate_training_length(args: argparse.Namespace) -> None:
         _fail("--decoupled-min-lr needs --decoupled-lr")
 
 
+def _validate_context_parallel(args: argparse.Namespace) -> None:
+    """--context-parallel-size > 1: Ulysses a2a over the span attention (the span lengths are
+    checked with the schedule's)."""
+    from seq1f1b.runtime.context_parallel import check_comm_type, check_heads
+
+    if args.cp_comm_type not in MEGATRON_CP_COMM_TYPES:
+        _fail(f"--cp-comm-type {args.cp_comm_type!r} is unknown; Megatron's are "
+              f"{', '.join(MEGATRON_CP_COMM_TYPES)} (span schedules run a2a)")
+    try:
+        check_comm_type(args.cp_comm_type)
+        check_heads(args.num_attention_heads, args.num_query_groups or args.num_attention_heads,
+                    args.tensor_model_parallel_size, args.context_parallel_size)
+    except ValueError as err:
+        _fail(str(err))
+    if args.seq1f1b_partition == "fit":
+        _fail(f"--context-parallel-size {args.context_parallel_size}: --seq1f1b-partition fit "
+              "does not align its cut to the CP ranks yet; use even, compute or explicit")
+    if args.pipeline_schedule in MEGATRON_SCHEDULES:
+        _fail(f"--context-parallel-size {args.context_parallel_size}: --pipeline-schedule "
+              f"{args.pipeline_schedule} would need megatron's own CP attention (Transformer "
+              "Engine); use a span schedule")
+
+
 def _validate_batch(args: argparse.Namespace) -> None:
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
@@ -747,6 +782,9 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     if k > args.seq_length:
         _fail(f"--seq1f1b-splits {k} exceeds --seq-length {args.seq_length}")
     tp_unit = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    cp = args.context_parallel_size
+    if cp > 1:
+        _validate_cp_spans(args, k, tp_unit * cp)
     if args.seq1f1b_partition == "explicit":
         if spans is None:
             _fail("--seq1f1b-span-lengths is required by --seq1f1b-partition explicit")
@@ -856,6 +894,20 @@ def _validate_memory_cap(args: argparse.Namespace) -> None:
         MemoryCap.parse(args.schedule_memory_cap)
     except ScheduleError as err:
         _fail(str(err))
+
+
+def _validate_cp_spans(args: argparse.Namespace, k: int, unit: int) -> None:
+    """Every span splits over the CP ranks (each part over TP under sequence parallelism)."""
+    cp = args.context_parallel_size
+    why = f"--context-parallel-size {cp}" + (
+        f" x --tensor-model-parallel-size {unit // cp} (--sequence-parallel)" if unit > cp else "")
+    spans = args.seq1f1b_span_lengths
+    if spans is not None and any(span % unit for span in spans):
+        _fail(f"--seq1f1b-span-lengths {' '.join(map(str, spans))}: {why} = {unit} must divide "
+              "every span")
+    if spans is None and (args.seq_length % unit or args.seq_length // unit < k):
+        _fail(f"--seq-length {args.seq_length}: {why} = {unit} must divide it into at least "
+              f"--seq1f1b-splits {k} spans of multiples of {unit} tokens")
 
 
 def _validate_fit(args: argparse.Namespace) -> None:

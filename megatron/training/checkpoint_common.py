@@ -127,7 +127,9 @@ class CheckpointLayout:
         for names an older writer left out."""
         return cls(tensor_parallel=getattr(args, "tensor_model_parallel_size", 1),
                    pipeline_parallel=getattr(args, "pipeline_model_parallel_size", 1),
-                   data_parallel=getattr(args, "data_parallel_size", 1),
+                   # the distributed optimizer shards over DP x CP (megatron's dp_cp group)
+                   data_parallel=getattr(args, "data_parallel_size", 1)
+                   * getattr(args, "context_parallel_size", 1),
                    distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
                    precision="bf16" if getattr(args, "bf16", False) else
                    "fp16" if getattr(args, "fp16", False) else "fp32",

@@ -57,11 +57,25 @@ class RunPosition:
     consumed_valid_samples: int = 0
 
 
+def _dp_cp_group():
+    """The ranks that hold the same model shards: data parallel x context parallel (megatron's
+    dp_cp group, over which the distributed optimizer shards and replicas are counted)."""
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def _dp_cp_size() -> int:
+    return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+
+def _dp_cp_rank() -> int:
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True)
+
+
 def _layout() -> list[int]:
-    """Our `parallel_layout` record: [PP, TP, DP] of the run that saved."""
+    """Our `parallel_layout` record: [PP, TP, DP x CP] of the run that saved."""
     return [parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_data_parallel_world_size()]
+            _dp_cp_size()]
 
 
 def _rng_state() -> dict:
@@ -89,21 +103,21 @@ def _rng_sharded_object(states: Optional[list]) -> ShardedObject:
                           parallel_state.get_tensor_model_parallel_world_size()),
                          (parallel_state.get_pipeline_model_parallel_rank(),
                           parallel_state.get_tensor_model_parallel_rank()),
-                         replica_id=parallel_state.get_data_parallel_rank())
+                         replica_id=_dp_cp_rank())
 
 
 def _gathered_rng_states() -> list:
     """Every data-parallel rank's RNG states, in DP rank order (collective over DP)."""
-    states: list = [None] * parallel_state.get_data_parallel_world_size()
-    dist.all_gather_object(states, _rng_state(), group=parallel_state.get_data_parallel_group())
+    states: list = [None] * _dp_cp_size()
+    dist.all_gather_object(states, _rng_state(), group=_dp_cp_group())
     return states
 
 
 def _own_rng_state(states: list) -> Optional[dict]:
     """This rank's entry of a loaded RNG list: its own DP rank's when the list has one per DP
     rank, the single entry of Megatron-LM's list (which holds DP rank 0's), else None."""
-    if len(states) == parallel_state.get_data_parallel_world_size():
-        return states[parallel_state.get_data_parallel_rank()]
+    if len(states) == _dp_cp_size():
+        return states[_dp_cp_rank()]
     return states[0] if len(states) == 1 else None
 
 
@@ -185,7 +199,7 @@ def _load_fully_reshardable_without_steps(optimizer: MegatronOptimizer, state: d
 def _metadata(content: dict) -> dict:
     """megatron-core's sharded-state-dict metadata: the checkpoint's content metadata and the
     data-parallel group the distributed optimizer shards over."""
-    return {**content, "dp_cp_group": parallel_state.get_data_parallel_group()}
+    return {**content, "dp_cp_group": _dp_cp_group()}
 
 
 def _model_state(model: list) -> dict:
@@ -270,7 +284,7 @@ def load_checkpoint(start: StartingPoint, model: list, optimizer: MegatronOptimi
         mismatch = CheckpointLayout.from_args(argparse.Namespace(
             tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
             pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-            data_parallel_size=parallel_state.get_data_parallel_world_size(),
+            data_parallel_size=_dp_cp_size(),
             use_distributed_optimizer=optimizer.config.use_distributed_optimizer,
             bf16=optimizer.config.bf16, fp16=optimizer.config.fp16)).optimizer_mismatch(
                 saved, content.get("distrib_optim_sharding_type"))

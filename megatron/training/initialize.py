@@ -17,7 +17,8 @@ from seq1f1b.distributed import init_distributed, release_model_parallel
 
 
 def initialize_megatron(args: argparse.Namespace) -> None:
-    """Join (or reuse) the process group, build parallel_state for TP x PP (x V), seed the RNGs."""
+    """Join (or reuse) the process group, build parallel_state for TP x CP x PP (x V), seed the
+    RNGs."""
     # --p2p-timeout is every process group's timeout too: on NCCL the pipeline's waits have none
     # of their own (a wait with one would block the host), and the watchdog then reports a stuck
     # transfer or collective instead of the job freezing.
@@ -31,6 +32,7 @@ def initialize_megatron(args: argparse.Namespace) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         distributed_timeout_minutes=timeout_s / 60)
     set_random_seed(args.seed)
 

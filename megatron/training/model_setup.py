@@ -50,6 +50,8 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel, hidden_dropout=args.hidden_dropout,
+        context_parallel_size=args.context_parallel_size,
+        cp_comm_type=args.cp_comm_type if args.context_parallel_size > 1 else None,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         fp16=args.fp16, bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
         calculate_per_token_loss=args.calculate_per_token_loss,

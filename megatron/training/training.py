@@ -285,8 +285,9 @@ executor's per-op compute timers); milliseconds per iteration, min and max over 
 def reduce_losses(losses: list, placement: str = "loop") -> dict[str, float]:
     """Megatron's report of the loss dicts one iteration returned on the last stage.
 
-    Per-token entries (`[sum, count]`) are summed over micro-batches and DP ranks and divided: the
-    token mean of the global batch. Scalar entries are averaged over micro-batches and DP ranks.
+    Per-token entries (`[sum, count]`) are summed over micro-batches and DP x CP ranks (each CP
+    rank holds 1/C of every span's tokens) and divided: the token mean of the global batch.
+    Scalar entries are averaged over micro-batches and DP x CP ranks, as megatron does.
     Returns {} off the last pipeline rank. In a V (`placement` "vshape") the last stage is
     a chunk of pipeline rank 0: its figures are sent on to the last pipeline rank (collective
     over the pipeline group), which reports every run's losses (log line, writers, results).
@@ -314,7 +315,7 @@ def _on_last_pipeline_rank(reduced: dict[str, float]) -> dict[str, float]:
 def _reduced(losses: list) -> dict[str, float]:
     if not losses:
         return {}
-    group = parallel_state.get_data_parallel_group()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     reduced = {}
     for key in losses[0]:
         values = [torch.as_tensor(entry[key]).detach().float().view(-1) for entry in losses]
@@ -405,7 +406,8 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
               forward_step_func: ForwardStep, exits: ExitConditions) -> TrainingSummary:
     config = model_setup.core_transformer_config_from_args(args)
     print_rank_0(f"> training with {args.world_size} processes: TP={args.tensor_model_parallel_size}"
-                 f" PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}"
+                 f" PP={args.pipeline_model_parallel_size} CP={args.context_parallel_size}"
+                 f" DP={args.data_parallel_size}"
                  f" V={args.virtual_pipeline_model_parallel_size or 1}, schedule "
                  f"{args.pipeline_schedule} k={args.seq1f1b_splits} ({args.seq1f1b_partition}),"
                  f" span lengths {_first_span_lengths(args, config)},"

@@ -117,13 +117,30 @@ class Op(NamedTuple):
 
 
 class Group(NamedTuple):
-    """Ops issued together: one batch_isend_irecv (`batched`) or one lone isend/irecv."""
+    """Ops issued together: one batch_isend_irecv (`batched`) or one lone isend/irecv.
+
+    `communicator` names the process group when programs of several are replayed together (the
+    pipeline's and the context-parallel group's, with global ranks as peers): messages match only
+    within one. A collective is a batched group of the same communicator that sends to and
+    receives from every other member (it completes once all of them have started it), waited at
+    once (`collective`)."""
 
     ops: tuple[Op, ...]
     batched: bool = True
+    communicator: Optional[tuple] = None
 
     def describe(self, rank: str = "rank") -> str:
         return "{" + "; ".join(op.describe(rank) for op in self.ops) + "}"
+
+
+def collective(name: str, payload: str, members: Sequence[int], rank: int) -> Group:
+    """Rank `rank`'s part of a collective `name` over `members` (global ranks): one exchange
+    with every other member, each end carrying `name payload`, so that members that issue
+    collectives in different orders are matched against each other's other collective."""
+    carried = f"{name} {payload}"
+    ops = tuple(Op(kind, peer, carried) for peer in members if peer != rank
+                for kind in (SEND, RECV))
+    return Group(ops, True, tuple(members))
 
 
 class Compute(NamedTuple):

@@ -21,7 +21,10 @@ schedule's memory is read off the same plan that runs. What the estimate counts,
   accumulators (fp32 whatever the precision) from its first backward on; on the last stage ("logits") the loss's fp32 softmax
   and the inputs of the final norm and the output layer;
 - a backward workspace (costs.backward_workspace_bytes; with full recompute it includes the
-  recomputed group's activations) and a fixed framework overhead (`FRAMEWORK_OVERHEAD_GIB`).
+  recomputed group's activations) and a fixed framework overhead (`FRAMEWORK_OVERHEAD_GIB`);
+- under context parallelism (`cp` = C): activations, logits and workspace of span / C tokens, the
+  rank's share of the K/V cache (plan/context_parallel.py), the send and receive buffers of one
+  layer's all-to-alls in the workspace, and the distributed optimizer sharded over DP x CP.
 Not counted: the pipeline's stashed stage outputs (megatron deallocates them after the send),
 p2p buffers (the runtime holds at most about two span messages of s*b*h per rank at a time, an
 output awaiting its send and a receive posted ahead: tests/unit/test_p2p_held.py; 128 MiB at 7B,
@@ -35,6 +38,7 @@ from typing import Optional
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.budget import MemoryCap, model_budget
+from seq1f1b.plan.context_parallel import all_to_all_bytes, check_heads
 from seq1f1b.plan.costs import (ModelConfig, Recompute, backward_workspace_bytes,
                                 recomputed_activation_bytes, stage_parameters)
 from seq1f1b.plan.partition import partition
@@ -82,6 +86,7 @@ class TrainingSetup:
     chunks: int = 1
     tp: int = 1
     dp: int = 1
+    cp: int = 1                 # context parallelism: each span's tokens over C ranks (a2a)
     micro_batch_size: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
@@ -119,6 +124,16 @@ class TrainingSetup:
                             ("--ffn-hidden-size", self.model.ffn_hidden_size)):
             if value % self.tp:
                 raise ScheduleError(f"{flag} {value} is not divisible by --tp {self.tp}")
+        check_heads(self.model.num_attention_heads, self.model.num_query_groups, self.tp,
+                    self.cp, flag="--cp")
+
+    def spans(self, model: Optional[ModelConfig] = None) -> list[int]:
+        """The span lengths: multiples of C (of C x TP under sequence parallelism), since each
+        CP rank holds a contiguous 1/C of every span."""
+        align = self.cp * self.tp if self.sequence_parallel else self.cp
+        return partition(self.seq_length, self.splits, self.partition, model or self.model,
+                         tp=self.tp, sequence_parallel=self.sequence_parallel, align=align,
+                         lengths=list(self.span_lengths) if self.span_lengths else None)
 
     @property
     def recompute(self) -> Optional[Recompute]:
@@ -243,9 +258,8 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         raise ScheduleError("--seq-length is required")
     model = replace(setup.model, vocab_size=setup.padded_vocab_size)
     precision = PRECISIONS[setup.precision]
-    spans = partition(setup.seq_length, setup.splits, setup.partition, model, tp=setup.tp,
-                      sequence_parallel=setup.sequence_parallel,
-                      lengths=list(setup.span_lengths) if setup.span_lengths else None)
+    spans = setup.spans(model)
+    local = max(spans) // setup.cp      # a CP rank's tokens of the longest span
 
     from seq1f1b.plan.projection import A100     # projection imports this module
 
@@ -256,7 +270,8 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
                            flops_per_second=A100.peak_tflops * 1e12, tp=setup.tp,
                            sequence_parallel=setup.sequence_parallel,
                            batch=setup.micro_batch_size, bytes_per_element=precision.activation,
-                           recompute=setup.recompute, stage_layers=setup.stage_layers)
+                           recompute=setup.recompute, stage_layers=setup.stage_layers,
+                           cp=setup.cp)
 
     cap = MemoryCap.parse(setup.schedule_memory_cap) if setup.schedule_memory_cap else None
     budget = model_budget(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
@@ -272,22 +287,24 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
         virtual = [schedule.stage_of(rank.rank, chunk) for chunk in range(schedule.chunks)]
         params = sum(stage_parameters(model, layers[v], first=v == 0, last=v == last,
                                       tp=setup.tp) for v in virtual)
-        workspace = backward_workspace_bytes(model, max(spans), setup.micro_batch_size,
+        workspace = backward_workspace_bytes(model, local, setup.micro_batch_size,
                                              setup.tp, precision.activation,
                                              last_stage=last in virtual,
                                              sequence_parallel=setup.sequence_parallel,
-                                             recompute=setup.recompute)
+                                             recompute=setup.recompute) \
+            + 2 * all_to_all_bytes(model, max(spans), setup.micro_batch_size, setup.tp,
+                                   setup.cp, precision.activation)
         held = rank.held_at_peak
         stages.append(StageMemory(
             rank=rank.rank, parameters=params,
             parameter_bytes=params * precision.parameter,
             gradient_bytes=params * precision.gradient,
             optimizer_bytes_replicated=params * precision.optimizer,
-            optimizer_bytes_sharded=params * precision.optimizer / setup.dp,
+            optimizer_bytes_sharded=params * precision.optimizer / (setup.dp * setup.cp),
             activation_bytes=held["activation"], kv_cache_bytes=held["kv_cache"],
             logits_bytes=held["logits"], workspace_bytes=workspace,
             recomputed_bytes=recomputed_activation_bytes(
-                model, max(spans), setup.micro_batch_size, setup.tp, setup.sequence_parallel,
+                model, local, setup.micro_batch_size, setup.tp, setup.sequence_parallel,
                 precision.activation, setup.recompute),
             overhead_bytes=setup.overhead_gib * GIB, peak_live_spans=rank.peak_live_spans,
             distributed_optimizer=setup.distributed_optimizer))

@@ -23,6 +23,14 @@ actions, groups and messages), or as the chain that ends at a message no rank ma
 The replay advances per-rank pointers (compute step, stream head) and touches every step and op
 a bounded number of times: linear in the size of the programs, as the grid test needs.
 
+Several communicators (`Group.communicator`, global ranks as peers: the pipeline's p2p beside the
+context-parallel group's all-to-alls, `communication.collective`): messages match within one
+communicator only. In lazy mode each process group's groups run on its own stream (torch's
+assignment, the streams progressing independently); in eager mode every group of a rank, of
+every communicator, runs on one device stream in issue order: the strict reading of "CUDA gives
+no guarantee that two streams progress independently", under which two communicators' kernels
+issued in inconsistent orders across ranks hang. A program set must finish in both.
+
 Not modelled: tensor-parallel collectives (the TP ranks of a stage run the same program and add
 no cycle between stages) and messages small enough for NCCL to send eagerly (a rendezvous for
 every send is the safe side).
@@ -70,16 +78,18 @@ def validate_communication(plan: Union[CommunicationPlan, Sequence[HostProgram]]
 
 def validate_modes(plan: Union[CommunicationPlan, Sequence[HostProgram]],
                    modes: Sequence[str] = MODES) -> dict[str, CommunicationVerdict]:
-    """`validate_communication` for each mode. Programs without a lone op run on the same
-    streams and communicators in both modes, so one replay answers both (lazy mode adds only its
-    check that every rank batches)."""
+    """`validate_communication` for each mode. Programs of one communicator without a lone op
+    run on the same streams and communicators in both modes, so one replay answers both (lazy
+    mode adds only its check that every rank batches)."""
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     programs = plan.host_programs if isinstance(plan, CommunicationPlan) else tuple(plan)
-    all_batched = all(step.group.batched for program in programs for step in program.steps
-                      if isinstance(step, Issue))
-    if not all_batched:
+    groups = [step.group for program in programs for step in program.steps
+              if isinstance(step, Issue)]
+    one_stream = all(group.batched for group in groups) and \
+        len({group.communicator for group in groups}) <= 1
+    if not one_stream:
         return {mode: _Replay(programs, mode).run() for mode in modes}
     verdict = _Replay(programs, "eager").run()
     return {mode: CommunicationVerdict(mode, verdict.problems, verdict.groups, verdict.messages)
@@ -111,11 +121,13 @@ class _Replay:
 
     # -- reading the programs --------------------------------------------------------------------
     def _stream(self, group: Group) -> object:
-        if self.mode == "eager" or group.batched:
+        if self.mode == "eager":
             return "device"
+        if group.batched:
+            return ("device", group.communicator)
         if len(group.ops) != 1:
             raise ValueError("a lone (unbatched) group holds exactly one op")
-        return ("pair", group.ops[0].peer)
+        return ("pair", group.communicator, group.ops[0].peer)
 
     def _read(self, program: HostProgram) -> None:
         compute: list[int] = []
@@ -147,8 +159,8 @@ class _Replay:
         self.compute_step.append(steps)
         self.streams.append(dict(streams))
 
-    def _comm(self, group: Group) -> str:
-        return "group" if self.mode == "eager" or group.batched else "pair"
+    def _comm(self, group: Group) -> tuple:
+        return ("group" if self.mode == "eager" or group.batched else "pair", group.communicator)
 
     def _match(self) -> None:
         """Pair the n-th send a->b with the n-th receive at b from a, per communicator."""

@@ -16,11 +16,11 @@ from dataclasses import dataclass, fields, replace
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule
+from seq1f1b.plan.context_parallel import all_to_all_bytes
 from seq1f1b.plan.costs import ModelConfig, iteration_flops, stage_parameters
 from seq1f1b.plan.memory import TrainingSetup
 from seq1f1b.plan.overheads import (AttentionEfficiency, GemmEfficiency, Link, SpanFixedCost,
                                     describe)
-from seq1f1b.plan.partition import partition
 from seq1f1b.plan.simulate import (Efficiency, SimulationReport, SpanCosts, Table,
                                    layers_per_stage, model_costs, simulate)
 
@@ -147,19 +147,45 @@ def _tp_seconds(setup: TrainingSetup, device: DeviceModel, spans: list[int], lay
         return tuple(0.0 for _ in spans)
     per_token = setup.model.hidden_size * 2 * setup.micro_batch_size * (setup.tp - 1) / setup.tp
     weight = 1 if setup.sequence_parallel else 2
-    return tuple(layers * collectives * weight * n * per_token / (device.tp_bus_gbps * 1e9)
-                 for n in spans)
+    return tuple(layers * collectives * weight * (n // setup.cp) * per_token
+                 / (device.tp_bus_gbps * 1e9) for n in spans)
+
+
+def _global_rank(setup: TrainingSetup, t: int, c: int, d: int, r: int) -> int:
+    """megatron's rank order tp-cp-dp-pp: TP fastest, then CP, DP, PP."""
+    return t + setup.tp * (c + setup.cp * (d + setup.dp * r))
+
+
+def cp_crosses_nodes(setup: TrainingSetup, device: DeviceModel) -> bool:
+    """Whether a CP group (equal t, d, r; c = 0..C-1, ranks TP apart) spans nodes."""
+    return any(_global_rank(setup, t, 0, d, r) // device.gpus_per_node
+               != _global_rank(setup, t, setup.cp - 1, d, r) // device.gpus_per_node
+               for t in range(setup.tp) for d in range(setup.dp) for r in range(setup.pp))
+
+
+def _cp_seconds(setup: TrainingSetup, device: DeviceModel, model: ModelConfig, spans: list[int],
+                layers: int) -> tuple[float, ...]:
+    """Per span and pass (forward, or backward): a layer's four all-to-alls (q, k, v, output or
+    their gradients) of the rank's span / C tokens, over NVLink at the bus bandwidth inside a
+    node, InfiniBand across nodes, each with the link's latency; not overlapped."""
+    if setup.cp == 1:
+        return tuple(0.0 for _ in spans)
+    link = device.infiniband if cp_crosses_nodes(setup, device) else \
+        replace(device.nvlink, gbps=device.tp_bus_gbps)
+    return tuple(layers * (4 * link.latency_s + all_to_all_bytes(
+        model, n, setup.micro_batch_size, setup.tp, setup.cp) / (link.gbps * 1e9))
+        for n in spans)
 
 
 def _crosses_nodes(setup: TrainingSetup, device: DeviceModel, rank: int, peer: int) -> bool:
     """Whether pipeline ranks `rank` and `peer` exchange across nodes. megatron orders GPUs TP
-    fastest, then DP, then PP (global rank t + TP*(d + DP*r)); a p2p pairs equal (t, d) of the
-    two stages, so the hop crosses nodes when any such pair sits on different nodes."""
-    def node(t: int, d: int, r: int) -> int:
-        return (t + setup.tp * (d + setup.dp * r)) // device.gpus_per_node
+    fastest, then CP, DP, PP (`_global_rank`); a p2p pairs equal (t, c, d) of the two stages,
+    so the hop crosses nodes when any such pair sits on different nodes."""
+    def node(t: int, c: int, d: int, r: int) -> int:
+        return _global_rank(setup, t, c, d, r) // device.gpus_per_node
 
-    return any(node(t, d, rank) != node(t, d, peer)
-               for t in range(setup.tp) for d in range(setup.dp))
+    return any(node(t, c, d, rank) != node(t, c, d, peer)
+               for t in range(setup.tp) for c in range(setup.cp) for d in range(setup.dp))
 
 
 def stage_links(setup: TrainingSetup, device: DeviceModel, schedule: Schedule) -> list[Link]:
@@ -176,8 +202,9 @@ def stage_links(setup: TrainingSetup, device: DeviceModel, schedule: Schedule) -
 def _hops(setup: TrainingSetup, device: DeviceModel, schedule: Schedule, model: ModelConfig,
           spans: list[int]) -> Table:
     """Seconds of the p2p between virtual stages v and v+1 for each span: its activation (or
-    gradient), [s, b, h] in 16 bits (/TP with sequence parallelism), over their link."""
-    divisor = setup.tp if setup.sequence_parallel else 1
+    gradient), [s, b, h] in 16 bits (/TP with sequence parallelism, /C under context
+    parallelism), over their link."""
+    divisor = (setup.tp if setup.sequence_parallel else 1) * setup.cp
     return tuple(tuple(link.seconds(n * setup.micro_batch_size * model.hidden_size * 2 / divisor)
                        for n in spans) for link in stage_links(setup, device, schedule))
 
@@ -185,29 +212,34 @@ def _hops(setup: TrainingSetup, device: DeviceModel, schedule: Schedule, model: 
 def _span_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule,
                 model: ModelConfig, spans: list[int]) -> SpanCosts:
     """F and B of every (virtual stage, span): FLOPs at the span's efficiencies, the fixed cost
-    of its layers, its TP collectives; W (split-backward schedules) at the GEMM efficiency; and
-    the hops between stages."""
+    of its layers, its TP collectives and CP all-to-alls; W (split-backward schedules) at the
+    GEMM efficiency; and the hops between stages. Under CP a rank's GEMMs see span / C tokens
+    and its attention the whole span for 1/C of the heads."""
     batch = setup.micro_batch_size
-    heads = batch * model.num_attention_heads // setup.tp
+    heads = batch * model.num_attention_heads // (setup.tp * setup.cp)
 
     def efficiency(start: int, end: int) -> Efficiency:
         queries = end - start
-        return Efficiency(device.gemm.at(queries * batch, model.hidden_size / setup.tp),
+        return Efficiency(device.gemm.at(queries // setup.cp * batch,
+                                         model.hidden_size / setup.tp),
                           device.attention.forward(queries, end, heads),
                           device.attention.backward(queries, end, heads))
 
     peak = device.peak_tflops * 1e12
     compute = model_costs(schedule, model, spans, flops_per_second=peak, tp=setup.tp,
                           sequence_parallel=setup.sequence_parallel, batch=batch,
-                          efficiency=efficiency, stage_layers=setup.stage_layers)
+                          efficiency=efficiency, recompute=setup.recompute, cp=setup.cp,
+                          stage_layers=setup.stage_layers)
     layers = layers_per_stage(model, schedule, setup.stage_layers)
-    tp = [_tp_seconds(setup, device, spans, count, 4) for count in layers]
+    comm = [tuple(t + c for t, c in zip(_tp_seconds(setup, device, spans, count, 4),
+                                        _cp_seconds(setup, device, model, spans, count)))
+            for count in layers]
     fixed = device.span_fixed
     return SpanCosts(
         forward=_add(compute.forward, tuple(tuple(t + fixed.forward_s(count) for t in row)
-                                            for count, row in zip(layers, tp))),
+                                            for count, row in zip(layers, comm))),
         backward=_add(compute.backward, tuple(tuple(t + fixed.backward_s(count) for t in row)
-                                              for count, row in zip(layers, tp))),
+                                              for count, row in zip(layers, comm))),
         weight=compute.weight, hop=_hops(setup, device, schedule, model, spans))
 
 
@@ -216,9 +248,7 @@ def project(setup: TrainingSetup, device: DeviceModel = A100) -> Projection:
     model = replace(setup.model, vocab_size=setup.padded_vocab_size)
     schedule = registry.build(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
                               setup.chunks)
-    spans = partition(setup.seq_length, setup.splits, setup.partition, model, tp=setup.tp,
-                      sequence_parallel=setup.sequence_parallel,
-                      lengths=list(setup.span_lengths) if setup.span_lengths else None)
+    spans = setup.spans(model)
     report = simulate(schedule, _span_costs(setup, device, schedule, model, spans))
     layers = layers_per_stage(model, schedule, setup.stage_layers)
     params = max(sum(stage_parameters(model, layers[schedule.stage_of(r, c)],
@@ -226,8 +256,10 @@ def project(setup: TrainingSetup, device: DeviceModel = A100) -> Projection:
                                       last=schedule.stage_of(r, c) == schedule.num_stages - 1,
                                       tp=setup.tp) for c in range(schedule.chunks))
                  for r in range(schedule.pp))
-    dp_link = device.infiniband.gbps if setup.tp * setup.dp > device.gpus_per_node else \
+    # the distributed optimizer's exchange runs over DP x CP (megatron's dp_cp group)
+    replicas = setup.dp * setup.cp
+    dp_link = device.infiniband.gbps if setup.tp * replicas > device.gpus_per_node else \
         device.tp_bus_gbps
-    dp_seconds = params * (4 + 2) * (setup.dp - 1) / setup.dp / (dp_link * 1e9)
-    gpus = setup.tp * setup.pp * setup.dp
+    dp_seconds = params * (4 + 2) * (replicas - 1) / replicas / (dp_link * 1e9)
+    gpus = setup.tp * setup.cp * setup.pp * setup.dp
     return Projection(setup, device, spans, gpus, report.makespan, dp_seconds, report)

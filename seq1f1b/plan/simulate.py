@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from seq1f1b.plan.actions import (Action, Schedule, ScheduleError, dependencies,
                                   parse_action)
+from seq1f1b.plan.context_parallel import kv_replication
 from seq1f1b.plan.costs import (ModelConfig, Recompute, SpanFlops, chunk_activation_bytes,
                                 kv_cache_bytes, layer_flops, logits_bytes, logits_flops,
                                 output_layer_input_bytes)
@@ -102,7 +103,7 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                 attention_flops_per_second: float | None = None,
                 recompute: Recompute | None = None,
                 efficiency: Callable[[int, int], Efficiency] | None = None,
-                stage_layers: StageLayers = EVEN) -> SpanCosts:
+                stage_layers: StageLayers = EVEN, cp: int = 1) -> SpanCosts:
     """Durations and bytes from costs.py for `model` with the sequence cut into `span_lengths`.
 
     A virtual stage runs N/(P*V) layers on each span (or its own count with uneven first and
@@ -116,7 +117,9 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
     every layer (full, uniform), the first N layers (full, block) or the core attention of every
     layer (selective). `efficiency(start, end)` (None: all 1) gives the fractions of the rates
     the span [start, end) reaches (`Efficiency`): how short spans run slower
-    (projection.DeviceModel's curves).
+    (projection.DeviceModel's curves). Under context parallelism (`cp` = C ranks per span) a rank
+    does 1/C of every FLOP and holds span / C tokens' activations and logits, and its share of
+    the K/V cache (plan/context_parallel.py); the all-to-alls are the projection's to price.
     """
     if len(span_lengths) != schedule.splits:
         raise ScheduleError(f"--splits is {schedule.splits} but {len(span_lengths)} span "
@@ -155,9 +158,9 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
         # The TP group shares each span's FLOPs.
         share = shares[span]
         attention = share.attention_backward if backward else share.attention_forward
-        return (kind(SpanFlops(flops.linear, 0.0)) / (tp * flops_per_second * share.gemm)
+        return (kind(SpanFlops(flops.linear, 0.0)) / (tp * cp * flops_per_second * share.gemm)
                 + kind(SpanFlops(0.0, flops.attention))
-                / (tp * attention_flops_per_second * attention))
+                / (tp * cp * attention_flops_per_second * attention))
 
     def seconds(kind: Callable[[SpanFlops], float], backward: bool = False,
                 recomputed: bool = False) -> Table:
@@ -166,14 +169,16 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
             + (duration(rerun[v][j], lambda f: f.forward, j, False) if recomputed else 0.0)
             for j, cell in enumerate(row)) for v, row in enumerate(grid))
 
-    def per_span_bytes(kind: Callable[[int, int], float]) -> Table:
-        """kind(layers of the stage, span length)."""
-        return tuple(tuple(float(kind(layers[v], length)) for length in span_lengths)
-                     for v in range(schedule.num_stages))
+    def per_span_bytes(kind: Callable[[int, int], float], scale: float = 1.0) -> Table:
+        """kind(layers of the stage, a CP rank's tokens of the span): the spans are multiples
+        of C."""
+        return tuple(tuple(float(kind(layers[v], length // cp)) * scale
+                           for length in span_lengths) for v in range(schedule.num_stages))
 
+    replication = kv_replication(model, tp, cp)
     no_logits = tuple(0.0 for _ in span_lengths)
-    logits = tuple(float(logits_bytes(model, n, batch, tp)
-                         + output_layer_input_bytes(model, n, batch, tp, sequence_parallel,
+    logits = tuple(float(logits_bytes(model, n // cp, batch, tp)
+                         + output_layer_input_bytes(model, n // cp, batch, tp, sequence_parallel,
                                                     bytes_per_element))
                    for n in span_lengths)
 
@@ -188,10 +193,12 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                                                     sequence_parallel, bytes_per_element,
                                                     recompute)),
         kv_cache_bytes=per_span_bytes(
-            lambda count, n: count * kv_cache_bytes(model, n, batch, tp, bytes_per_element)),
+            lambda count, n: count * kv_cache_bytes(model, n, batch, tp, bytes_per_element),
+            replication),
         kv_accumulator_bytes=per_span_bytes(
             lambda count, n: count * kv_cache_bytes(model, n, batch, tp,
-                                                    max(bytes_per_element, ACCUMULATOR_BYTES))),
+                                                    max(bytes_per_element, ACCUMULATOR_BYTES)),
+            replication),
         logits_bytes=tuple(logits if stage == last else no_logits
                            for stage in range(schedule.num_stages)))
 

@@ -22,6 +22,12 @@ On a GPU (what the CPU cannot show, so it is written down here):
   ProcessGroupNCCL also keeps the storage alive until its kernel has run, so the caching
   allocator cannot hand it out before the send ran). Backward then calls the autograd engine directly, as
   megatron's `custom_backward` does, to skip the shape check against the swapped `.data`.
+- **Context parallelism.** The all-to-alls around each layer's core attention
+  (runtime/context_parallel.py) and the last stage's token all-reduce per micro-batch are
+  synchronous collectives on megatron's CP communicator: enqueued on its stream after the
+  compute issued before them, the compute stream waiting for them. Every CP rank of a stage runs
+  this same program, so all of them issue the same collectives in the same order between the
+  same p2p groups (tests/distributed/test_p2p_recorded.py replays both communicators together).
 - **dK/dV buffers.** The KV cache of a (micro-batch, chunk) and its dK/dV accumulators live on
   the compute stream only: they are written by F(i,j) and read by B(i,j') in program order on
   this rank, never sent, and freed after B(i,0); no cross-stream use, so no event is needed.
@@ -64,6 +70,8 @@ class StepInputs:
     micro_batch_size: int
     tp_size: int = 1
     cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: Optional[dist.ProcessGroup] = None    # megatron's context-parallel group
     forward_only: bool = False
     collect_non_loss_data: bool = False
     p2p_timeout_s: float = 600.0
@@ -122,7 +130,8 @@ class Executor:
                                           torch.float16 if config.fp16 else torch.float32)
         self.channels = PipelineChannels(sched, inputs.rank, inputs.pp_group, self._shape_of,
                                          dtype, self.device, inputs.p2p_timeout_s)
-        self.sources = [SpanDataSource(it, inputs.seq_length) for it in inputs.data_iterators]
+        self.sources = [SpanDataSource(it, inputs.seq_length, inputs.cp_rank, inputs.cp_size)
+                        for it in inputs.data_iterators]
         self.caches: dict[tuple[int, int], MicrobatchKVCache] = {}
         self.saved: dict[tuple[int, int, int], tuple[Optional[torch.Tensor], Any]] = {}
         self.losses: dict[int, MicrobatchLoss] = {}
@@ -210,6 +219,10 @@ class Executor:
             return output
         record = self.losses.setdefault(i, MicrobatchLoss(lengths))
         record.add(j, loss_func(output))
+        if record.complete and record.per_token_form and self.inp.cp_size > 1 \
+                and not self.inp.forward_only \
+                and not getattr(self.config, "calculate_per_token_loss", False):
+            record.reduce_tokens(self.inp.cp_group)
         if record.complete:
             self.total_num_tokens += record.total_tokens().to(self.device)
             self.forward_data_store.append(record.combined_reduced())

@@ -61,6 +61,10 @@ def placement_of(name: str) -> str:
 def _megatron_function(name: str) -> Callable:
     def run(**kwargs):
         pp_group = _pp_group(kwargs.get("p2p_communicator"), kwargs.get("pg_collection"))
+        if _cp_group(kwargs.get("pg_collection")).size() > 1:
+            raise ValueError(f"--pipeline-schedule {name} with context parallelism needs "
+                             "megatron's own CP attention (Transformer Engine) and data "
+                             "sharding; span schedules run it (--cp-comm-type a2a)")
         if name == "megatron-interleaved-1f1b":
             return megatron_schedules.forward_backward_pipelining_with_interleaving(**kwargs)
         if pp_group.size() == 1:
@@ -86,12 +90,34 @@ def _group_size(pg_collection, attr: str, fallback: Callable[[], int]) -> int:
     return group.size() if group is not None else fallback()
 
 
+def _cp_group(pg_collection) -> dist.ProcessGroup:
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    return group if group is not None else parallel_state.get_context_parallel_group()
+
+
+def check_context_parallel_spans(lengths: Sequence[int], cp: int, tp: int,
+                                 sequence_parallel: bool) -> None:
+    """Every span must split evenly over the CP ranks (and, under sequence parallelism, each
+    rank's part over TP); raises ValueError naming the span lengths."""
+    unit = cp * tp if sequence_parallel else cp
+    if any(length % unit for length in lengths):
+        what = f"--context-parallel-size {cp}" + (f" x TP {tp} (sequence parallel)"
+                                                  if sequence_parallel and tp > 1 else "")
+        raise ValueError(f"{what} must divide every span length, got "
+                         f"{' '.join(map(str, lengths))}")
+
+
 @functools.lru_cache(maxsize=64)
 def _spans(settings: SpanSettings, seq_length: int, model: Optional[ModelConfig], tp: int,
-           sequence_parallel: bool) -> tuple[tuple[int, int], ...]:
+           sequence_parallel: bool, cp: int = 1) -> tuple[tuple[int, int], ...]:
+    """The span bounds; under context parallelism every span is a multiple of C (of C x TP
+    under sequence parallelism: each CP rank's part is then cut over TP)."""
+    if cp > 1 and settings.span_lengths is not None:
+        check_context_parallel_spans(settings.span_lengths, cp, tp, sequence_parallel)
     lengths = span_partition.partition(
         seq_length, settings.splits, settings.partition, model=model, tp=tp,
-        sequence_parallel=sequence_parallel, lengths=settings.span_lengths)
+        sequence_parallel=sequence_parallel, lengths=settings.span_lengths,
+        align=cp * tp if sequence_parallel else cp)
     return tuple(span_partition.span_bounds(lengths))
 
 
@@ -183,23 +209,23 @@ def get_forward_backward_func(name: str = "seq1f1b",
         pp_group = _pp_group(p2p_communicator, pg_collection)
         pp = pp_group.size()
         tp = _group_size(pg_collection, "tp", parallel_state.get_tensor_model_parallel_world_size)
-        cp = _group_size(pg_collection, "cp", parallel_state.get_context_parallel_world_size)
-        if cp != 1:
-            raise ValueError("context parallelism is not supported by span schedules")
+        cp_group = _cp_group(pg_collection)
+        cp = cp_group.size()
         if info.chunked:
             if not isinstance(model, list) or len(model) < 2:
                 raise AssertionError("interleaved pipeline parallelism expected model chunking")
             if info.placement == "loop":    # megatron's interleaving rules; a V has no groups
                 _check_interleaving_like_megatron(num_microbatches, pp, config)
         spans = _spans(settings, length, _cost_model(config), tp,
-                       bool(config.sequence_parallel))
+                       bool(config.sequence_parallel), cp)
         schedule = _schedule(name, pp, num_microbatches, settings.splits, len(chunks),
                              settings.budget)
         executor = Executor(StepInputs(
             schedule=schedule, spans=spans, rank=pp_group.rank(), pp_group=pp_group,
             forward_step_func=forward_step_func, data_iterators=iterators, model_chunks=chunks,
             config=config, seq_length=length, micro_batch_size=micro_batch_size,
-            tp_size=tp, cp_size=cp, forward_only=forward_only,
+            tp_size=tp, cp_size=cp, cp_rank=cp_group.rank(), cp_group=cp_group,
+            forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, p2p_timeout_s=settings.p2p_timeout_s,
             trace=settings.trace))
         if config.timers is not None:

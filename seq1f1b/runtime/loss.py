@@ -6,8 +6,9 @@ the number of micro-batches. A span only knows its own tokens, and dividing each
 count (a mean of span means) is biased whenever spans hold different numbers of loss tokens. So the
 scale is applied at backward time, when every span of the micro-batch has run its forward on the
 last stage (B(i,j) always follows F(i,k-1) there):
-- per-token form: d loss_j = 1 / (max(N_i, 1) * m), N_i = sum of the spans' num_tokens
-  (1 with `calculate_per_token_loss`, where megatron divides by the global token count later);
+- per-token form: d loss_j = C / (max(N_i, 1) * m), N_i = sum of the spans' num_tokens, under
+  context parallelism also over the C ranks of the CP group (1 with `calculate_per_token_loss`,
+  where megatron divides by the global token count later);
 - mean form: d loss_j = (span length / sequence length) * cp / m: exact for an unmasked mean.
 Reported values are combined the same way: per-token results are summed over spans (megatron's
 `[loss sum, token count]` pairs), means are weighted by span length.
@@ -15,9 +16,12 @@ Reported values are combined the same way: per-token results are summed over spa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+
+from seq1f1b import platform
 
 
 def _combine(values: list[Any], weights: list[float] | None) -> Any:
@@ -47,6 +51,9 @@ class MicrobatchLoss:
     num_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
     reduced: dict[int, Any] = field(default_factory=dict)
     per_token_form: bool = True
+    # Under context parallelism: the micro-batch's loss tokens summed over the CP group (each CP
+    # rank's spans hold 1/C of its tokens), set by `reduce_tokens`.
+    cp_tokens: Optional[torch.Tensor] = None
 
     def add(self, span: int, outputs: tuple) -> None:
         """Record `loss_func`'s result for span `span`."""
@@ -72,6 +79,12 @@ class MicrobatchLoss:
             return torch.zeros((), dtype=torch.int64)
         return torch.stack(list(self.num_tokens.values())).sum()
 
+    def reduce_tokens(self, cp_group) -> None:
+        """Sum the micro-batch's token count over `cp_group` (one all-reduce per micro-batch on
+        the last stage, issued by every CP rank at the same action)."""
+        self.cp_tokens = self.total_tokens().to(platform.compute_device())
+        dist.all_reduce(self.cp_tokens, group=cp_group)
+
     def _weights(self) -> list[float]:
         total = sum(self.span_lengths)
         return [length / total for length in self.span_lengths]
@@ -89,7 +102,10 @@ class MicrobatchLoss:
         if self.per_token_form:
             if per_token_loss:
                 return 1.0
-            scale = 1.0 / (self.total_tokens().clamp(min=1).double() * num_microbatches)
+            # Megatron's DDP averages gradients over DP x CP: the CP ranks' parts of the
+            # micro-batch's loss add up only once multiplied back by C.
+            tokens = self.total_tokens() if self.cp_tokens is None else self.cp_tokens
+            scale = cp_size / (tokens.clamp(min=1).double() * num_microbatches)
             loss = self.losses[span]
             if isinstance(loss, torch.Tensor) and loss.is_floating_point():
                 return scale.to(loss.dtype)

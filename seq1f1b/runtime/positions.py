@@ -4,8 +4,11 @@ megatron's GPTModel builds the rotary table from the length of its *input* (`_pr
 `self.rotary_pos_emb(rotary_seq_len, ...)`), so a span of tokens [start, end) would be rotated as
 if it began at position 0. `RotaryEmbedding.forward(max_seq_len, offset)` returns the rows of
 positions `offset .. offset + max_seq_len - 1`, so inside a span it suffices to add `start` to the
-offset. Learned absolute positions need nothing here: the data slicer passes the span's absolute
-`position_ids`, which index the embedding table directly.
+offset. Under context parallelism (span tokens split contiguously over the C ranks of the CP
+group) the rows are this rank's part of the span, [start + r * L / C, start + (r + 1) * L / C),
+not megatron's load-balanced slicing of the table. Learned absolute positions need nothing
+here: the data slicer passes the span's absolute `position_ids`, which index the embedding table
+directly.
 
 With `--reset-position-ids` (packed documents, positions restarting with each document) the rows
 come from the per-token `position_ids` instead of a span offset: `use_position_ids` makes a
@@ -39,6 +42,11 @@ class SpanRotaryEmbedding(RotaryEmbedding):
                 raise RuntimeError(f"rotary table asked for {max_seq_len} positions inside span "
                                    f"{ctx.span} of {ctx.length} tokens [{ctx.start}, {ctx.end})")
             offset += ctx.start
+            group = cp_group if cp_group is not None else self.cp_group
+            cp = group.size() if group is not None else 1
+            if cp > 1:      # this rank's contiguous 1/C of the span (runtime/context_parallel.py)
+                local = max_seq_len // cp
+                return self.get_emb(local, offset + group.rank() * local)
         return super().forward(max_seq_len, offset, packed_seq, cp_group)
 
 
@@ -67,7 +75,7 @@ def per_token_rotary(rotary: RotaryEmbedding, position_ids: torch.Tensor,
 
     Gathered from the table of positions 0 .. max_positions - 1 (megatron's own, cached), so a
     token gets bit for bit the row the offset table would give it at that position."""
-    table = RotaryEmbedding.forward(rotary, max_positions)        # [max, 1, 1, dim]
+    table = rotary.get_emb(max_positions)        # [max, 1, 1, dim], never CP-sliced
     return table[:, 0, 0][position_ids.t()].unsqueeze(2)
 
 

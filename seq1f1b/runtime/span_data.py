@@ -8,6 +8,8 @@ loss_mask, position_ids — absolute positions, so learned position embeddings n
 [b, 1, L, L] attention mask becomes its rows [start, end) and columns [0, end) (the span's queries
 against every key up to its end); document ids (integer [b, 1, 1, L], runtime/documents.py) pass
 whole, since a span's attention needs its keys' ids too; anything else passes through unchanged.
+Under context parallelism every CP rank reads the whole micro-batch and keeps its contiguous
+1/C of each span's tokens (the masks stay as above: attention sees the whole span).
 """
 from __future__ import annotations
 
@@ -19,29 +21,43 @@ from seq1f1b import platform
 from seq1f1b.runtime.documents import is_document_ids
 
 
-def slice_span(item: Any, seq_length: int, start: int, end: int) -> Any:
-    """`item` (tensor, dict, list, tuple or other) cut to tokens [start, end)."""
+def cp_shard(start: int, end: int, cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """CP rank `cp_rank`'s contiguous 1/cp_size of the span [start, end)."""
+    local = (end - start) // cp_size
+    return start + cp_rank * local, start + (cp_rank + 1) * local
+
+
+def slice_span(item: Any, seq_length: int, start: int, end: int, cp_rank: int = 0,
+               cp_size: int = 1) -> Any:
+    """`item` (tensor, dict, list, tuple or other) cut to tokens [start, end), or under context
+    parallelism to this CP rank's part of them (cp_shard); an attention mask keeps the span's
+    rows whole, since the span attention sees every query of the span for its heads."""
     if isinstance(item, torch.Tensor):
         if is_document_ids(item):
             return item
         if item.dim() == 4 and item.shape[-1] == seq_length and item.shape[-2] == seq_length:
             return item[:, :, start:end, :end]
         if item.dim() >= 2 and item.shape[1] == seq_length:
-            return item[:, start:end]
+            first, last = cp_shard(start, end, cp_rank, cp_size)
+            return item[:, first:last]
         return item
     if isinstance(item, dict):
-        return {key: slice_span(value, seq_length, start, end) for key, value in item.items()}
+        return {key: slice_span(value, seq_length, start, end, cp_rank, cp_size)
+                for key, value in item.items()}
     if isinstance(item, (list, tuple)):
-        return type(item)(slice_span(value, seq_length, start, end) for value in item)
+        return type(item)(slice_span(value, seq_length, start, end, cp_rank, cp_size)
+                          for value in item)
     return item
 
 
 class SpanDataSource:
     """Pulls micro-batches from one chunk's data iterator in order and serves them span by span."""
 
-    def __init__(self, iterator: Optional[Iterator], seq_length: int) -> None:
+    def __init__(self, iterator: Optional[Iterator], seq_length: int, cp_rank: int = 0,
+                 cp_size: int = 1) -> None:
         self.iterator = iterator
         self.seq_length = seq_length
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self._held: dict[int, Any] = {}
         self._host_ids: dict[int, torch.Tensor] = {}
         self._next_microbatch = 0
@@ -67,7 +83,7 @@ class SpanDataSource:
         item = self._held[microbatch]
         if last_span:
             del self._held[microbatch]
-        return iter([slice_span(item, self.seq_length, start, end)])
+        return iter([slice_span(item, self.seq_length, start, end, self.cp_rank, self.cp_size)])
 
     def host_document_ids(self, microbatch: int) -> Optional[torch.Tensor]:
         """Micro-batch `microbatch`'s document ids as the data loader made them in host memory

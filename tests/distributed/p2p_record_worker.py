@@ -10,6 +10,14 @@ recorded groups with the communication plan's. Compute between the calls needs n
 every dependency a group has on earlier work runs through the Wait steps before it. A case with
 "prefetch_order" runs the runtime's old order (tests/prefetch_order.py) instead of the plan: gloo
 forgives it, the replay must not.
+
+Context parallelism: the all-to-alls and all-reduces a rank issues on its context-parallel group
+(megatron's, from parallel_state) are recorded too, in one call-ordered list with its p2p calls.
+Rank 0 checks that every CP rank of a group issued the same collectives in the same order, and
+replays all ranks' programs together (global ranks, each group on its communicator, a collective
+waited at once as torch's synchronous collectives are) in both NCCL modes: lazy, each process
+group on its own stream; eager, every communicator of a rank on one stream, where an order across
+the two communicators that disagrees between ranks would hang.
 """
 import inspect
 import json
@@ -28,12 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: prefetc
 from prefetch_order import prefetch_plan  # noqa: E402
 from seq1f1b.distributed import init_distributed, release_model_parallel  # noqa: E402
 from seq1f1b.equivalence import EquivalenceCase, case_plan, run_case  # noqa: E402
+from seq1f1b.plan import registry  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 from seq1f1b.plan.communication import (RECV, SEND, Group, HostProgram, Issue, Op,  # noqa: E402
-                                        Wait, communication_plan)
+                                        Wait, collective, communication_plan)
 from seq1f1b.plan.nccl import validate_modes  # noqa: E402
 from seq1f1b.runtime import p2p  # noqa: E402
 
 WRAPPED = ("batch_isend_irecv", "isend", "irecv")
+COLLECTIVES = ("all_to_all_single", "all_reduce")
 
 
 class Recorder:
@@ -43,15 +54,44 @@ class Recorder:
 
     def __init__(self) -> None:
         self.steps: dict[tuple[int, ...], list] = {}
-        self.real = {name: getattr(c10d, name) for name in WRAPPED}
+        self.calls: list[tuple[tuple[int, ...], object]] = []    # (group ranks, step), in order
+        self.collectives: dict[tuple[int, ...], list[str]] = {}  # CP group -> "name payload"
+        self.real = {name: getattr(c10d, name) for name in WRAPPED + COLLECTIVES}
         self.in_batch = False
+        self.in_collective = False
 
     def _issue(self, group, ops: list[Op], batched: bool) -> tuple:
         key = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
         steps = self.steps.setdefault(key, [])
         index = sum(isinstance(step, Issue) for step in steps)
         steps.append(Issue(Group(tuple(ops), batched)))
+        self.calls.append((key, steps[-1]))
         return key, index
+
+    def _collective(self, name: str):
+        """A collective on this rank's CP group becomes an Issue and its Wait at once. A call
+        made while one is running is the same call re-dispatched (torch's __torch_function__
+        handling calls the module's function again, now this wrapper): not recorded twice."""
+        real = self.real[name]
+
+        def call(tensor, *args, **kwargs):
+            group = kwargs.get("group")
+            cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+            if self.in_collective:
+                return real(tensor, *args, **kwargs)
+            if group is not None and group is cp_group and group.size() > 1:
+                key = tuple(dist.get_process_group_ranks(group))
+                payload = _payload(tensor)
+                self.collectives.setdefault(key, []).append(f"{name} {payload}")
+                index = sum(isinstance(step, Issue) for k, step in self.calls if k == key)
+                self.calls.append((key, Issue(collective(name, payload, key, dist.get_rank()))))
+                self.calls.append((key, Wait(index)))
+            self.in_collective = True
+            try:
+                return real(tensor, *args, **kwargs)
+            finally:
+                self.in_collective = False
+        return call
 
     def _works(self, works, key, index):
         recorder = self
@@ -62,6 +102,7 @@ class Recorder:
 
             def wait(self, *args, **kwargs):
                 recorder.steps[key].append(Wait(index))
+                recorder.calls.append((key, Wait(index)))
                 return self.work.wait(*args, **kwargs)
 
             def is_completed(self):
@@ -99,7 +140,8 @@ class Recorder:
 
     def install(self) -> None:
         self.wrappers = {"batch_isend_irecv": self._batch, "isend": self._lone("isend", SEND),
-                         "irecv": self._lone("irecv", RECV)}
+                         "irecv": self._lone("irecv", RECV),
+                         **{name: self._collective(name) for name in COLLECTIVES}}
         for module in (dist, c10d):
             for name, function in self.wrappers.items():
                 setattr(module, name, function)
@@ -110,8 +152,9 @@ class Recorder:
                 setattr(module, name, function)
 
     def take(self) -> dict:
-        steps, self.steps = self.steps, {}
-        return steps
+        recorded = {"steps": self.steps, "calls": self.calls, "collectives": self.collectives}
+        self.steps, self.calls, self.collectives = {}, [], {}
+        return recorded
 
 
 def _payload(tensor) -> str:
@@ -155,11 +198,10 @@ def main(cases_path: str, results_path: str) -> None:
 def _judge(case: EquivalenceCase, gathered: list[dict], passed: bool, error) -> dict:
     """Replay every pipeline group's recorded programs; compare ours with the plan."""
     groups: dict[tuple, dict[int, list]] = {}
-    for recorded in gathered:
-        for ranks, steps in recorded.items():
+    for rank, recorded in enumerate(gathered):
+        for ranks, steps in recorded["steps"].items():
             if len(ranks) == case.pp and case.pp > 1:
-                me = next(r for r in ranks if recorded is gathered[r])
-                groups.setdefault(ranks, {})[ranks.index(me)] = steps
+                groups.setdefault(ranks, {})[ranks.index(rank)] = steps
     verdicts, plan_equal, issued = {}, True, 0
     for ranks, by_rank in groups.items():
         programs = [HostProgram(r, tuple(by_rank.get(r, ()))) for r in range(case.pp)]
@@ -172,7 +214,47 @@ def _judge(case: EquivalenceCase, gathered: list[dict], passed: bool, error) -> 
                 plan_equal &= recorded_ops == _plan_ops(case, program.rank)
     return {"case": case.schedule, "passed": passed, "error": error, "groups": issued,
             "pipeline_groups": len(groups), "plan_equal": plan_equal,
-            "problems": {mode: problems for mode, problems in verdicts.items()}}
+            "problems": {mode: problems for mode, problems in verdicts.items()},
+            **_judge_context_parallel(gathered)}
+
+
+def _judge_context_parallel(gathered: list[dict]) -> dict:
+    """Each CP group's collective sequences (equal on every member?) and the replay of every
+    rank's p2p and CP collectives together, in global ranks, in both modes."""
+    by_group: dict[tuple, list[list[str]]] = {}
+    for recorded in gathered:
+        for ranks, names in recorded["collectives"].items():
+            by_group.setdefault(ranks, []).append(names)
+    if not by_group:
+        return {}
+    programs = [HostProgram(rank, _global_steps(recorded["calls"]))
+                for rank, recorded in enumerate(gathered)]
+    return {"cp_collectives": {",".join(map(str, ranks)): [len(names) for names in sequences]
+                               for ranks, sequences in by_group.items()},
+            "cp_kinds": sorted({name.split()[0] for sequences in by_group.values()
+                                for names in sequences for name in names}),
+            "cp_same_order": all(len(sequences) == len(ranks) and
+                                 all(names == sequences[0] for names in sequences)
+                                 for ranks, sequences in by_group.items()),
+            "global_problems": {mode: list(verdict.problems)
+                                for mode, verdict in validate_modes(programs).items()}}
+
+
+def _global_steps(calls: list) -> tuple:
+    """One rank's calls of all its groups as one host program: peers as global ranks, each group
+    on its communicator, waits renumbered to the rank's issues in call order."""
+    steps, issued = [], {}
+    for key, step in calls:
+        if isinstance(step, Issue):
+            group = step.group
+            if group.communicator is None:      # a p2p group: peers are group ranks
+                group = Group(tuple(op._replace(peer=key[op.peer]) for op in group.ops),
+                              group.batched, key)
+            issued.setdefault(key, []).append(sum(isinstance(s, Issue) for s in steps))
+            steps.append(Issue(group))
+        else:
+            steps.append(Wait(issued[key][step.group]))
+    return tuple(steps)
 
 
 if __name__ == "__main__":

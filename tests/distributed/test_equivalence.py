@@ -15,6 +15,10 @@ documents crossing one and several span boundaries, starting exactly at one, sho
 and one document per sample, across PP 1-4 (middle stages), TP with SP, k, V=2, GQA, the
 zero-bubble schedule and both recomputes. A schedule written to a --pipeline-schedule-file and
 read back from it runs exactly too, and so do uneven first / last stages on a loop and a V.
+Context parallelism (CP, the all-to-all around the span attention,
+runtime/context_parallel.py) at CP 2 and 4: with PP 2, TP 2 with SP, DP 2, V 2
+interleaved, the zero-bubble schedule, GQA with 2 K/V groups and 1 (replicated to every CP rank),
+packed documents, full and selective recompute, the eager and sdpa kernels, k 2-4.
 """
 import pytest
 
@@ -98,6 +102,12 @@ CASES: dict[int, list[dict]] = {
          "position_embedding_type": "learned_absolute"},
         {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 3, "partition": "compute",
          **LLAMA},
+        # context parallelism: one K/V group replicated to both CP ranks, then two (one each)
+        {"schedule": "seq1f1b", "cp": 2, "splits": 2, **QWEN2},
+        {"schedule": "seq1f1b", "cp": 2, "splits": 4, "span_lengths": [4, 8, 6, 6], **LLAMA},
+        {"schedule": "seq1f1b", "cp": 2, "splits": 3, **DOCS, "document_lengths": [5, 9, 10]},
+        {"schedule": "seq1f1b", "cp": 2, "splits": 3, **FULL, "attention_backend": "eager"},
+        {"schedule": "seq1f1b-zb-h1", "cp": 2, "splits": 2},
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},
@@ -160,6 +170,16 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b-zbv", "tp": 2, "pp": 2, "chunks": 2, "splits": 2, "num_layers": 6,
          "decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 2,
          "untie_embeddings": True},
+        # context parallelism (CP 4 with one K/V group: replicated to all four ranks; TP 2 with
+        # two groups: one per TP rank, replicated to both CP ranks)
+        {"schedule": "seq1f1b", "cp": 2, "pp": 2, "splits": 3, **SELECTIVE},
+        {"schedule": "seq1f1b", "cp": 2, "tp": 2, "splits": 3, "sequence_parallel": True,
+         "span_lengths": [4, 12, 8], "num_query_groups": 2},
+        {"schedule": "seq1f1b", "cp": 2, "splits": 2, "num_microbatches": 2},      # CP 2 x DP 2
+        {"schedule": "seq1f1b", "cp": 4, "splits": 2},
+        {"schedule": "seq1f1b", "cp": 4, "splits": 3, **QWEN2},
+        {"schedule": "seq1f1b-interleaved", "cp": 2, "pp": 2, "chunks": 2, "splits": 3},
+        {"schedule": "seq1f1b-zb-h1", "cp": 2, "pp": 2, "splits": 4, "span_lengths": [4, 8, 6, 6]},
     ],
 }
 

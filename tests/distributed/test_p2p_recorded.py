@@ -2,13 +2,19 @@
 every registry schedule, TP 2 and sequence parallelism included (and the searched one placed under
 a memory cap with the model's costs), finishes; our schedules issue
 exactly their communication plan's groups; megatron-core's own 1F1B is recorded as a baseline; the
-runtime's old prefetch order, which gloo runs without complaint, is caught."""
+runtime's old prefetch order, which gloo runs without complaint, is caught. Context parallelism
+(PP 2 x CP 2: seq1f1b and the interleaved span schedule): every CP rank issues
+the same all-to-alls and all-reduces in the same order, as many as the layers, spans and
+micro-batches call for, and the p2p and CP collectives of all four ranks replayed together, each
+on its communicator, finish under both modes (eager: every communicator on one device stream)."""
 import pytest
 
 from launch import run_cases
 from seq1f1b.plan import registry
 
 L8 = {"num_layers": 8}
+CP_CASES = [{"schedule": "seq1f1b", "cp": 2, "pp": 2, "splits": 3},
+            {"schedule": "seq1f1b-interleaved", "cp": 2, "pp": 2, "chunks": 2, "splits": 3}]
 CASES = {
     2: [{"schedule": "1f1b", "pp": 2},
         {"schedule": "seq1f1b", "pp": 2, "splits": 3, "span_lengths": [4, 13, 7]},
@@ -33,7 +39,8 @@ CASES = {
          "sequence_parallel": True, "span_lengths": [6, 10, 8], "untie_embeddings": True},
         # placed with the model's costs under a cap, as the trainer and benchmark place it
         {"schedule": "seq1f1b-zb-auto", "tp": 2, "pp": 2, "chunks": 2, "splits": 3,
-         "sequence_parallel": True, "untie_embeddings": True, "schedule_memory_cap": "0.75x"}],
+         "sequence_parallel": True, "untie_embeddings": True, "schedule_memory_cap": "0.75x"},
+        *CP_CASES],
 }
 PARAMS = [(world, n) for world, cases in CASES.items() for n in range(len(cases))
           if not cases[n].get("prefetch_order")]
@@ -71,3 +78,19 @@ def test_the_old_order_passes_on_gloo_and_its_recorded_calls_deadlock(results):
         (problem,) = result["problems"][mode]
         assert problem.startswith("deadlock among ranks 0, 1: ")
         assert "recv float32 [24, 2, 32] from rank 1" in problem
+
+
+@pytest.mark.parametrize("n", range(len(CP_CASES)), ids=[c["schedule"] for c in CP_CASES])
+def test_cp_ranks_issue_the_same_collectives_and_no_cross_communicator_order_hangs(results, n):
+    case = CP_CASES[n]
+    result = results[4][CASES[4].index(case)]
+    assert result["error"] is None and result["passed"]
+    assert result["cp_same_order"]
+    # per rank: four all-to-alls per layer and span each way; on the last stage one all-reduce
+    # of each micro-batch's token count, and everywhere the equivalence run's loss reduction
+    layers, microbatches = 4 // case["pp"], 4
+    all_to_alls = 8 * layers * microbatches * case["splits"]
+    counts = sorted(result["cp_collectives"].values())
+    assert counts == [[all_to_alls + 1] * 2, [all_to_alls + 1 + microbatches] * 2]
+    assert result["cp_kinds"] == ["all_reduce", "all_to_all_single"]
+    assert result["global_problems"] == {"lazy": [], "eager": []}

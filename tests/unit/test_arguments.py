@@ -183,6 +183,24 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
      "--profile-step-start"),
     ({"profile": True, "tensorboard_dir": "{tmp}/tb", "profile_ranks": [0, 8]}, WORLD,
      "--profile-ranks 8"),
+    # context parallelism: the ring and Megatron's other comm types named with a2a, an unknown
+    # one, a world C does not fit, heads C cannot shard, spans C does not divide
+    ({"context_parallel_size": 2, "cp_comm_type": "p2p"}, WORLD, "a2a"),
+    ({"context_parallel_size": 2, "cp_comm_type": "all_gather"}, WORLD, "--cp-comm-type"),
+    ({"context_parallel_size": 2, "cp_comm_type": "ring"}, WORLD, "--cp-comm-type 'ring'"),
+    ({"context_parallel_size": 3}, WORLD, "--context-parallel-size 3"),
+    ({"context_parallel_size": 4}, 16, "--context-parallel-size 4 must divide the attention"),
+    ({"context_parallel_size": 2, "group_query_attention": True, "num_query_groups": 6,
+      "num_attention_heads": 12, "hidden_size": 96}, WORLD,
+     "--context-parallel-size 2: the K/V groups"),
+    ({"context_parallel_size": 0}, WORLD, "--context-parallel-size"),
+    ({"context_parallel_size": 2, "seq1f1b_span_lengths": [15, 17, 16, 16]}, WORLD,
+     "--seq1f1b-span-lengths 15 17 16 16"),
+    ({"context_parallel_size": 2, "sequence_parallel": True, "seq_length": 66}, WORLD,
+     "--seq-length 66"),
+    ({"context_parallel_size": 2, "seq1f1b_partition": "fit"}, WORLD, "--seq1f1b-partition fit"),
+    ({"context_parallel_size": 2, "pipeline_schedule": "megatron-1f1b", "seq1f1b_splits": None},
+     WORLD, "--pipeline-schedule megatron-1f1b"),
 ]
 
 

@@ -1,7 +1,7 @@
 """Communication under NCCL's rules: every registry schedule's plan finishes on the whole grid, the
 checker finds the deadlock of the runtime's old prefetch order, and each rule of the replay
-(stream FIFO, rendezvous, communicators, in-order matching) is enforced on small hand-made
-programs."""
+(stream FIFO, rendezvous, communicators, in-order matching, collectives on a second communicator
+beside the pipeline's p2p) is enforced on small hand-made programs."""
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -12,8 +12,8 @@ from prefetch_order import prefetch_plan
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.communication import (RECV, SEND, Compute, Group, HostProgram, Issue, Message,
-                                        Op, Wait, channel_order, communication_plan, incoming,
-                                        outgoing)
+                                        Op, Wait, channel_order, collective, communication_plan,
+                                        incoming, outgoing)
 from seq1f1b.plan.nccl import MODES, CommunicationError, validate_communication, validate_modes
 
 
@@ -246,3 +246,68 @@ def test_malformed_programs_are_refused():
         validate_communication([HostProgram(0, (Wait(0),))])
     with pytest.raises(ValueError, match="mode"):
         validate_communication([], "greedy")
+
+
+# -- several communicators: the pipeline's p2p beside context-parallel collectives --------------
+PP_A, PP_B, CP_A, CP_B = (0, 1), (2, 3), (0, 2), (1, 3)
+"""Four ranks as megatron lays out PP 2 x CP 2 (tp-cp-dp-pp): pipeline groups {0, 1} and {2, 3},
+context-parallel groups {0, 2} and {1, 3}."""
+
+
+def _p2p(kind, peer, payload, communicator):
+    return Issue(Group((Op(kind, peer, payload),), True, communicator))
+
+
+def _all_to_all(rank, members, n=0):
+    return Issue(collective("all_to_all_single", f"float32 [{n}]", members, rank))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_collectives_in_opposite_orders_on_two_communicators_hang(mode):
+    """Ranks 0 and 1 share two communicators; each waits for its first collective, and they
+    issue them in opposite orders: a hang in either mode."""
+    x, y = (0, 1), ("y", 0, 1)
+    programs = [HostProgram(0, (Issue(Group(collective("all_reduce", "a", x, 0).ops, True, x)),
+                                Wait(0), Issue(Group(collective("all_reduce", "b", x, 0).ops,
+                                                     True, y)), Wait(1))),
+                HostProgram(1, (Issue(Group(collective("all_reduce", "b", x, 1).ops, True, y)),
+                                Wait(0), Issue(Group(collective("all_reduce", "a", x, 1).ops,
+                                                     True, x)), Wait(1)))]
+    verdict = validate_communication(programs, mode)
+    assert verdict.problems and "deadlock among ranks 0, 1" in verdict.problems[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_communicator_matches_collectives_in_issue_order(mode):
+    """CP ranks 0 and 2 issue two all-to-alls of different shapes in opposite orders: NCCL
+    would pair the wrong tensors."""
+    programs = [HostProgram(0, (_all_to_all(0, CP_A, 1), Wait(0), _all_to_all(0, CP_A, 2),
+                                Wait(1))),
+                HostProgram(2, (_all_to_all(2, CP_A, 2), Wait(0), _all_to_all(2, CP_A, 1),
+                                Wait(1)))]
+    assert any("all_to_all_single float32 [1]" in p and "receives it as" in p
+               for p in validate_communication(programs, mode).problems)
+
+
+def _cross_order(consistent: bool) -> list[HostProgram]:
+    """Rank 0 sends to rank 1 without waiting, then all-to-alls with rank 2; rank 2 all-to-alls
+    with rank 0, then sends to rank 3; rank 3 receives from rank 2 before its all-to-all with
+    rank 1, which receives from rank 0 only after it. With `consistent`, rank 1 receives first,
+    like rank 3 (every CP rank the same program): the orders agree across the CP groups."""
+    rank1 = ((_p2p(RECV, 0, ACT, PP_A), _all_to_all(1, CP_B), Wait(1), Wait(0)) if consistent
+             else (_all_to_all(1, CP_B), Wait(0), _p2p(RECV, 0, ACT, PP_A), Wait(1)))
+    return [HostProgram(0, (_p2p(SEND, 1, ACT, PP_A), _all_to_all(0, CP_A), Wait(1), Wait(0))),
+            HostProgram(1, rank1),
+            HostProgram(2, (_all_to_all(2, CP_A), Wait(0), _p2p(SEND, 3, ACT, PP_B), Wait(1))),
+            HostProgram(3, (_p2p(RECV, 2, ACT, PP_B), _all_to_all(3, CP_B), Wait(1), Wait(0)))]
+
+
+def test_eager_mode_serialises_communicators_and_catches_an_inconsistent_order():
+    """Lazy mode (each process group its own stream, progressing independently) finishes the
+    inconsistent order; eager mode, every communicator on one device stream, finds the cycle
+    through both communicators that two streams with no progress guarantee can hang on. The
+    consistent order, which the runtime's CP ranks issue, finishes in both."""
+    assert validate_communication(_cross_order(False), "lazy").ok
+    eager = validate_communication(_cross_order(False), "eager")
+    assert eager.problems and eager.problems[0].startswith("deadlock among ranks 0, 1, 2, 3")
+    assert all(v.ok for v in validate_modes(_cross_order(True)).values())

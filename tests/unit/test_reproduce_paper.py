@@ -97,7 +97,8 @@ def test_the_papers_orderings_hold_in_every_panel(memory):
 def test_json_schema(capsys, small_panels):
     assert rp.main(["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"memory", "throughput", "microbatch_sweep", "ablation"}
+    assert set(data) == {"memory", "throughput", "microbatch_sweep", "ablation",
+                         "context_reach"}
     memory_keys = {"model", "gpus", "seq_length", "schedule", "tp", "pp", "microbatches",
                    "estimate_gb", "oom", "paper_gb"}
     throughput_keys = {"model", "gpus", "seq_length", "microbatches", "schedule",
@@ -126,6 +127,29 @@ def test_projections_favour_seq1f1b_and_the_balanced_partition(small_panels):
     assert ablation["seq1f1b"]["gain"] > 0
 
 
+def test_context_reach_keeps_the_gpus_and_finds_the_longest_fitting_length(small_panels):
+    """7B on 32 GPUs at CP 1, 2, 4, 8 (DP 1): TP x CP x PP = 32 with heads C can shard, each
+    schedule's reach the longest length that fits and the next one that does not."""
+    rows = rp.reach_rows(rp.Models())
+    assert [(r["cp"], r["schedule"]) for r in rows] == [
+        (cp, name) for cp in rp.CP_SIZES for name in ("1f1b", "seq1f1b")]
+    for row in rows:
+        assert row["tp"] * row["cp"] * row["pp"] == 32
+        assert 32 // row["tp"] % row["cp"] == 0          # 32 heads per TP rank over C
+        assert row["seq_length"] in rp.REACH_LENGTHS and row["tflops_per_gpu"] > 0
+        panel = rp.PANELS[0]
+        fitted = rp._reach_setup(panel, (row["tp"], row["pp"]), row["cp"], row["schedule"],
+                                 row["seq_length"], row["recompute"])
+        assert rp.Models().fits(rp.estimate_memory(fitted))
+        longer = row["seq_length"] * 2
+        if longer <= rp.REACH_LENGTHS[-1]:
+            assert not any(rp.Models().fits(rp.estimate_memory(rp._reach_setup(
+                panel, (row["tp"], row["pp"]), row["cp"], row["schedule"], longer, recompute)))
+                for recompute in rp.RECOMPUTES)
+    assert rp.cp_layout(rp.Panel("13b", 32, tp=8, pp=4, microbatches=8, seq_lengths=(),
+                                 why=""), 2) == (4, 4)     # 40 heads: TP 8 leaves 5 per rank
+
+
 def test_the_7b_table_has_every_microbatch_count_with_its_bubble_and_terms(small_panels):
     """8, 16 and 32 micro-batches for every schedule, each with a finite bubble and a finite,
     non-negative price for each k-dependent term; more micro-batches, less bubble."""
@@ -152,7 +176,8 @@ def test_text_prints_the_tables_and_each_terms_source(capsys, small_panels):
     assert rp.main([]) == 0
     out = capsys.readouterr().out
     for heading in ("(a) Peak memory", "(b) Projected TFLOPS", "(b) 7b on 32 GPUs by micro-batch",
-                    "(c) Partition ablation", "Assumed layouts", "  name = A100"):
+                    "(c) Partition ablation", "(d) Context reach with context parallelism",
+                    "Assumed layouts", "  name = A100"):
         assert heading in out
     for field in ("gemm", "attention", "span_fixed", "nvlink", "infiniband"):
         line = next(line for line in out.splitlines() if line.startswith(f"  {field}: "))
