@@ -30,7 +30,8 @@ from typing import Optional
 from seq1f1b.plan.actions import Action, ScheduleError
 from seq1f1b.plan.budget import ScheduleBudget
 from seq1f1b.plan.registry import register
-from seq1f1b.plan.schedules.greedy import Placed, Placer, Policy, Problem, place, unit_costs
+from seq1f1b.plan.schedules.greedy import Placed, Placer, Policy, Problem, unit_costs
+from seq1f1b.plan.schedules.zbv_construction import zbv_programs
 from seq1f1b.plan.simulate import SpanCosts
 
 SEARCH_ROUNDS = 3
@@ -47,19 +48,19 @@ def _v_problem(name: str, pp: int, microbatches: int, splits: int, chunks: int, 
 
 
 @register("zbv", chunked=True, placement="vshape", splits_backward=True,
-          description="ZB-V: two chunks per rank in a V, 1F1B's memory, whole micro-batches (run "
-                      "span by span), W deferred into the bubbles")
+          description="ZB-V (Qi et al. 2024): two chunks per rank in a V, 1F1B's memory, whole "
+                      "micro-batches (run span by span), the published order")
 def zbv(pp: int, microbatches: int, splits: int, chunks: int) -> list[list[Action]]:
-    problem = _v_problem("zbv", pp, microbatches, splits, chunks, unit=splits)
-    return place(problem, unit_costs(problem), cap=float(pp * splits))
+    _v_problem("zbv", pp, microbatches, splits, chunks, unit=splits)
+    return zbv_programs(pp, microbatches, splits, unit_size=splits)
 
 
 @register("seq1f1b-zbv", chunked=True, placement="vshape", splits_backward=True,
-          description="Seq1F1B on a V (ZB-V over spans): seq1f1b's memory (P+k-1 spans), B in "
-                      "reverse span order, W deferred into the bubbles")
+          description="Seq1F1B on a V (the ZB-V order over spans): seq1f1b's memory (P+k-1 "
+                      "spans), B in reverse span order, W deferred into the bubbles")
 def seq1f1b_zbv(pp: int, microbatches: int, splits: int, chunks: int) -> list[list[Action]]:
-    problem = _v_problem("seq1f1b-zbv", pp, microbatches, splits, chunks, unit=1)
-    return place(problem, unit_costs(problem), cap=float(pp + splits - 1))
+    _v_problem("seq1f1b-zbv", pp, microbatches, splits, chunks, unit=1)
+    return zbv_programs(pp, microbatches, splits, unit_size=1)
 
 
 @register("seq1f1b-zb-auto", chunked=True, placement="vshape", splits_backward=True,
