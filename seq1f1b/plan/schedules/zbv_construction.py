@@ -65,29 +65,79 @@ def rank_tokens(pp: int, rank: int, units: int, lead: int) -> list[Token]:
     return tokens
 
 
+def dualpipev_tokens(pp: int, rank: int, units: int) -> list[Token]:
+    """Rank `rank`'s DualPipeV program (DeepSeek-V3's DualPipe folded onto a V, as
+    torch.distributed.pipelining ships it) as tokens, for `units` >= 2P units per chunk. Besides
+    F and I it runs full backwards ("B", chunk) and ("W", None): the oldest weight grad owed.
+    Phases: 2(P-r-1) F0; r+1 (F0, F1); P-r-1 (I1, W, F1); m-2P+r+1 (F0, B1, F1, B0); P-r-1
+    (B1, F1, B0); r+1 (backward 1, backward 0), the second half split (I) from the middle on;
+    P-r-1 (W, backward 0); r+1 W."""
+    tokens: list[Token] = []
+    for _ in range(2 * (pp - rank - 1)):
+        tokens.append(("F", 0))
+    for _ in range(rank + 1):
+        tokens += [("F", 0), ("F", 1)]
+    for _ in range(pp - rank - 1):
+        tokens += [("I", 1), ("W", None), ("F", 1)]
+    for _ in range(units - 2 * pp + rank + 1):
+        tokens += [("F", 0), ("B", 1), ("F", 1), ("B", 0)]
+    for _ in range(pp - rank - 1):
+        tokens += [("B", 1), ("F", 1), ("B", 0)]
+    split = False
+    middle = (rank + 1) // 2
+    for n in range(rank + 1):
+        split = split or (n == middle and rank % 2 == 1)
+        tokens.append(("I" if split else "B", 1))
+        split = split or (n == middle and rank % 2 == 0)
+        tokens.append(("I" if split else "B", 0))
+    for _ in range(pp - rank - 1):
+        tokens += [("W", None), ("I" if split else "B", 0)]
+    tokens += [("W", None)] * (rank + 1)
+    return tokens
+
+
 def zbv_programs(pp: int, microbatches: int, splits: int, unit_size: int) -> list[list[Action]]:
     """ZB-V programs whose unit is `unit_size` spans: `splits` (whole micro-batches, run span by
     span) or 1 (single spans, lead k-1)."""
     lead = splits - 1 if unit_size == 1 else 0
-    units_per_microbatch = splits // unit_size
     # Enough micro-batches for every rank's warm-up (rank 0 asks the most), absent ones dropped.
-    needed = 2 * pp - 1 + lead
-    padded = max(microbatches, -(-needed // units_per_microbatch))
-    orders = {}
-    for chunk in (0, 1):
-        forward = group_units(forward_order(padded, splits, chunk), unit_size)
-        backward = group_units(backward_order(padded, splits, chunk), unit_size)
-        orders["F", chunk] = forward
-        orders["I", chunk] = backward
-        orders["W", chunk] = [tuple(a.with_op("W") for a in unit) for unit in backward]
-    units = padded * units_per_microbatch
+    padded = max(microbatches, -(-(2 * pp - 1 + lead) // (splits // unit_size)))
+    return _expand(pp, padded, splits, unit_size,
+                   lambda rank, units: rank_tokens(pp, rank, units, lead), microbatches)
+
+
+def dualpipev_programs(pp: int, microbatches: int, splits: int) -> list[list[Action]] | None:
+    """DualPipeV programs over whole micro-batches (run span by span); None when m < 2P."""
+    if microbatches < 2 * pp:
+        return None
+    return _expand(pp, microbatches, splits, splits,
+                   lambda rank, units: dualpipev_tokens(pp, rank, units), microbatches)
+
+
+def _expand(pp: int, padded: int, splits: int, unit_size: int, tokens_of, microbatches: int
+            ) -> list[list[Action]]:
+    """Tokens -> actions: the n-th F (I or B) token of a chunk runs its n-th forward (backward)
+    unit; a W token runs the oldest weight-grad unit owed (of its chunk, or of either when the
+    chunk is None). Actions of micro-batches >= `microbatches` (padding) are dropped."""
+    forward = {c: group_units(forward_order(padded, splits, c), unit_size) for c in (0, 1)}
+    backward = {c: group_units(backward_order(padded, splits, c), unit_size) for c in (0, 1)}
+    units = padded * (splits // unit_size)
     programs = []
     for rank in range(pp):
-        seen = {token: 0 for token in orders}
+        seen = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+        owed: list[tuple[int, tuple[Action, ...]]] = []
         program = []
-        for token in rank_tokens(pp, rank, units, lead):
-            unit = orders[token][seen[token]]
-            seen[token] += 1
-            program.extend(a for a in unit if a.microbatch < microbatches)
+        for op, chunk in tokens_of(rank, units):
+            if op == "W":
+                unit = next(u for u in owed if chunk is None or u[0] == chunk)
+                owed.remove(unit)
+                run = tuple(a.with_op("W") for a in unit[1])
+            else:
+                kind = "F" if op == "F" else "B"
+                run = (forward if kind == "F" else backward)[chunk][seen[kind, chunk]]
+                seen[kind, chunk] += 1
+                if op == "I":
+                    owed.append((chunk, run))
+            program.extend(a for a in run if a.microbatch < microbatches)
         programs.append(program)
     return programs
