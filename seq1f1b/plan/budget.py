@@ -47,7 +47,8 @@ class MemoryCap:
 @dataclass(frozen=True)
 class ScheduleBudget:
     """Costs (None: unit costs) and a cap in the costs' memory unit (None: the schedule's
-    default)."""
+    default). A searched schedule built with a model's costs should be given them whether or
+    not a cap is: model_budget does."""
 
     costs: Optional[SpanCosts] = None
     cap: Optional[float] = None
@@ -77,13 +78,14 @@ def model_budget(name: str, pp: int, microbatches: int, splits: int, chunks: int
     schedule's SpanCosts (durations and bytes) with the spans of this run, or with one span of
     the whole sequence when `whole`. The searched schedule's own costs are those of
     its default build (same stages, same W split); a fraction is taken of 1F1B's rank-0 peak with
-    one span per micro-batch on the same model. None when `cap` is None (the default build)."""
+    one span per micro-batch on the same model. Without a cap the costs are still the model's
+    and the cap is the schedule's default (seq1f1b-zb-auto: seq1f1b-zbv's peak on them)."""
     from seq1f1b.plan import registry          # registry imports this module
     from seq1f1b.plan.simulate import simulate
-    if cap is None:
-        return None
     shape = registry.build(name, pp, microbatches, splits, chunks)
     costs = costs_of(shape, False)
+    if cap is None:
+        return ScheduleBudget(costs, None)
     reference = None
     if cap.relative:
         one_f_one_b = registry.build("1f1b", pp, microbatches, 1, 1)
