@@ -135,10 +135,12 @@ def peer_violations(pp: int, microbatches: int, splits: int, costs: CostModel,
                     rivals: Callable[[], list[Row]]) -> tuple[list[str], list[Row]]:
     """Each rival the search loses to: capped at the rival's peak, seq1f1b-zb-auto (k spans)
     must hold no more and finish no later. Returns (violations, the searched rows)."""
-    violations, rows = [], []
+    violations, rows, by_cap = [], [], {}
     for rival in rivals():
-        found = searched(pp, microbatches, splits, costs, rival.peak,
-                         f"seq1f1b-zb-auto @ {rival.name}")
+        if rival.peak not in by_cap:
+            by_cap[rival.peak] = searched(pp, microbatches, splits, costs, rival.peak,
+                                          f"seq1f1b-zb-auto @ {rival.name}")
+        found = by_cap[rival.peak]
         rows.append(found)
         if found.peak > rival.peak * (1 + 1e-9) or \
                 found.makespan > rival.makespan * (1 + 1e-9):
