@@ -7,19 +7,19 @@ one trip down and up the V instead of a trip through P whole stages, the warm-up
 and W (weight grads) fills the rest. Every rank carries the same mix of early and late stages,
 so memory is even across ranks.
 
-All three are placed by greedy.place (F, B and W replayed in time under a memory cap):
-- `zbv`: whole micro-batches alternate (each run span by span), unit costs, cap = 1F1B's rank-0
-  peak (P micro-batches: ZB-V's budget);
-- `seq1f1b-zbv`: single spans alternate, unit costs, cap = Seq1F1B's rank-0 peak (P + k - 1
-  spans): Seq1F1B's memory, the V's bubble;
-- `seq1f1b-zb-auto`: the same replay searched against `ScheduleBudget` (per-action costs and a
-  memory cap, see budget.py): it tries eight policies (forward or backward first, which chunk's
-  ready forwards and backwards go first) and then, by local search, per-rank caps on the spans
-  in flight between F and B, keeping the shortest simulated makespan; every replay keeps every
-  rank within the cap. What it optimises: the makespan of the replay with the given costs (the
-  simulator's timing); its lower bound is the busiest rank's total work. Without a budget (the registry's plain
-  (P, m, k, V) call, as in the grid tests): unit costs, Seq1F1B's memory and the two policies
-  only, never worse than `seq1f1b-zbv` there.
+- `zbv`: the published ZB-V order (zbv_construction.py; torch's ScheduleZBVZeroBubble action
+  for action at k = 1), whole micro-batches run span by span: 1F1B's memory (P micro-batches);
+- `seq1f1b-zbv`: that order over single spans with k-1 more warm-up pairs: Seq1F1B's memory
+  (P + k - 1 spans), the V's bubble;
+- `seq1f1b-zb-auto`: searched against `ScheduleBudget` (per-action costs and a memory cap, see
+  budget.py; no cap: seq1f1b-zbv's peak on those costs). Candidates: the constructions (ZB-V
+  over spans and over micro-batches, DualPipeV over micro-batches) and greedy replays
+  (greedy.py: eight policies, forward or backward first, which chunk's ready forwards and
+  backwards go first, then a local search over per-rank caps on the spans in flight between F
+  and B); the shortest simulated makespan among those within the cap is kept, so it never loses
+  to a construction that fits. Lower bound and exact optimum: bounds.py, exact.py. Without a
+  budget (the registry's plain (P, m, k, V) call, as in the grid tests): unit costs, the
+  constructions and the eight policies, no local search.
 """
 from __future__ import annotations
 
@@ -75,7 +75,10 @@ def seq1f1b_zb_auto(pp: int, microbatches: int, splits: int, chunks: int,
         else unit_costs(problem)
     cap = budget.cap if budget is not None and budget.cap is not None \
         else default_cap(problem, costs)
-    return search(problem, costs, cap).programs
+    # The registry's plain (P, m, k, V) call knows no costs: policies only, no local search
+    # (grid tests build it on thousands of shapes); tools pass the run's costs in a budget.
+    return search(problem, costs, cap, rounds=SEARCH_ROUNDS if budget is not None else 0
+                  ).programs
 
 
 def constructions(problem: Problem) -> dict[str, list[list[Action]]]:
