@@ -66,6 +66,7 @@ class Row:
     name: str
     splits: int
     chunks: int
+    placement: str
     makespan: float
     bubble: float
     peaks: tuple[float, ...]
@@ -84,7 +85,8 @@ class Row:
 def row(schedule: Schedule, costs: CostModel, label: Optional[str] = None) -> Row:
     span_costs = costs.costs(schedule)
     report = simulate(schedule, span_costs)
-    return Row(label or schedule.name, schedule.splits, schedule.chunks, report.makespan,
+    return Row(label or schedule.name, schedule.splits, schedule.chunks, schedule.placement,
+               report.makespan,
                report.bubble_ratio, tuple(r.peak_held_bytes for r in report.ranks),
                lower_bound(schedule, span_costs))
 

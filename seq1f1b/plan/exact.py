@@ -123,6 +123,12 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
     schedule = Schedule("exact", shape.pp, shape.microbatches, shape.splits, shape.chunks,
                         tuple(programs), shape.placement)
     report = simulate(schedule, costs)
+    if hint is not None:
+        # Ticks round the durations: an order optimal in ticks may time a hair longer than
+        # the hint with the true costs. The result is never worse than the hint.
+        hinted = simulate(hint, costs)
+        if hinted.makespan <= report.makespan:
+            schedule, report = hint, hinted
     return ExactResult(schedule, report.makespan, max(r.peak_held_bytes for r in report.ranks),
                        bound, status == cp_model.OPTIMAL, name)
 
