@@ -228,6 +228,24 @@ def dependencies(schedule: Schedule, rank: int, action: Action) -> list[tuple[in
     return needs
 
 
+def split_full_backwards(programs: Iterable[Iterable[Action]]) -> list[list[Action]]:
+    """Each full backward (a B whose unit has no W on its rank) as its B then its W, back to
+    back: the same work at the same time on that rank, the input grad sent sooner, the
+    activations freed at the same moment, so never slower and never more memory; and every
+    unit's weight grad then runs as a W of its own."""
+    out = []
+    for program in programs:
+        program = list(program)
+        weights = {a.key() for a in program if a.op == "W"}
+        split = []
+        for action in program:
+            split.append(action)
+            if action.op == "B" and action.key() not in weights:
+                split.append(action.with_op("W"))
+        out.append(split)
+    return out
+
+
 def expected_actions(schedule: Schedule, rank: int) -> frozenset[Action]:
     """Every action `rank` must run exactly once: F and B of every unit. W of a unit is optional
     (at most once): without it, that unit's B is the full backward."""

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
-from seq1f1b.plan.actions import Action, Schedule, ScheduleError, dependencies
+from seq1f1b.plan.actions import (Action, Schedule, ScheduleError, dependencies,
+                                  split_full_backwards)
 from seq1f1b.plan.simulate import SpanCosts, held_change, held_tables, simulate
 from seq1f1b.plan.validate import execution_graph
 
@@ -157,16 +158,9 @@ def _memory_changes(tables: dict, stage: int, action: Action, unit: Fraction
 def _add_hint(model, hint: Schedule, length: dict, start: dict) -> None:
     """Start times of `hint` replayed with the solver's own integer durations (so the hint is
     feasible as given); a full backward becomes its B then its W."""
-    programs = []
-    for rank, program in enumerate(hint.programs):
-        split = []
-        for action in program:
-            split.append(action)
-            if hint.full_backward(rank, action):
-                split.append(action.with_op("W"))
-        programs.append(tuple(split))
+    programs = tuple(map(tuple, split_full_backwards(hint.programs)))
     split_hint = Schedule("hint", hint.pp, hint.microbatches, hint.splits, hint.chunks,
-                          tuple(programs), hint.placement)
+                          programs, hint.placement)
     graph = execution_graph(split_hint)
     finished = [0] * len(graph.steps)
     free = [0] * hint.pp

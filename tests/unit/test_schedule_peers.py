@@ -79,6 +79,6 @@ def test_exact_solver_starts_from_the_search_and_bounds_it():
     exact = solve(shape, costs, cap, time_limit_s=20, hint=auto, workers=2)
     assert find_problems(exact.schedule) == [] and exact.peak <= cap * (1 + 1e-9)
     assert found.lower_bound <= exact.makespan <= found.makespan * (1 + 1e-9)
-    assert exact.bound <= exact.makespan * (1 + 1e-6)
+    assert exact.bound <= exact.makespan * (1 + 1e-4)   # the bound of the problem in ticks
     if exact.optimal:
         assert exact.makespan == pytest.approx(found.makespan, rel=1e-9)

@@ -27,7 +27,7 @@ import itertools
 from dataclasses import replace
 from typing import Optional
 
-from seq1f1b.plan.actions import Action, Schedule, ScheduleError
+from seq1f1b.plan.actions import Action, Schedule, ScheduleError, split_full_backwards
 from seq1f1b.plan.budget import ScheduleBudget
 from seq1f1b.plan.registry import register
 from seq1f1b.plan.schedules.greedy import Placed, Placer, Policy, Problem, unit_costs
@@ -89,7 +89,9 @@ def constructions(problem: Problem) -> dict[str, list[list[Action]]]:
              "zbv": zbv_programs(problem.pp, m, k, unit_size=k)}
     dualpipev = dualpipev_programs(problem.pp, m, k)
     if dualpipev is not None:
-        found["dualpipev"] = dualpipev
+        # Its full backwards as B then W: never slower, and every W is its own action as the
+        # runtime of a split-backward schedule expects.
+        found["dualpipev"] = split_full_backwards(dualpipev)
     return found
 
 
