@@ -78,6 +78,19 @@ def _add_cap_arg(parser: argparse.ArgumentParser) -> None:
                              "peak (0.5x); needs a model for bytes")
 
 
+def _add_problem_args(parser: argparse.ArgumentParser, cost_help: str) -> None:
+    """What search and compare share: the problem, its costs (uniform or a model), --json."""
+    parser.add_argument("--pp", type=int, required=True, help="pipeline stages P")
+    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
+    parser.add_argument("--splits", type=int, default=1, help="spans per micro-batch k")
+    parser.add_argument("--uniform-cost", type=float, nargs=3, metavar=("F", "B", "W"),
+                        help=cost_help)
+    parser.add_argument("--device-tflops", type=float, default=A100_BF16_TFLOPS)
+    _add_span_args(parser, "--partition")
+    _add_model_args(parser)
+    parser.add_argument("--json", action="store_true")
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model (a preset or its dimensions)")
     group.add_argument("--model", type=str.lower, choices=list(PRESETS), metavar="NAME",
@@ -559,32 +572,17 @@ def build_parser() -> Parser:
 
     search = commands.add_parser("search", help="seq1f1b-zb-auto's search, its lower-bound gap "
                                                 "and (--exact) the CP-SAT optimum")
-    search.add_argument("--pp", type=int, required=True, help="pipeline stages P")
-    search.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
-    search.add_argument("--splits", type=int, default=1, help="spans per micro-batch k")
+    _add_problem_args(search, "F B W per action")
     search.add_argument("--chunks", type=int, default=2, help="model chunks per rank V (2)")
     _add_cap_arg(search)
-    search.add_argument("--uniform-cost", type=float, nargs=3, metavar=("F", "B", "W"))
-    search.add_argument("--device-tflops", type=float, default=A100_BF16_TFLOPS)
-    _add_span_args(search, "--partition")
-    _add_model_args(search)
     search.add_argument("--exact", action="store_true",
                         help="also solve the same problem exactly (CP-SAT) within --time-limit")
     search.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS")
-    search.add_argument("--json", action="store_true")
     search.set_defaults(run=cmd_search)
 
     comp = commands.add_parser("compare", help="our schedules beside torch's ZB-V, DualPipeV "
                                                "and interleaved zero bubble on the same costs")
-    comp.add_argument("--pp", type=int, required=True, help="pipeline stages P")
-    comp.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
-    comp.add_argument("--splits", type=int, default=1, help="spans per micro-batch k (ours)")
-    comp.add_argument("--uniform-cost", type=float, nargs=3, metavar=("F", "B", "W"),
-                      help="per micro-batch on a rank's layers (default 1 1 1)")
-    comp.add_argument("--device-tflops", type=float, default=A100_BF16_TFLOPS)
-    _add_span_args(comp, "--partition")
-    _add_model_args(comp)
-    comp.add_argument("--json", action="store_true")
+    _add_problem_args(comp, "F B W per micro-batch on a rank's layers (default 1 1 1)")
     comp.set_defaults(run=cmd_compare)
     return parser
 

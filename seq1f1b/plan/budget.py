@@ -79,9 +79,12 @@ def model_budget(name: str, pp: int, microbatches: int, splits: int, chunks: int
     the whole sequence when `whole`. The searched schedule's own costs are those of
     its default build (same stages, same W split); a fraction is taken of 1F1B's rank-0 peak with
     one span per micro-batch on the same model. Without a cap the costs are still the model's
-    and the cap is the schedule's default (seq1f1b-zb-auto: seq1f1b-zbv's peak on them)."""
+    and the cap is the schedule's default (seq1f1b-zb-auto: seq1f1b-zbv's peak on them); None
+    for a schedule that is not searched and has no cap (a cap there is refused by build)."""
     from seq1f1b.plan import registry          # registry imports this module
     from seq1f1b.plan.simulate import simulate
+    if cap is None and not registry.get(name).searched:
+        return None
     shape = registry.build(name, pp, microbatches, splits, chunks)
     costs = costs_of(shape, False)
     if cap is None:
