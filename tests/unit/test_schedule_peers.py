@@ -76,7 +76,7 @@ def test_exact_solver_starts_from_the_search_and_bounds_it():
     cap = default_cap(Problem(2, 4, 1, 2, "vshape"), costs)
     found = searched(2, 4, 1, COSTS["skewed"])
     auto = build("seq1f1b-zb-auto", 2, 4, 1, 2, budget=ScheduleBudget(costs, None))
-    exact = solve(shape, costs, cap, time_limit_s=20, hint=auto, workers=2)
+    exact = solve(shape, costs, cap, time_limit_s=10, hint=auto, workers=2)
     assert find_problems(exact.schedule) == [] and exact.peak <= cap * (1 + 1e-9)
     assert found.lower_bound <= exact.makespan <= found.makespan * (1 + 1e-9)
     assert exact.bound <= exact.makespan * (1 + 1e-4)   # the bound of the problem in ticks

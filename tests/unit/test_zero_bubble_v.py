@@ -202,7 +202,7 @@ def test_plan_search_reports_its_gap_and_the_exact_optimum(capsys):
     """P=2, m=4, skewed per-action costs: CP-SAT starts from the search's order (no worse) and
     proves a bound below it; where it proves optimality, the search's order is optimal."""
     argv = ["search", "--pp", "2", "--microbatches", "4", "--uniform-cost", "1", "1.5", "0.5",
-            "--exact", "--time-limit", "30", "--json"]
+            "--exact", "--time-limit", "10", "--json"]
     assert plan_cli.main(argv) == 0
     out, err = capsys.readouterr()
     found = json.loads(out)
