@@ -176,11 +176,10 @@ def stage_layers(case: "EquivalenceCase") -> StageLayers:
 
 
 def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
-    """A searched schedule's budget under the case's schedule_memory_cap: the model's FLOP
-    durations and fp32 bytes with the case's cut (None without a cap, and for a schedule that is
-    not searched: an --against baseline)."""
-    if case.schedule_memory_cap is None or case.schedule in MEGATRON_SCHEDULES \
-            or not registry.get(case.schedule).searched:
+    """A searched schedule's budget: the model's FLOP durations and fp32 bytes with the case's
+    cut, under the case's schedule_memory_cap or the schedule's default cap (None for a schedule
+    that is not searched: an --against baseline)."""
+    if case.schedule in MEGATRON_SCHEDULES or not registry.get(case.schedule).searched:
         return None
     model = cost_model(case)
     lengths = span_partition.partition(
@@ -194,7 +193,8 @@ def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
                                                     case.recompute_num_layers),
                      stage_layers=stage_layers(case))
     return run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
-                      MemoryCap.parse(case.schedule_memory_cap), shape)
+                      MemoryCap.parse(case.schedule_memory_cap)
+                      if case.schedule_memory_cap else None, shape)
 
 
 def check_stage_layers(case: "EquivalenceCase") -> None:

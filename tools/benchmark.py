@@ -383,10 +383,11 @@ def _cost_model(args: argparse.Namespace):
 
 
 def _budget(args: argparse.Namespace, run: Run):
-    """A searched schedule's budget under --schedule-memory-cap: this model's FLOPs as durations
-    (at a nominal rate: only their proportions steer the search) and its fp32 bytes, with the
-    run's cut (parse_args refuses a fit cut here). None: the schedule's default build."""
-    if args.schedule_memory_cap is None or not is_searched(run.schedule):
+    """A searched schedule's budget: this model's FLOPs as durations (at a nominal rate: only
+    their proportions steer the search) and its fp32 bytes, with the run's cut (parse_args
+    refuses a fit cut here), under --schedule-memory-cap or the schedule's default cap. None for
+    a schedule that is not searched."""
+    if not is_searched(run.schedule):
         return None
     from seq1f1b.equivalence import case_budget
 

@@ -13,6 +13,9 @@
   plan.py show      --schedule seq1f1b-zbv --pp 4 --microbatches 8 --splits 2 --chunks 2 \
                     --csv > mine.csv      (edit it, then: plan.py simulate|comm|show
                                            --pipeline-schedule-file mine.csv ...)
+  plan.py search    --pp 4 --microbatches 8 --splits 2 --uniform-cost 1 1.5 0.5 --exact
+  plan.py compare   --pp 4 --microbatches 8 --model 7b --seq-length 65536 --tp 8 \
+                    --sequence-parallel --partition compute
 
 Every subcommand takes --json for other tools. Bad arguments print one line on stderr and exit 2;
 `comm` exits 1 when the communication would deadlock or mismatch under NCCL's rules.
@@ -24,12 +27,14 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
-from seq1f1b.plan.budget import MemoryCap, model_budget, resolve_budget  # noqa: E402
+from seq1f1b.plan.budget import (MemoryCap, ScheduleBudget, model_budget,  # noqa: E402
+                                 resolve_budget)
 from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
 from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
                                 ModelConfig, preset)
@@ -41,8 +46,13 @@ from seq1f1b.plan.partition import imbalance, partition, span_bounds, span_flops
 from seq1f1b.plan.span_fit import SpanTimeFit, fit_span_times, read_span_timings  # noqa: E402
 from seq1f1b.plan.projection import A100  # noqa: E402
 from seq1f1b.plan.stage_layers import FIRST_FLAG, LAST_FLAG, StageLayers  # noqa: E402
-from seq1f1b.plan.simulate import (SimulationReport, model_costs, simulate,  # noqa: E402
-                                   uniform_costs)
+from seq1f1b.plan.simulate import (SimulationReport, SpanCosts, model_costs,  # noqa: E402
+                                   simulate, uniform_costs)
+from seq1f1b.plan.schedules.greedy import Problem, unit_costs  # noqa: E402
+from seq1f1b.plan.schedules.zero_bubble_v import default_cap  # noqa: E402
+from seq1f1b.plan.bounds import lower_bound  # noqa: E402
+from seq1f1b.plan.exact import solve  # noqa: E402
+from seq1f1b.schedule_compare import UNIT, CostModel, compare  # noqa: E402
 
 A100_BF16_TFLOPS = 312.0
 
@@ -76,6 +86,19 @@ def _add_cap_arg(parser: argparse.ArgumentParser) -> None:
                         help="searched schedules (seq1f1b-zb-auto): per-rank cap on held "
                              "activations and K/V, bytes (17GiB) or a fraction of 1F1B's rank-0 "
                              "peak (0.5x); needs a model for bytes")
+
+
+def _add_problem_args(parser: argparse.ArgumentParser, cost_help: str) -> None:
+    """What search and compare share: the problem, its costs (uniform or a model), --json."""
+    parser.add_argument("--pp", type=int, required=True, help="pipeline stages P")
+    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
+    parser.add_argument("--splits", type=int, default=1, help="spans per micro-batch k")
+    parser.add_argument("--uniform-cost", type=float, nargs=3, metavar=("F", "B", "W"),
+                        help=cost_help)
+    parser.add_argument("--device-tflops", type=float, default=A100_BF16_TFLOPS)
+    _add_span_args(parser, "--partition")
+    _add_model_args(parser)
+    parser.add_argument("--json", action="store_true")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -168,9 +191,12 @@ def _spans(args: argparse.Namespace, model: ModelConfig | None, splits: int) -> 
                      lengths=args.span_lengths, fit=_time_fit(args))
 
 
-def _schedule(args: argparse.Namespace, costs_of=None):
-    """The schedule of the command line; a searched one gets its budget from
-    --schedule-memory-cap and `costs_of(schedule, span_lengths)` (unit costs without it)."""
+def _schedule(args: argparse.Namespace, costs_of=None, uniform=None):
+    """The schedule of the command line (--schedule, or --pipeline-schedule-file's). A searched
+    one is searched on the run's costs: the model's (`costs_of(schedule, whole)`), else
+    --uniform-cost's (`uniform`: F B W, bytes as unit costs count them), else unit costs; under
+    --schedule-memory-cap or its default cap. Which costs and cap it used goes to stderr
+    (stdout may be JSON)."""
     if args.pipeline_schedule_file is not None:
         return _file_schedule(args)
     if args.schedule is None:
@@ -179,16 +205,50 @@ def _schedule(args: argparse.Namespace, costs_of=None):
         if getattr(args, flag) is None:
             raise UsageError(f"--{flag} is required with --schedule")
     args.splits, args.chunks = args.splits or 1, args.chunks or 1
+    if not registry.get(args.schedule).searched:
+        if args.schedule_memory_cap:
+            raise UsageError(f"--schedule-memory-cap: schedule {args.schedule} is not searched")
+        return registry.build(args.schedule, args.pp, args.microbatches, args.splits,
+                              args.chunks)
+    return registry.build(args.schedule, args.pp, args.microbatches, args.splits, args.chunks,
+                          budget=_search_budget(args, costs_of, uniform))
+
+
+def _search_budget(args: argparse.Namespace, costs_of, uniform) -> ScheduleBudget:
+    """The searched schedule's costs and cap (see _schedule), said on stderr."""
     cap = MemoryCap.parse(args.schedule_memory_cap) if args.schedule_memory_cap else None
-    if cap is not None and not registry.get(args.schedule).searched:
-        raise UsageError(f"--schedule-memory-cap: schedule {args.schedule} is not searched")
-    if cap is not None and costs_of is None:
-        budget = resolve_budget(cap, None, None, args.pp, args.splits)
-    else:
+    if costs_of is not None:
         budget = model_budget(args.schedule, args.pp, args.microbatches, args.splits,
                               args.chunks, cap, costs_of)
-    return registry.build(args.schedule, args.pp, args.microbatches, args.splits, args.chunks,
-                          budget=budget)
+        source = "the model's costs"
+    else:
+        budget = resolve_budget(cap, None, None, args.pp, args.splits)
+        source = "unit costs"
+        if uniform is not None:
+            shape = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
+                                   args.chunks)
+            budget = ScheduleBudget(_uniform_with_bytes(shape, uniform), budget.cap)
+            source = "the --uniform-cost costs"
+    limit = ("seq1f1b-zbv's peak on them" if budget.cap is None
+             else f"{budget.cap / GIB:.2f} GiB" if costs_of is not None
+             else f"{budget.cap:g} units")
+    print(f"plan.py: {args.schedule} searched on {source}, memory cap {limit}", file=sys.stderr)
+    if budget.costs is None:
+        shape = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
+                               args.chunks)
+        budget = ScheduleBudget(unit_costs(Problem(shape.pp, shape.microbatches, shape.splits,
+                                                   shape.chunks, shape.placement)), budget.cap)
+    return budget
+
+
+def _uniform_with_bytes(shape, uniform: list[float]) -> SpanCosts:
+    """--uniform-cost's durations with unit costs' bytes (a span holds 1/V unit on a chunk)."""
+    if len(uniform) != 3:
+        raise UsageError(f"--uniform-cost: {shape.name} splits the backward; give F B W")
+    costs = unit_costs(Problem(shape.pp, shape.microbatches, shape.splits, shape.chunks,
+                               shape.placement))
+    timed = uniform_costs(shape, *uniform)
+    return replace(costs, forward=timed.forward, backward=timed.backward, weight=timed.weight)
 
 
 def _file_schedule(args: argparse.Namespace):
@@ -258,12 +318,12 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                            tp=args.tp, sequence_parallel=args.sequence_parallel,
                            stage_layers=_stage_layers(args), cp=args.cp)
 
-    schedule = _schedule(args, costs_of if model is not None else None)
+    if args.uniform_cost is not None and len(args.uniform_cost) not in (2, 3):
+        raise UsageError("--uniform-cost takes two or three numbers: F B [W]")
+    schedule = _schedule(args, costs_of if model is not None else None, args.uniform_cost)
     if model is None and _stage_layers(args).uneven:
         raise UsageError(f"{FIRST_FLAG} / {LAST_FLAG} need a model (--model or its dimensions)")
     if args.uniform_cost is not None:
-        if len(args.uniform_cost) not in (2, 3):
-            raise UsageError("--uniform-cost takes two or three numbers: F B [W]")
         costs = uniform_costs(schedule, *args.uniform_cost)
         unit, microseconds = "", 1.0
     else:
@@ -398,6 +458,92 @@ def cmd_comm(args: argparse.Namespace) -> int:
     return 0 if all(v.ok for v in verdicts.values()) else 1
 
 
+def _run_costs(args: argparse.Namespace):
+    """(model costs_of or None, --uniform-cost or None) of a search or comparison."""
+    model = _model(args)
+    if model is not None and args.uniform_cost is not None:
+        raise UsageError("--uniform-cost and a model (--model or its dimensions): give one")
+    if args.uniform_cost is not None and len(args.uniform_cost) != 3:
+        raise UsageError("--uniform-cost takes three numbers here: F B W")
+    if model is None:
+        return None, args.uniform_cost
+    if args.seq_length is None:
+        raise UsageError("--seq-length is required with a model")
+
+    def costs_of(schedule, whole: bool):
+        spans = [args.seq_length] if whole else _spans(args, model, schedule.splits)
+        return model_costs(schedule, model, spans, flops_per_second=args.device_tflops * 1e12,
+                           tp=args.tp, sequence_parallel=args.sequence_parallel)
+    return costs_of, None
+
+
+def cmd_search(args: argparse.Namespace) -> None:
+    if args.time_limit <= 0:
+        raise UsageError("--time-limit must be positive (seconds)")
+    args.schedule = "seq1f1b-zb-auto"
+    costs_of, uniform = _run_costs(args)
+    budget = _search_budget(args, costs_of, uniform)
+    schedule = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
+                              args.chunks, budget=budget)
+    costs = budget.costs
+    cap = budget.cap if budget.cap is not None else default_cap(
+        Problem(args.pp, args.microbatches, args.splits, args.chunks, schedule.placement), costs)
+    report = simulate(schedule, costs)
+    out = {"makespan": report.makespan, "bubble": report.bubble_ratio, "cap": cap,
+           "peak": max(r.peak_held_bytes for r in report.ranks),
+           "lower_bound": lower_bound(schedule, costs)}
+    out["lower_bound_gap"] = out["makespan"] / out["lower_bound"] - 1
+    if args.exact:
+        found = solve(schedule, costs, cap, args.time_limit, hint=schedule)
+        out["exact"] = {"status": found.status, "optimal": found.optimal,
+                        "makespan": found.makespan, "peak": found.peak, "bound": found.bound,
+                        "search_over_exact": out["makespan"] / found.makespan - 1,
+                        "search_over_bound": out["makespan"] / found.bound - 1
+                        if found.bound > 0 else None}
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"seq1f1b-zb-auto P={args.pp} m={args.microbatches} k={args.splits}: makespan "
+          f"{out['makespan']:.6g}, bubble {out['bubble']:.1%}, peak {out['peak']:.6g} of cap "
+          f"{cap:.6g}; lower bound {out['lower_bound']:.6g} (gap {out['lower_bound_gap']:.2%})")
+    if args.exact:
+        exact = out["exact"]
+        bound = (f"{exact['bound']:.6g} (search {exact['search_over_bound']:+.2%})"
+                 if exact["search_over_bound"] is not None else "none")
+        print(f"exact (CP-SAT, {args.time_limit:g} s): {exact['status']}, makespan "
+              f"{exact['makespan']:.6g} (search {exact['search_over_exact']:+.2%}), proven "
+              f"bound {bound}")
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    model = _model(args)
+    if model is not None and args.seq_length is None:
+        raise UsageError("--seq-length is required with a model")
+    if args.uniform_cost is not None and (model is not None or len(args.uniform_cost) != 3):
+        raise UsageError("--uniform-cost F B W, or a model, not both")
+    costs = CostModel(tuple(args.uniform_cost or UNIT)) if model is None else CostModel(
+        model=model, seq_length=args.seq_length, tp=args.tp,
+        sequence_parallel=args.sequence_parallel, flops_per_second=args.device_tflops * 1e12,
+        partition=args.method)
+    if args.method in ("fit", "explicit"):
+        raise UsageError("--partition: compare cuts every k by the even or compute method")
+    rows = compare(args.pp, args.microbatches, args.splits, costs)
+    if args.json:
+        print(json.dumps([{"name": r.name, "splits": r.splits, "chunks": r.chunks,
+                           "makespan": r.makespan, "bubble": r.bubble, "peaks": list(r.peaks),
+                           "lower_bound": r.lower_bound, "gap": r.gap} for r in rows]))
+        return
+    unit, scale = ("GiB", GIB) if model is not None else ("units", 1.0)
+    print(f"P={args.pp} m={args.microbatches}, ours at k={args.splits}, torch's at k=1; "
+          f"makespan{' (s)' if model else ''}, bubble, lower-bound gap, peak held per rank "
+          f"({unit})")
+    width = max(len(r.name) for r in rows)
+    for r in rows:
+        peaks = " ".join(f"{p / scale:6.2f}" for p in r.peaks)
+        print(f"{r.name:<{width}} k={r.splits} V={r.chunks} {r.makespan:9.4g} {r.bubble:6.1%} "
+              f"{r.gap:6.1%}  {peaks}")
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="plan.py", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -485,6 +631,21 @@ def build_parser() -> Parser:
                            "given) or both")
     comm.add_argument("--json", action="store_true")
     comm.set_defaults(run=cmd_comm)
+
+    search = commands.add_parser("search", help="seq1f1b-zb-auto's search, its lower-bound gap "
+                                                "and (--exact) the CP-SAT optimum")
+    _add_problem_args(search, "F B W per action")
+    search.add_argument("--chunks", type=int, default=2, help="model chunks per rank V (2)")
+    _add_cap_arg(search)
+    search.add_argument("--exact", action="store_true",
+                        help="also solve the same problem exactly (CP-SAT) within --time-limit")
+    search.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS")
+    search.set_defaults(run=cmd_search)
+
+    comp = commands.add_parser("compare", help="our schedules beside torch's ZB-V, DualPipeV "
+                                               "and interleaved zero bubble on the same costs")
+    _add_problem_args(comp, "F B W per micro-batch on a rank's layers (default 1 1 1)")
+    comp.set_defaults(run=cmd_compare)
     return parser
 
 

@@ -34,11 +34,11 @@ def starting_span_lengths(args: argparse.Namespace) -> tuple[int, ...]:
 
 def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]] = None,
                     fit: Optional[SpanTimeFit] = None) -> Optional[ScheduleBudget]:
-    """The budget under --schedule-memory-cap with the spans `lengths` (default: the cut the
-    run starts with): the model's FLOP durations and bytes, durations from `fit` when given
-    (None without a cap: the schedule's default build, and for every schedule that is not
+    """A searched schedule's budget with the spans `lengths` (default: the cut the run starts
+    with): the model's FLOP durations and bytes, durations from `fit` when given, under
+    --schedule-memory-cap or the schedule's default cap (None for a schedule that is not
     searched)."""
-    if args.schedule_memory_cap is None:
+    if not _searched(args.pipeline_schedule):
         return None
     shape = RunShape(cost_model(args), args.seq_length, lengths or starting_span_lengths(args),
                      tp=args.tensor_model_parallel_size,
@@ -52,4 +52,15 @@ def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]]
                                               args.decoder_last_pipeline_num_layers))
     return run_budget(args.pipeline_schedule, args.pipeline_model_parallel_size,
                       args.num_micro_batches, args.virtual_pipeline_model_parallel_size or 1,
-                      MemoryCap.parse(args.schedule_memory_cap), shape, fit)
+                      MemoryCap.parse(args.schedule_memory_cap)
+                      if args.schedule_memory_cap else None, shape, fit)
+
+
+def _searched(name: str) -> bool:
+    from seq1f1b.plan import registry
+    from seq1f1b.plan.actions import ScheduleError
+
+    try:
+        return registry.get(name).searched
+    except ScheduleError:           # megatron-core's own schedules: not in the registry
+        return False

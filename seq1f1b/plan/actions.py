@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 OPS = ("F", "B", "W")
-"""F: forward of one span; B: backward (input and weight grads, or only the input grad when the
-schedule also has W actions); W: the deferred weight-gradient part of a backward."""
+"""F: forward of one span; B: backward of one span: the input grad only when the rank also runs
+that unit's W, else the full backward (input and weight grads); W: the deferred weight-gradient
+part of a backward. So one schedule may split the backward of some units and not of others
+(DualPipeV does): a unit's backward is split exactly when its W occurs."""
 
 PLACEMENTS = ("loop", "vshape")
 """How (rank, chunk) maps to a virtual stage. "loop": chunk c of rank r is stage c*P + r (Megatron's
@@ -117,8 +119,23 @@ class Schedule:
 
     @functools.cached_property
     def split_backward(self) -> bool:
-        """True when backward is split into B (input grad) and W (weight grad) actions."""
-        return any(a.op == "W" for program in self.programs for a in program)
+        """True when some backward is split into B (input grad) and W (weight grad) actions."""
+        return any(self.deferred_weights)
+
+    @functools.cached_property
+    def deferred_weights(self) -> tuple[frozenset[tuple[int, int, int]], ...]:
+        """Per rank, the units (Action.key) whose weight grads run as a W action of their own."""
+        return tuple(frozenset(a.key() for a in program if a.op == "W")
+                     for program in self.programs)
+
+    def full_backward(self, rank: int, action: Action) -> bool:
+        """Whether `action` (a B) computes the weight grads too: its rank runs no W of its unit."""
+        return action.op == "B" and action.key() not in self.deferred_weights[rank]
+
+    def frees_activations(self, rank: int, action: Action) -> bool:
+        """Whether `action` is the last backward action of its unit (W, or a full B): the span's
+        activations are freed after it."""
+        return action.op == "W" or self.full_backward(rank, action)
 
     # -- text forms ---------------------------------------------------------------------------
     def format_rank(self, rank: int) -> list[str]:
@@ -211,10 +228,33 @@ def dependencies(schedule: Schedule, rank: int, action: Action) -> list[tuple[in
     return needs
 
 
+def split_full_backwards(programs: Iterable[Iterable[Action]]) -> list[list[Action]]:
+    """Each full backward (a B whose unit has no W on its rank) as its B then its W, back to
+    back: the same work at the same time on that rank, the input grad sent sooner, the
+    activations freed at the same moment, so never slower and never more memory; and every
+    unit's weight grad then runs as a W of its own."""
+    out = []
+    for program in programs:
+        program = list(program)
+        weights = {a.key() for a in program if a.op == "W"}
+        split = []
+        for action in program:
+            split.append(action)
+            if action.op == "B" and action.key() not in weights:
+                split.append(action.with_op("W"))
+        out.append(split)
+    return out
+
+
 def expected_actions(schedule: Schedule, rank: int) -> frozenset[Action]:
-    """Every action `rank` must run exactly once: F and B (and W when split) of every unit."""
-    return _all_actions(schedule.microbatches, schedule.splits, schedule.chunks,
-                        schedule.split_backward)
+    """Every action `rank` must run exactly once: F and B of every unit. W of a unit is optional
+    (at most once): without it, that unit's B is the full backward."""
+    return _all_actions(schedule.microbatches, schedule.splits, schedule.chunks, False)
+
+
+def allowed_actions(schedule: Schedule, rank: int) -> frozenset[Action]:
+    """Every action `rank` may run: F, B and W of every unit."""
+    return _all_actions(schedule.microbatches, schedule.splits, schedule.chunks, True)
 
 
 @functools.lru_cache(maxsize=16)

@@ -51,7 +51,8 @@ class MemoryCap:
 @dataclass(frozen=True)
 class ScheduleBudget:
     """Costs (None: unit costs) and a cap in the costs' memory unit (None: the schedule's
-    default)."""
+    default). A searched schedule built with a model's costs should be given them whether or
+    not a cap is: model_budget does."""
 
     costs: Optional[SpanCosts] = None
     cap: Optional[float] = None
@@ -81,13 +82,17 @@ def model_budget(name: str, pp: int, microbatches: int, splits: int, chunks: int
     schedule's SpanCosts (durations and bytes) with the spans of this run, or with one span of
     the whole sequence when `whole`. The searched schedule's own costs are those of
     its default build (same stages, same W split); a fraction is taken of 1F1B's rank-0 peak with
-    one span per micro-batch on the same model. None when `cap` is None (the default build)."""
+    one span per micro-batch on the same model. Without a cap the costs are still the model's
+    and the cap is the schedule's default (seq1f1b-zb-auto: seq1f1b-zbv's peak on them); None
+    for a schedule that is not searched and has no cap (a cap there is refused by build)."""
     from seq1f1b.plan import registry          # registry imports this module
     from seq1f1b.plan.simulate import simulate
-    if cap is None:
+    if cap is None and not registry.get(name).searched:
         return None
     shape = registry.build(name, pp, microbatches, splits, chunks)
     costs = costs_of(shape, False)
+    if cap is None:
+        return ScheduleBudget(costs, None)
     reference = None
     if cap.relative:
         one_f_one_b = registry.build("1f1b", pp, microbatches, 1, 1)
@@ -123,7 +128,7 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
     spans, or, with `fit` (the fit partition's measured times, span_fit.py), the measured
     durations: each span's F on the stages scaled so that they sum to the fit's F of that span,
     and B (with W) to its B, the model keeping each stage's share (the output layer's on the
-    last). None without a cap (the schedule's default build)."""
+    last). Without a cap the schedule's default cap on those costs (model_budget)."""
     def costs_of(schedule: Schedule, whole: bool) -> SpanCosts:
         costs = model_costs(schedule, shape.model,
                             [shape.seq_length] if whole else list(shape.span_lengths),

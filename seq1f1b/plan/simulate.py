@@ -8,7 +8,7 @@ gives one, with each action's dependencies. Invalid schedules (incomplete, misor
 deadlocking) are refused with `validate.validate`'s message.
 
 Memory: a span is live on a rank from the start of its F until the end of the action that frees its
-activations: B, or W when the schedule splits backward; the loss's logits (last stage only) go with
+activations: W, or B when the rank runs no W of that unit (a full backward); the loss's logits (last stage only) go with
 the activations. The K/V cache is per micro-batch, not per span: the runtime allocates one buffer
 for the whole sequence (all k spans) of a micro-batch on a virtual stage at its first span's
 forward F(i,0) and frees it after its last backward B(i,0) (see costs.kv_cache_bytes), so a
@@ -66,10 +66,14 @@ class SpanCosts:
     hop: Table | None = None   # [v][span]: p2p seconds between virtual stages v and v+1 (either
                                # way, P*V - 1 rows); None: simulate's flat p2p_latency
 
-    def duration(self, stage: int, action: Action) -> float:
+    def duration(self, stage: int, action: Action, full_backward: bool = False) -> float:
+        """Seconds of `action` on `stage`; a `full_backward` B (its unit has no W) also does the
+        weight grads: B + W when the costs split them (`weight` given), else B."""
         table = {"F": self.forward, "B": self.backward, "W": self.weight}[action.op]
         if table is None:
             raise ScheduleError(f"no cost given for {action.op} actions (--uniform-cost F B W)")
+        if full_backward and self.weight is not None:
+            return table[stage][action.span] + self.weight[stage][action.span]
         return table[stage][action.span]
 
 
@@ -275,7 +279,8 @@ def timelines(schedule: Schedule, costs: SpanCosts, p2p_latency: float = 0.0
         start = max([free_at[rank]] + [
             finished[need] + _p2p(schedule, costs, p2p_latency, graph.steps[need], rank)
             for need in graph.needs[step]])
-        end = start + costs.duration(schedule.stage_of(rank, action.chunk), action)
+        end = start + costs.duration(schedule.stage_of(rank, action.chunk), action,
+                                     schedule.full_backward(rank, action))
         finished[step] = free_at[rank] = end
         ranks[rank].append(TimedAction(action, start, end))
     return ranks
@@ -317,9 +322,10 @@ def held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
     return tables
 
 
-def held_change(tables: dict[str, Table], stage: int, action: Action, frees_activations: str
+def held_change(tables: dict[str, Table], stage: int, action: Action, frees_activations: bool
                  ) -> tuple[dict[str, float], dict[str, float]]:
-    """Bytes of each kind `action` allocates when it starts and releases after it ends."""
+    """Bytes of each kind `action` allocates when it starts and releases after it ends;
+    `frees_activations`: it is its unit's last backward action (Schedule.frees_activations)."""
     span = action.span
     whole_sequence_kv = sum(tables["kv_cache"][stage])
     allocated = dict.fromkeys(_HELD, 0.0)
@@ -329,7 +335,7 @@ def held_change(tables: dict[str, Table], stage: int, action: Action, frees_acti
         allocated["logits"] = tables["logits"][stage][span]
         if span == 0:
             allocated["kv_cache"] = whole_sequence_kv
-    if action.op == frees_activations:
+    if frees_activations:
         released["activation"] = tables["activation"][stage][span]
         released["logits"] = tables["logits"][stage][span]
     earlier_spans_kv = sum(tables["kv_accumulator"][stage][:-1])
@@ -342,7 +348,6 @@ def held_change(tables: dict[str, Table], stage: int, action: Action, frees_acti
 
 def _rank_report(schedule: Schedule, costs: SpanCosts | None, rank: int,
                  timeline: list[TimedAction], makespan: float) -> RankReport:
-    frees_activations = "W" if schedule.split_backward else "B"
     tables = held_tables(costs)
     live = peak_live = 0
     held = dict.fromkeys(_HELD, 0.0)
@@ -354,12 +359,13 @@ def _rank_report(schedule: Schedule, costs: SpanCosts | None, rank: int,
             live += 1
             peak_live = max(peak_live, live)
         # The freeing action still holds its span while it runs: release after it.
-        if action.op == frees_activations:
+        frees = schedule.frees_activations(rank, action)
+        if frees:
             live -= 1
         if tables is None:
             continue
         allocated, released = held_change(tables, schedule.stage_of(rank, action.chunk),
-                                           action, frees_activations)
+                                           action, frees)
         for kind in _HELD:
             held[kind] += allocated[kind]
             peaks[kind] = max(peaks[kind], held[kind])

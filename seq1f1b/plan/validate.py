@@ -1,7 +1,8 @@
 """Is a schedule runnable and correct? Completeness, the dependency rules, and deadlocks.
 
 Three checks, each reporting what is wrong in words a reader can act on:
-1. every rank runs exactly `expected_actions` (nothing missing, twice, or foreign);
+1. every rank runs exactly `expected_actions` (nothing missing, twice, or foreign), and W of a
+   unit at most once (a unit without its W has a full backward: actions.OPS);
 2. every dependency of `actions.dependencies` that lies on the same rank comes earlier in that
    rank's program (e.g. F0.1 before F0.0 breaks the KV-cache rule);
 3. a replay of all programs finishes: each rank walks its program in order, an action runs once
@@ -24,8 +25,8 @@ from operator import attrgetter
 
 import numpy as np
 
-from seq1f1b.plan.actions import (OPS, Action, Schedule, ScheduleError, dependencies,
-                                  expected_actions)
+from seq1f1b.plan.actions import (OPS, Action, Schedule, ScheduleError, allowed_actions,
+                                  dependencies, expected_actions)
 
 Step = tuple[int, Action]
 """(rank, action): one action of one rank's program."""
@@ -177,10 +178,10 @@ _owed_codes: OrderedDict[tuple, dict[int, np.ndarray]] = OrderedDict()
 
 def _owed(schedule: Schedule, layout: _Layout) -> dict[int, np.ndarray]:
     """rank -> sorted codes of expected_actions(schedule, rank), filled on first use. What a rank
-    owes depends on the problem (P, m, k, V, placement, split backward), never on the programs,
-    so it is asked once per problem."""
+    owes depends on the problem (P, m, k, V, placement), never on the programs, so it is asked
+    once per problem."""
     return _kept(_owed_codes, (layout, schedule.microbatches, schedule.splits, schedule.chunks,
-                               schedule.placement, schedule.split_backward), dict)
+                               schedule.placement), dict)
 
 
 def _fields(actions: Iterable[Action]) -> tuple[np.ndarray, ...]:
@@ -201,6 +202,7 @@ class _StepGraph:
     layout: _Layout
     offsets: list[int]
     codes: np.ndarray  # code of each step
+    fields: tuple[np.ndarray, ...]  # (op index, micro-batch, span, chunk) of each step
     need_ids: np.ndarray  # (steps, slots) step ids, as `needs`
     needs: list[list[int]]
 
@@ -234,7 +236,7 @@ class _StepGraph:
         need_ids = np.where(runs, step_of[base + np.where(runs, shifted, 0) * layout.stride],
                             never)
         need_ids = np.where(kind == _UNUSED, never + 1, need_ids)
-        return cls(layout, offsets, codes, need_ids, need_ids.tolist())
+        return cls(layout, offsets, codes, (op, mb, span, chunk), need_ids, need_ids.tolist())
 
 
 # -- checks ----------------------------------------------------------------------------------------
@@ -253,14 +255,19 @@ def _completeness_problems(schedule: Schedule, graph: _StepGraph) -> list[str]:
         if rank not in owed:
             expected_fields = _fields(expected_actions(schedule, rank))
             owed[rank] = np.sort(graph.layout.code(rank, *expected_fields))
-        mine = np.sort(graph.codes[graph.offsets[rank]:graph.offsets[rank + 1]])
-        if np.array_equal(mine, owed[rank]):
+        mine = slice(graph.offsets[rank], graph.offsets[rank + 1])
+        op, mb, span, chunk = (values[mine] for values in graph.fields)
+        weights = op == _OP_INDEX["W"]
+        codes = graph.codes[mine]
+        if np.array_equal(np.sort(codes[~weights]), owed[rank]) and \
+                len(np.unique(codes[weights])) == int(weights.sum()) and \
+                not np.any(weights & ((mb >= schedule.microbatches) | (span >= schedule.splits)
+                                      | (chunk >= schedule.chunks))):
             continue
-        expected = expected_actions(schedule, rank)
         present = set(program)
         twice = [a for a, n in Counter(program).items() if n > 1]
-        missing = list(expected - present)
-        foreign = list(present - expected)
+        missing = list(expected_actions(schedule, rank) - present)
+        foreign = list(present - allowed_actions(schedule, rank))
         if twice:
             problems.append(f"rank {rank} runs more than once: {_listing(twice, show)}")
         if missing:

@@ -65,7 +65,14 @@ def test_measured_durations_are_the_fits_spread_over_the_stages_as_the_model_spr
     assert measured.activation_bytes == modelled.activation_bytes     # bytes stay the model's
 
 
-def test_without_a_cap_the_schedule_keeps_its_default_build():
+def test_without_a_cap_the_search_still_takes_the_models_costs():
+    """Issue 26: the searched schedule runs on the model's costs whenever they are known; the
+    cap is then the schedule's default (seq1f1b-zbv's peak on those costs)."""
     args = _args(2, 4, 2, "1x")
+    capped = schedule_budget(args)
     args.schedule_memory_cap = None
-    assert schedule_budget(args) is None
+    budget = schedule_budget(args)
+    assert budget is not None and budget.cap is None
+    assert budget.costs == capped.costs
+    args.pipeline_schedule = "seq1f1b"
+    assert schedule_budget(args) is None          # not searched: nothing to place

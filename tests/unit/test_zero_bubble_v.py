@@ -196,3 +196,44 @@ def test_v_placement_refuses_tied_embeddings():
     with pytest.raises(ValueError, match="--untie-embeddings-and-output-weights"):
         build_model_chunk(config, vocab_size=32, max_sequence_length=8, vp_stage=0,
                           share_embeddings_and_output_weights=True)
+
+
+def test_plan_search_reports_its_gap_and_the_exact_optimum(capsys):
+    """P=2, m=4, skewed per-action costs: CP-SAT starts from the search's order (no worse) and
+    proves a bound below it; where it proves optimality, the search's order is optimal."""
+    argv = ["search", "--pp", "2", "--microbatches", "4", "--uniform-cost", "1", "1.5", "0.5",
+            "--exact", "--time-limit", "10", "--json"]
+    assert plan_cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    found = json.loads(out)
+    assert "searched on the --uniform-cost costs" in err
+    assert found["peak"] <= found["cap"] and found["lower_bound"] <= found["makespan"]
+    exact = found["exact"]
+    assert exact["makespan"] <= found["makespan"]
+    assert exact["bound"] <= exact["makespan"] * (1 + 1e-4)   # the bound in rounded ticks
+    if exact["optimal"]:
+        assert exact["search_over_exact"] == pytest.approx(0)
+
+
+def test_plan_compare_lists_ours_and_the_peers_on_one_table(capsys):
+    assert plan_cli.main(["compare", "--pp", "2", "--microbatches", "4", "--splits", "2",
+                          "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert {"zbv", "seq1f1b-zbv", "torch-zbv", "torch-dualpipev", "seq1f1b-zb-auto"} <= set(rows)
+    auto = rows["seq1f1b-zb-auto @ torch-zbv peak"]
+    assert auto["makespan"] <= rows["torch-zbv"]["makespan"]
+    assert max(auto["peaks"]) <= max(rows["torch-zbv"]["peaks"])
+    assert all(r["gap"] >= -1e-9 for r in rows.values())
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["search", "--pp", "2", "--microbatches", "4", "--time-limit", "0"], "--time-limit"),
+    (["search", "--pp", "2", "--microbatches", "4", "--uniform-cost", "1", "1", "1",
+      "--model", "7b", "--seq-length", "4096"], "--uniform-cost"),
+    (["compare", "--pp", "2", "--microbatches", "4", "--model", "7b"], "--seq-length"),
+    (["compare", "--pp", "2", "--microbatches", "4", "--model", "7b", "--seq-length", "4096",
+      "--partition", "fit"], "--partition")])
+def test_search_and_compare_refuse_bad_input_in_one_line(capsys, argv, flag):
+    code = plan_cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and flag in err and "\n" not in err, err

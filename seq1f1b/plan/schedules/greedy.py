@@ -115,7 +115,7 @@ class _Plan:
                 for op in _OPS:
                     for j in range(k):
                         probe = Action(op, 0, j, chunk)
-                        allocated, released = held_change(tables, stage, probe, "W")
+                        allocated, released = held_change(tables, stage, probe, op == "W")
                         values = (costs.duration(stage, probe), sum(allocated.values()),
                                   sum(released.values()))
                         bases = [self.step(r, d.chunk, d.op, d.span, 0)

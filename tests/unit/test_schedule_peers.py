@@ -1,0 +1,84 @@
+"""Items 1 and 2 of issue 26 on a representative grid (the full grid: `tools/peer_grid.py`): torch's ZB-V, DualPipeV and interleaved zero bubble orders, built by
+torch's own generators, replayed beside ours on the same costs. Capped at any rival's peak,
+seq1f1b-zb-auto holds no more and finishes no later; zbv is torch's ZB-V; the exact solver
+never finds worse than the search it starts from, and its proven bound is below both."""
+import pytest
+
+from seq1f1b.plan.costs import preset
+from seq1f1b.plan.communication import communication_plan
+from seq1f1b.plan.nccl import MODES, validate_modes
+from seq1f1b.plan.registry import build
+from seq1f1b.plan.budget import ScheduleBudget
+from seq1f1b.plan.validate import find_problems
+from seq1f1b.schedule_compare import (SKEWED, UNIT, CostModel, ours, peer_rows,
+                                      peer_violations, row, searched)
+
+COSTS = {
+    "unit": CostModel(UNIT),
+    "skewed": CostModel(SKEWED),
+    "model": CostModel(model=preset("7b"), seq_length=65536, tp=8, sequence_parallel=True),
+}
+GRID = [(2, 4, 1), (4, 8, 1), (4, 6, 2), (2, 4, 4)]
+
+
+def rivals(pp, m, k, costs, loops):
+    """The peers (k = 1) and our fixed schedules at k: the V ones always, the loop ones where
+    the costs treat the two placements alike (unit and skewed; on a model the V's rank 0 also
+    runs the output layer, issue 26 item 5)."""
+    def build_rows():
+        found = peer_rows(pp, m, costs)
+        found += [row(s, costs) for s in ours(pp, m, k) if loops or s.placement == "vshape"]
+        return found
+    return build_rows
+
+
+@pytest.mark.parametrize("kind", sorted(COSTS))
+@pytest.mark.parametrize("pp, m, k", GRID)
+def test_the_search_never_loses_at_equal_or_lower_peak(kind, pp, m, k):
+    costs = COSTS[kind]
+    violations, rows = peer_violations(pp, m, k, costs, rivals(pp, m, k, costs,
+                                                                 kind != "model"))
+    assert violations == []
+    assert rows and all(r.makespan >= r.lower_bound * (1 - 1e-9) for r in rows)
+
+
+@pytest.mark.parametrize("kind", sorted(COSTS))
+def test_zbv_is_the_published_construction_under_any_costs(kind):
+    """Same order as torch's ZB-V, so the same makespan and peak on any costs."""
+    costs = COSTS[kind]
+    for pp, m in ((2, 4), (4, 8), (4, 3)):
+        torch_zbv = next(r for r in peer_rows(pp, m, costs) if r.name == "torch-zbv")
+        ours_zbv = row(build("zbv", pp, m, 1, 2), costs)
+        assert (ours_zbv.makespan, ours_zbv.peaks) == (torch_zbv.makespan, torch_zbv.peaks)
+
+
+@pytest.mark.parametrize("name", ["zbv", "seq1f1b-zbv", "seq1f1b-zb-auto"])
+@pytest.mark.parametrize("pp, m, k", [(2, 4, 2), (3, 5, 3), (4, 8, 2)])
+def test_new_schedules_pass_the_nccl_checker(name, pp, m, k):
+    schedule = build(name, pp, m, k, 2)
+    if name == "seq1f1b-zb-auto":
+        shape = build("seq1f1b-zbv", pp, m, k, 2)
+        schedule = build(name, pp, m, k, 2,
+                         budget=ScheduleBudget(COSTS["skewed"].costs(shape), None))
+    verdicts = validate_modes(communication_plan(schedule), MODES)
+    assert all(v.ok for v in verdicts.values()), {k: v.problems for k, v in verdicts.items()}
+
+
+def test_exact_solver_starts_from_the_search_and_bounds_it():
+    """P=2, m=4, k=1, skewed costs, seq1f1b-zbv's peak: CP-SAT's order is valid, within the cap
+    and no longer than the search's (its hint); its proven bound is below it. When it proves
+    optimality (a second or two on an idle core) the search's order is that optimum."""
+    from seq1f1b.plan.exact import solve
+    from seq1f1b.plan.schedules.greedy import Problem
+    from seq1f1b.plan.schedules.zero_bubble_v import default_cap
+    shape = build("seq1f1b-zbv", 2, 4, 1, 2)
+    costs = COSTS["skewed"].costs(shape)
+    cap = default_cap(Problem(2, 4, 1, 2, "vshape"), costs)
+    found = searched(2, 4, 1, COSTS["skewed"])
+    auto = build("seq1f1b-zb-auto", 2, 4, 1, 2, budget=ScheduleBudget(costs, None))
+    exact = solve(shape, costs, cap, time_limit_s=10, hint=auto, workers=2)
+    assert find_problems(exact.schedule) == [] and exact.peak <= cap * (1 + 1e-9)
+    assert found.lower_bound <= exact.makespan <= found.makespan * (1 + 1e-9)
+    assert exact.bound <= exact.makespan * (1 + 1e-4)   # the bound of the problem in ticks
+    if exact.optimal:
+        assert exact.makespan == pytest.approx(found.makespan, rel=1e-9)

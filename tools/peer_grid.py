@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Issue 26's claim over a grid: capped at any rival's peak, seq1f1b-zb-auto finishes no later.
+
+  peer_grid.py --pp 2 4 8 16 --microbatches-per-rank 1 2 4 --splits 1 2 4 8 \\
+               --costs unit skewed model
+
+For every (P, m = P x factor, k) and cost model: the rivals are torch's ZB-V, DualPipeV and
+interleaved zero bubble (k = 1) and our fixed schedules at k (the loop ones only under unit and
+skewed costs: on a model the V's rank 0 also runs the output layer, so a loop-placed rival ahead
+is reported apart, issue 26 item 5). One line per case: the violations, the default search's and the worst capped search's gap to the lower bound, and
+seconds; a summary line at the end. Exit 1 when any case is violated.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from seq1f1b.plan.costs import preset  # noqa: E402
+from seq1f1b.schedule_compare import (SKEWED, UNIT, CostModel, ours, peer_rows,  # noqa: E402
+                                      peer_violations, row, searched)
+
+COSTS = {"unit": CostModel(UNIT), "skewed": CostModel(SKEWED),
+         "model": CostModel(model=preset("7b"), seq_length=65536, tp=8, sequence_parallel=True)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--microbatches-per-rank", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--costs", nargs="+", choices=list(COSTS), default=list(COSTS))
+    args = parser.parse_args(argv)
+    failed, lost, worst = 0, 0, (0.0, "")
+    for kind in args.costs:
+        costs = COSTS[kind]
+        for pp in args.pp:
+            for factor in args.microbatches_per_rank:
+                for k in args.splits:
+                    m, began = pp * factor, time.monotonic()
+
+                    def rivals(placements):
+                        def rows():
+                            found = peer_rows(pp, m, costs) + [row(s, costs)
+                                                               for s in ours(pp, m, k)]
+                            return [r for r in found if r.placement in placements]
+                        return rows
+
+                    # On a model the V's rank 0 also runs the output layer: loop-placed rivals
+                    # are reported, not claimed (issue 26 item 5, uneven stages).
+                    claimed = ("vshape", "loop") if kind != "model" else ("vshape",)
+                    violations, rows = peer_violations(pp, m, k, costs, rivals(claimed))
+                    losses = []
+                    if kind == "model":
+                        losses, more = peer_violations(pp, m, k, costs, rivals(("loop",)))
+                        rows += more
+                    default = searched(pp, m, k, costs)
+                    gap = max(r.gap for r in rows + [default])
+                    if gap > worst[0]:
+                        worst = (gap, f"{kind} P={pp} m={m} k={k}")
+                    failed += bool(violations)
+                    lost += bool(losses)
+                    print(f"{kind:6} P={pp:<2} m={m:<3} k={k}: {len(violations)} violations"
+                          f"{' ' + '; '.join(violations) if violations else ''}"
+                          f"{'; loop-placed rivals ahead: ' + '; '.join(losses) if losses else ''}"
+                          f"; default gap {default.gap:.2%}, worst capped gap {gap:.2%}, "
+                          f"{time.monotonic() - began:.1f} s", flush=True)
+    print(f"{failed} violated cases, {lost} with a loop-placed rival ahead on a model; worst "
+          f"lower-bound gap {worst[0]:.2%} ({worst[1]})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
