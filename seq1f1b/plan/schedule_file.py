@@ -16,21 +16,27 @@ A loaded schedule is registered under `file:PATH` (registry.py), so every part t
 schedule by name (placement, W split, chunk count, the executor's plan) reads this one; its
 builder refuses any (P, m, k, V) other than the file's.
 
-Torch's `{stage}{op}{mb}` format (torch.distributed.pipelining's CSV, k=1) plugs in at
-`_parse`: its reader is seq1f1b/plan/torch_format.py's, which arrives with issue 26's plan-layer
-work; until then such a file is refused in one line saying so.
+Torch's `{stage}{op}{mb}` format (torch.distributed.pipelining's CSV, k=1, as torchtitan's
+`pipeline_parallel_schedule_csv` reads it) is read too, by seq1f1b/plan/torch_format.py, when the
+first action is in that form. A schedule whose backward is full for some units and split into B
+and W for others (DualPipeV's) runs each full backward as its B then its W
+(`actions.split_full_backwards`: the same work at the same moment, never slower, never more
+memory), so the runtime sees one kind of backward.
 """
 from __future__ import annotations
 
 import csv
 import io
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from seq1f1b.plan import registry
-from seq1f1b.plan.actions import PLACEMENTS, Action, Schedule, ScheduleError, parse_action
+from seq1f1b.plan.actions import (PLACEMENTS, Action, Schedule, ScheduleError, parse_action,
+                                  split_full_backwards)
 from seq1f1b.plan.communication import communication_plan
 from seq1f1b.plan.nccl import validate_modes
+from seq1f1b.plan.torch_format import read_torch_csv
 from seq1f1b.plan.validate import find_problems
 
 FLAG = "--pipeline-schedule-file"
@@ -108,23 +114,27 @@ def _parse(text: str, path: str | Path) -> Schedule:
     cells = [cell for row in rows for cell in row if cell]
     if not cells:
         raise ScheduleError(f"{FLAG} {path}: no actions")
-    if _TORCH_ACTION.match(cells[0]):
-        # The hook for torch.distributed.pipelining's format: seq1f1b/plan/torch_format.py's
-        # reader goes here when it lands.
-        raise ScheduleError(f"{FLAG} {path}: {cells[0]!r} is torch.distributed.pipelining's "
-                            "{stage}{op}{mb} format, which is not read yet; write our form "
-                            "(one row per rank, actions like F0.0, B0.0@1)")
-    programs = [[_action(cell, path, rank, index) for index, cell in enumerate(row) if cell]
-                for rank, row in enumerate(rows)]
-    actions = [action for program in programs for action in program]
     try:
-        return Schedule(name=f"{PREFIX}{path}", pp=len(programs),
-                        microbatches=1 + max(a.microbatch for a in actions),
-                        splits=1 + max(a.span for a in actions),
-                        chunks=1 + max(a.chunk for a in actions),
-                        programs=tuple(map(tuple, programs)), placement=placement)
+        if _TORCH_ACTION.match(cells[0]):
+            schedule = read_torch_csv(text, name=f"{PREFIX}{path}")
+        else:
+            programs = [[_action(cell, path, rank, index) for index, cell in enumerate(row)
+                         if cell] for rank, row in enumerate(rows)]
+            actions = [action for program in programs for action in program]
+            schedule = Schedule(name=f"{PREFIX}{path}", pp=len(programs),
+                                microbatches=1 + max(a.microbatch for a in actions),
+                                splits=1 + max(a.span for a in actions),
+                                chunks=1 + max(a.chunk for a in actions),
+                                programs=tuple(map(tuple, programs)), placement=placement)
     except ScheduleError as err:
-        raise ScheduleError(f"{FLAG} {path}: {err}") from None
+        text = str(err)
+        raise ScheduleError(text if text.startswith(FLAG) else f"{FLAG} {path}: {text}") from None
+    if schedule.split_backward and any(schedule.full_backward(rank, action)
+                                       for rank, program in enumerate(schedule.programs)
+                                       for action in program):
+        schedule = replace(schedule, programs=tuple(
+            map(tuple, split_full_backwards(schedule.programs))))
+    return schedule
 
 
 def _action(cell: str, path: str | Path, rank: int, index: int) -> Action:

@@ -56,7 +56,7 @@ def _bad(tmp_path, text: str):
     ("F0.0,B0.0\nF0.0\n", "rank 1 never runs: B0.0"),
     ("F0.0,F0.1,B0.1,B0.0\nF0.1,F0.0,B0.1,B0.0\n", "rank 1 runs F0.1 (step 0) before F0.0"),
     ("# placement: spiral\nF0.0,B0.0\n", "placement 'spiral'"),
-    ("0F0,0B0\n1F0,1B0\n", "torch.distributed.pipelining's {stage}{op}{mb} format"),
+    ("0F0,0Q1\n1F0,1B0\n", "row 1 cell 2: cannot read '0Q1'"),      # torch's format
     ("\n# nothing\n", "no actions"),
 ])
 def test_a_bad_file_is_refused_naming_the_first_bad_action(tmp_path, text, problem):
@@ -120,3 +120,29 @@ def test_the_tools_refuse_a_bad_file_in_one_line_exit_2(tmp_path, tool, argv):
     last = proc.stderr.strip().splitlines()[-1]
     assert last == (f"{tool}: error: --pipeline-schedule-file {path}: rank 1 runs B0.0 (step 0) "
                     "before F0.0 (step 1), which it needs (its own forward)"), proc.stderr
+
+
+@pytest.mark.parametrize("name, pp, m", [("zbv", 2, 4), ("1f1b", 3, 5)])
+def test_torch_pipelining_csv_files_load_as_their_schedules(tmp_path, name, pp, m):
+    """A schedule written for torch.distributed.pipelining (or torchtitan's
+    pipeline_parallel_schedule_csv) runs here as it is."""
+    from seq1f1b.plan.torch_format import write_torch_csv
+
+    chunks = 2 if name == "zbv" else 1
+    ours = registry.build(name, pp, m, 1, chunks)
+    path = tmp_path / f"{name}.csv"
+    path.write_text(write_torch_csv(ours))
+    loaded = schedule_file.load(path)
+    assert loaded.programs == ours.programs and loaded.placement == ours.placement
+
+
+def test_a_mixed_backward_runs_each_full_backward_as_b_then_w(tmp_path):
+    """DualPipeV's form: some units with a full backward, others split; the runtime gets every
+    backward split, at the same moment on each rank."""
+    path = tmp_path / "mixed.csv"
+    path.write_text("F0.0,F1.0,B0.0,W0.0,B1.0\nF0.0,F1.0,B0.0,B1.0,W1.0\n")
+    loaded = schedule_file.load(path)
+    assert [a.format() for a in loaded.programs[0]] == ["F0.0", "F1.0", "B0.0", "W0.0", "B1.0",
+                                                         "W1.0"]
+    assert [a.format() for a in loaded.programs[1]] == ["F0.0", "F1.0", "B0.0", "W0.0", "B1.0",
+                                                         "W1.0"]
