@@ -31,6 +31,8 @@ the CPU, without copying or patching any megatron-core file:
    `host_sync_forbidden()` (the executor's run) unless `host_sync_allowed()`. The rules, and what
    strict mode cannot emulate (streams, asynchrony, the caching allocator, NCCL's matching, GPU
    kernels), are in `seq1f1b/strict_cuda.py`.
+6. megatron's gradient-accumulation-fusion kernel (`fused_weight_gradient_mlp_cuda`, apex or TE)
+   is `seq1f1b.runtime.wgrad_fusion.HostWgradKernel`, the same accumulation as one `addmm_`.
 
 Limits: a `TorchFunctionMode` is thread-local, so threads started by user code run without it; on a
 machine with CUDA `activate()` does nothing and returns False.
@@ -218,12 +220,14 @@ def activate() -> bool:
     # megatron.core first: its import registers torch.cuda functions with dynamo (see docstring).
     import megatron.core  # noqa: F401
     from megatron.core.tensor_parallel import random as megatron_random
+    from seq1f1b.runtime import wgrad_fusion
 
     _patch(torch.cuda, _device_functions())
     _patch(torch.cuda.nvtx, _nvtx_functions())
     _patch(torch.cuda, _rng_functions())
     _patch(torch.cuda.random, _rng_functions())
     _patch(megatron_random, _megatron_rng_functions())
+    wgrad_fusion.install_host_kernel()
     logging.getLogger(megatron_random.__name__).addFilter(_DropRngForkWarning())
     mode = _CudaToCpuMode()
     torch.autograd._engine_run_backward = _engine_run_backward_under(mode, engine_run_backward)

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.training.lr_schedule import ScheduleSettings
 from seq1f1b import megatron_adapter, platform
+from seq1f1b.runtime import wgrad_fusion
 from seq1f1b.runtime.wgrad import has_split_backward
 
 ModelProvider = Callable[..., torch.nn.Module]
@@ -38,8 +39,11 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 
 
 def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
-    """The TransformerConfig of the run (fusions off, CPU initialisation without a GPU)."""
+    """The TransformerConfig of the run: CPU initialisation without a GPU, the kernel fusions
+    off except gradient accumulation (--no-gradient-accumulation-fusion; without its kernel on a
+    GPU, off after one notice on the first rank: runtime/wgrad_fusion.py)."""
     dtype = params_dtype(args)
+    notify = print if torch.distributed.get_rank() == 0 else (lambda message: None)
     return megatron_adapter.make_transformer_config(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
@@ -50,7 +54,10 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         sequence_parallel=args.sequence_parallel, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         fp16=args.fp16, bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
-        calculate_per_token_loss=args.calculate_per_token_loss, **_recompute_fields(args))
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        gradient_accumulation_fusion=wgrad_fusion.resolve(args.gradient_accumulation_fusion,
+                                                          notify),
+        **_recompute_fields(args))
 
 
 def _recompute_fields(args: argparse.Namespace) -> dict:

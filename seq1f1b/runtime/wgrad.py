@@ -27,8 +27,9 @@ accumulator. The linear runs that hook after each accumulation that brought a gr
 hook adds the gradient to `main_grad` (and clears `.grad`), as after any backward, so
 `finalize_model_grads` sees it. (A DDP built without `delay_wgrad_compute` ignores the mark and
 keeps its hook on the accumulator: the same sum, with a gradient-less call at B that only
-`overlap_grad_reduce` refuses. With `gradient_accumulation_fusion` megatron would add into
-`main_grad` inside the GEMM; the deferred GEMM takes the hook path instead, same sum.)
+`overlap_grad_reduce` refuses.) With `gradient_accumulation_fusion` the deferred GEMM adds into
+`main_grad` itself, as megatron's linear does at a full backward (runtime/wgrad_fusion.py), and
+autograd carries megatron's dummy gradient to the same hook, which then adds nothing.
 
 Under sequence parallelism the layer input is a sequence shard; the deferred GEMM needs the
 whole sequence and all-gathers it at W (all TP ranks run the same program, so the collective
@@ -58,6 +59,8 @@ from megatron.core.utils import (
     prepare_input_tensors_for_wgrad_compute,
 )
 
+from seq1f1b.runtime import wgrad_fusion
+
 
 @dataclass
 class _DeferredGemm:
@@ -68,8 +71,11 @@ class _DeferredGemm:
     grad_output: torch.Tensor
     sequence_parallel: bool
     tp_group: Optional[dist.ProcessGroup]
+    fused: bool                       # gradient_accumulation_fusion: the GEMM adds into main_grad
 
-    def compute(self) -> torch.Tensor:
+    def compute(self) -> Optional[torch.Tensor]:
+        """The weight's gradient for autograd: dW, or with the fusion megatron's dummy after dW
+        went into `main_grad` (None where no DDP hook expects one)."""
         total_input = self.input
         if self.sequence_parallel:
             shape = list(self.input.shape)
@@ -79,7 +85,9 @@ class _DeferredGemm:
                                         group=self.tp_group)
         grad_output, total_input = prepare_input_tensors_for_wgrad_compute(
             self.grad_output, total_input)
-        return grad_output.t().matmul(total_input)
+        if self.fused:
+            return wgrad_fusion.accumulate(self.weight, total_input, grad_output)
+        return grad_output.t().matmul(total_input).to(self.weight.dtype)
 
 
 _active: Optional[tuple["WeightGradStore", Hashable]] = None
@@ -115,7 +123,9 @@ class WeightGradStore:
         grads: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
         with torch.no_grad():
             for gemm in self._gemms.pop(key, []):
-                grad = gemm.compute().to(gemm.weight.dtype)
+                grad = gemm.compute()
+                if grad is None:
+                    continue
                 weight_id = id(gemm.weight)
                 if weight_id in grads:
                     grad = grads[weight_id][1] + grad
@@ -153,8 +163,10 @@ class _SplitBackwardLinear(LinearWithGradAccumulationAndAsyncCommunication):
             grad_input = grad_shard
         elif ctx.allreduce_dgrad:
             dist.all_reduce(grad_input, group=ctx.tp_group)
+        if ctx.gradient_accumulation_fusion:
+            weight.main_grad = ctx.main_grad    # as megatron's backward: the forward's buffer
         store.defer(key, _DeferredGemm(weight, input, grad_output, ctx.sequence_parallel,
-                                       ctx.tp_group))
+                                       ctx.tp_group, ctx.gradient_accumulation_fusion))
         grad_bias = (grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
                      if ctx.use_bias else None)
         return grad_input, None, grad_bias, None, None, None, None, None, None

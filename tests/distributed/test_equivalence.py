@@ -13,7 +13,8 @@ identical to the same run without recompute (same masks). Packed documents (`DOC
 masking and reset positions over the packing `document_lengths`, the reference masked alike):
 documents crossing one and several span boundaries, starting exactly at one, shorter than a span,
 and one document per sample, across PP 1-4 (middle stages), TP with SP, k, V=2, GQA, the
-zero-bubble schedule and both recomputes.
+zero-bubble schedule and both recomputes. Weight gradients accumulate into main_grad inside the
+GEMM (gradient accumulation fusion, the default) in every case but the `UNFUSED` ones.
 """
 import pytest
 
@@ -33,6 +34,9 @@ QWEN2 = {"num_query_groups": 1, "swiglu": True, "normalization": "RMSNorm",
          "disable_bias_linear": True, "add_qkv_bias": True, "rotary_base": 1000000,
          "use_rope_scaling": True}
 DOCS = {"reset_attention_mask": True, "reset_position_ids": True}
+# Every case accumulates weight gradients into main_grad inside the GEMM (Megatron-LM's default,
+# gradient_accumulation_fusion); UNFUSED cases take DDP's separate add instead.
+UNFUSED = {"gradient_accumulation_fusion": False}
 CASES: dict[int, list[dict]] = {
     1: [
         {"schedule": "seq1f1b", "splits": 1},
@@ -50,6 +54,7 @@ CASES: dict[int, list[dict]] = {
         # spans [0,8) [8,16) [16,24): [8,12) starts at a boundary, shorter than a span; GQA
         {"schedule": "seq1f1b", "splits": 3, **DOCS, "document_lengths": [8, 4, 12],
          "num_query_groups": 2, "attention_backend": "eager"},
+        {"schedule": "seq1f1b", "splits": 4, "span_lengths": [3, 9, 5, 7], **UNFUSED},
     ],
     2: [
         {"schedule": "1f1b", "pp": 2},
@@ -97,6 +102,8 @@ CASES: dict[int, list[dict]] = {
          "position_embedding_type": "learned_absolute"},
         {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 3, "partition": "compute",
          **LLAMA},
+        {"schedule": "seq1f1b-zb-h1", "tp": 2, "splits": 2, "sequence_parallel": True,
+         **UNFUSED},
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},
