@@ -71,6 +71,11 @@ def _cpu_if_cuda(device: Any) -> Any:
     return _CPU if _is_cuda_device(device) else device
 
 
+_REWRITTEN = frozenset((torch.Tensor.cuda, torch.Tensor.pin_memory, torch.Tensor.type,
+                        torch.Tensor.to))
+"""The functions the mode changes whatever their keywords (others only by `device=`/`pin_memory=`)."""
+
+
 def _cpu_type_name(name: str) -> str:
     return "torch." + name[len("torch.cuda."):] if name.startswith("torch.cuda.") else name
 
@@ -84,22 +89,29 @@ class _CudaToCpuMode(TorchFunctionMode):
         self.rules: Optional[strict_cuda.StrictRules] = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Every torch call of the process comes through here (a few per layer op, dozens per
+        # span): the common case, no keyword and no function of its own, is one test.
         if self.rules is not None:
             return self.rules.call(func, args, kwargs or {}, self._on_cpu)
-        return self._on_cpu(func, args, kwargs)
+        if kwargs or func in _REWRITTEN:
+            return self._on_cpu(func, args, kwargs)
+        return func(*args)
 
     def _on_cpu(self, func, args, kwargs):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
-            return args[0]
-        if func is torch.Tensor.type:
-            return self._tensor_type(func, args, kwargs)
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], _CPU) + tuple(args[2:])
+        kwargs = kwargs or {}
+        if func in _REWRITTEN:
+            if func is torch.Tensor.type:
+                return self._tensor_type(func, args, dict(kwargs))
+            if func is not torch.Tensor.to:          # .cuda(), .pin_memory(): the identity
+                return args[0]
+            if len(args) > 1 and _is_cuda_device(args[1]):
+                args = (args[0], _CPU) + tuple(args[2:])
+        if "device" in kwargs or kwargs.get("pin_memory"):
+            kwargs = dict(kwargs)
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
         return func(*args, **kwargs)
 
     @staticmethod

@@ -263,13 +263,22 @@ class Executor:
                         span_bounds=tuple(self.inp.spans))
         show_chunk = self.schedule.chunks > 1
         run_action = {"F": self.forward, "B": self.backward, "W": self.weight_grad}
+        sync = not self.inp.forward_only
+        timed = getattr(self.config, "timers", None) is not None
         self.channels.start()
         for n, action in enumerate(self.program):
-            label = action.format(show_chunk)
-            if not self.inp.forward_only:
+            if sync:
                 self.grad_sync.before(n)
+            # The label, the profiler range and megatron's timers only when someone reads them:
+            # each costs torch calls that every span would pay.
+            profiled = torch.autograd._profiler_enabled()
+            label = action.format(show_chunk) if trace is not None or profiled else None
             start = trace.mark() if trace is not None else None
-            with torch.profiler.record_function(label), self.timers(_TIMER_NAMES[action.op]):
+            if profiled or timed:
+                with torch.profiler.record_function(label) if profiled else \
+                        contextlib.nullcontext(), self.timers(_TIMER_NAMES[action.op]):
+                    run_action[action.op](action)
+            else:
                 run_action[action.op](action)
             if trace is not None:
                 trace.record(label, start, trace.mark())

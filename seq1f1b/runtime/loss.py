@@ -47,6 +47,7 @@ class MicrobatchLoss:
     num_tokens: dict[int, torch.Tensor] = field(default_factory=dict)
     reduced: dict[int, Any] = field(default_factory=dict)
     per_token_form: bool = True
+    _scales: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def add(self, span: int, outputs: tuple) -> None:
         """Record `loss_func`'s result for span `span`."""
@@ -89,11 +90,14 @@ class MicrobatchLoss:
         if self.per_token_form:
             if per_token_loss:
                 return 1.0
-            scale = 1.0 / (self.total_tokens().clamp(min=1).double() * num_microbatches)
             loss = self.losses[span]
-            if isinstance(loss, torch.Tensor) and loss.is_floating_point():
-                return scale.to(loss.dtype)
-            return scale
+            dtype = loss.dtype if isinstance(loss, torch.Tensor) and loss.is_floating_point() \
+                else torch.float64
+            # the same for every span of the micro-batch: computed at its first backward
+            if (dtype, num_microbatches) not in self._scales:
+                scale = 1.0 / (self.total_tokens().clamp(min=1).double() * num_microbatches)
+                self._scales[(dtype, num_microbatches)] = scale.to(dtype)
+            return self._scales[(dtype, num_microbatches)]
         return self._weights()[span] * cp_size / num_microbatches
 
     def combined_reduced(self) -> Any:
