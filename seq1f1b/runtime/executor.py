@@ -28,6 +28,7 @@ On a GPU (what the CPU cannot show, so it is written down here):
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -274,6 +275,7 @@ class Executor:
             profiled = torch.autograd._profiler_enabled()
             label = action.format(show_chunk) if trace is not None or profiled else None
             start = trace.mark() if trace is not None else None
+            cpu = time.thread_time() if trace is not None else 0.0
             if profiled or timed:
                 with torch.profiler.record_function(label) if profiled else \
                         contextlib.nullcontext(), self.timers(_TIMER_NAMES[action.op]):
@@ -281,7 +283,7 @@ class Executor:
             else:
                 run_action[action.op](action)
             if trace is not None:
-                trace.record(label, start, trace.mark())
+                trace.record(label, start, trace.mark(), time.thread_time() - cpu)
             self.channels.after(action)
         self.channels.finish()
         if trace is not None:
