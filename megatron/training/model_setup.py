@@ -43,7 +43,6 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
     off except gradient accumulation (--no-gradient-accumulation-fusion; without its kernel on a
     GPU, off after one notice on the first rank: runtime/wgrad_fusion.py)."""
     dtype = params_dtype(args)
-    notify = print if torch.distributed.get_rank() == 0 else (lambda message: None)
     return megatron_adapter.make_transformer_config(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
@@ -55,8 +54,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         fp16=args.fp16, bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
         calculate_per_token_loss=args.calculate_per_token_loss,
-        gradient_accumulation_fusion=wgrad_fusion.resolve(args.gradient_accumulation_fusion,
-                                                          notify),
+        gradient_accumulation_fusion=wgrad_fusion.resolve(args.gradient_accumulation_fusion),
         **_recompute_fields(args))
 
 

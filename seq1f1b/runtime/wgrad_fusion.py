@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel import layers
 
 NOTICE = ("note: --gradient-accumulation-fusion needs the fused_weight_gradient_mlp_cuda "
@@ -57,9 +58,15 @@ def available() -> bool:
 _notified = False
 
 
-def resolve(requested: bool, notify: Callable[[str], None] = print) -> bool:
+def _print_on_first_rank(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def resolve(requested: bool, notify: Callable[[str], None] = _print_on_first_rank) -> bool:
     """The `gradient_accumulation_fusion` a TransformerConfig can take: `requested` when the kernel
-    is there, else False, with the notice through `notify` the first time in the process."""
+    is there, else False, with the notice through `notify` (by default printed by the job's
+    first rank) the first time in the process."""
     global _notified
     if requested and not available():
         if not _notified:
