@@ -93,6 +93,6 @@ def accumulate(weight: torch.nn.Parameter, total_input: torch.Tensor,
                            f"{main_grad.dtype}")
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
-    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
     weight.grad_added_to_main_grad = True
-    return make(main_grad.shape, dtype=weight.dtype, device=main_grad.device)
+    return make(main_grad, dtype=weight.dtype)
