@@ -3,7 +3,7 @@
 CPU platform layer (seq1f1b/runtime/overhead.py). One process, no model compute:
 
     python tools/span_overhead.py                      # seq1f1b, m=8, k=8
-    python tools/span_overhead.py --schedule seq1f1b-zb-h1 --splits 4
+    python tools/span_overhead.py --schedule gpipe --splits 4
 
 Times are for comparing versions of the code on one machine; the tool never asserts them.
 """
@@ -19,8 +19,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main(argv=None) -> int:
     from seq1f1b.plan import registry
 
+    # one stage, one chunk, a chunk without split-backward linears
+    names = [name for name in registry.names()
+             if not registry.get(name).chunked and not registry.get(name).splits_backward]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schedule", default="seq1f1b", choices=registry.names())
+    parser.add_argument("--schedule", default="seq1f1b", choices=names)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--splits", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5, help="best of this many iterations")
