@@ -11,8 +11,9 @@ the bias gradient (a cheap sum). The weight-gradient GEMM is queued under `key` 
 it needs, which autograd saved anyway (the layer input and the output gradient), and runs at
 `WeightGradStore.flush(key)`. Nothing is recomputed: B + W is the same work as one backward.
 
-Outside `begin` the layers are megatron's, untouched: the backward is megatron's own code, so
-schedules without W and forward-only runs are unaffected.
+Outside `begin` the backward is megatron's own code, so schedules without W and forward-only
+runs are unaffected; with gradient accumulation fusion every model uses these linears, whose
+autograd function keeps the weight Parameter on ctx (see `_SplitBackwardLinear`).
 
 Where the gradient goes: `flush` hands each weight its gradient through autograd's own
 accumulation (`torch.autograd.backward` on the parameter), exactly where a normal backward puts
@@ -53,6 +54,7 @@ from megatron.core.tensor_parallel.layers import (
     LinearWithGradAccumulationAndAsyncCommunication,
     RowParallelLinear,
     custom_bwd,
+    custom_fwd,
 )
 from megatron.core.utils import (
     get_tensor_model_parallel_group_if_none,
@@ -146,16 +148,36 @@ class WeightGradStore:
 
 
 class _SplitBackwardLinear(LinearWithGradAccumulationAndAsyncCommunication):
-    """megatron's linear autograd function; inside `WeightGradStore.begin`, backward is B only."""
+    """megatron's linear autograd function; inside `WeightGradStore.begin`, backward is B only.
+
+    It also keeps the weight Parameter itself on ctx. Under saved-tensor hooks (the CPU
+    trainer's and the benchmark's saved-tensor meter) `ctx.saved_tensors` hands back an alias of
+    the weight without its Python attributes, and the fused path reads them: megatron's backward
+    then gives autograd no dummy gradient (`grad_added_to_main_grad` seems absent), DDP's hook
+    sees none and, with `overlap_grad_reduce`, refuses. The dummy is made here for the
+    Parameter instead, and W defers its GEMM against the Parameter.
+    """
+
+    @staticmethod
+    @custom_fwd
+    def forward(ctx, input, weight, *args):
+        ctx.weight_param = weight
+        return LinearWithGradAccumulationAndAsyncCommunication.forward.__wrapped__(
+            ctx, input, weight, *args)
 
     @staticmethod
     @custom_bwd
     def backward(ctx, grad_output):
         target = _active
+        weight = ctx.weight_param
         if target is None or ctx.grad_output_buffer is not None:
-            return LinearWithGradAccumulationAndAsyncCommunication.backward(ctx, grad_output)
+            grads = LinearWithGradAccumulationAndAsyncCommunication.backward.__wrapped__(
+                ctx, grad_output)
+            if ctx.gradient_accumulation_fusion and grads[1] is None:   # see the docstring
+                grads = (grads[0], wgrad_fusion.dummy_gradient(weight), *grads[2:])
+            return grads
         store, key = target
-        input, weight = ctx.saved_tensors
+        input, _ = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
         if ctx.sequence_parallel:
             grad_shard = torch.empty(input.shape, dtype=input.dtype, device=grad_input.device)

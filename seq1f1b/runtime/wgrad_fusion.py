@@ -91,8 +91,15 @@ def accumulate(weight: torch.nn.Parameter, total_input: torch.Tensor,
     else:
         raise RuntimeError(f"gradient accumulation fusion: unsupported main_grad dtype "
                            f"{main_grad.dtype}")
+    return dummy_gradient(weight)
+
+
+def dummy_gradient(weight: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """After dW went into `weight.main_grad`: megatron's dummy gradient for autograd (zeros for a
+    `zero_out_wgrad` weight), marked `grad_added_to_main_grad` so DDP's hook adds nothing, or
+    None where nothing has that hook (no DDP)."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
     weight.grad_added_to_main_grad = True
-    return make(main_grad, dtype=weight.dtype)
+    return make(weight.main_grad, dtype=weight.dtype)
