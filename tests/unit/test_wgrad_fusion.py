@@ -58,3 +58,36 @@ def test_the_flag_is_megatrons():
     from megatron.training.arguments import parse_args
     assert parse_args([]).gradient_accumulation_fusion is True
     assert parse_args(["--no-gradient-accumulation-fusion"]).gradient_accumulation_fusion is False
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_a_fused_backward_under_saved_tensor_hooks_reports_every_gradient_to_ddp():
+    """The CPU trainer meters saved tensors in every iteration, and under saved-tensor hooks the
+    weight a linear's backward unpacks has lost its Python attributes: the fused path must still
+    hand DDP's hook a gradient (with overlap_grad_reduce it refuses none) and sum exactly."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from seq1f1b.megatron_adapter import build_model_chunk, make_transformer_config
+    from seq1f1b.runtime.memory import SavedTensorMeter
+
+    def stage(fusion: bool, overlap: bool):
+        config = make_transformer_config(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                         gradient_accumulation_fusion=fusion)
+        torch.manual_seed(0)
+        model = build_model_chunk(config, vocab_size=32, max_sequence_length=8,
+                                  share_embeddings_and_output_weights=False)
+        return DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap), model)
+
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(8).expand(2, 8)
+    grads = []
+    for model in (stage(False, False), stage(True, True)):
+        with SavedTensorMeter():
+            model(tokens, positions, None, labels=tokens).sum().backward()
+        model.finish_grad_sync()
+        grads.append({name: param.main_grad.clone() for name, param in model.named_parameters()})
+    unfused, fused = grads
+    assert set(unfused) == set(fused)
+    for name in unfused:
+        assert torch.allclose(fused[name], unfused[name], rtol=1e-5, atol=1e-6), name
