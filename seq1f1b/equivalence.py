@@ -35,6 +35,7 @@ from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget
 from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
 from seq1f1b.runtime.attention import DOCUMENT_BACKENDS
+from seq1f1b.runtime import wgrad_fusion
 from seq1f1b.runtime.documents import document_ids, document_positions
 from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
                                               get_forward_backward_func, placement_of,
@@ -94,6 +95,7 @@ class EquivalenceCase:
     pipeline_schedule_file: Optional[str] = None   # the schedule from this file (schedule_file)
     decoder_first_pipeline_num_layers: Optional[int] = None   # uneven first stage (stage_layers)
     decoder_last_pipeline_num_layers: Optional[int] = None    # uneven last stage
+    gradient_accumulation_fusion: bool = True      # weight-gradient GEMMs add into main_grad
 
 
 def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "explicit"),
@@ -158,6 +160,10 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
         help="document masking: a token attends only to its own document")
     add("--reset-position-ids", action="store_true",
         help="positions restart at 0 with each document")
+    parser.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                        action="store_false",
+                        help="weight gradients into fresh tensors that DDP adds to main_grad "
+                             "(default: the GEMM accumulates into main_grad, as Megatron-LM)")
     parser.add_argument("--untie-embeddings-and-output-weights", dest="untie_embeddings",
                         action="store_true",
                         help="separate output-layer weights (V placements need them)")
@@ -295,7 +301,8 @@ def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_paral
         ffn_hidden_size=case.ffn_hidden_size, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
-        sequence_parallel=sequence_parallel)
+        sequence_parallel=sequence_parallel,
+        gradient_accumulation_fusion=wgrad_fusion.resolve(case.gradient_accumulation_fusion))
 
 
 def _build(case: EquivalenceCase, config, *, pre_process: bool, post_process: bool,
@@ -401,13 +408,15 @@ def _slice(full: torch.Tensor, sharded: ShardedTensor) -> torch.Tensor:
 
 
 def _whole_model(case: EquivalenceCase) -> torch.nn.Module:
-    """The unsplit model (TP = PP = 1, no dropout, no recompute) from the case's seed; the
-    caller releases the model-parallel state it initialises."""
+    """The unsplit model (TP = PP = 1, no dropout, no recompute, weight gradients unfused: it
+    has no DDP, so no main_grad) from the case's seed; the caller releases the model-parallel
+    state it initialises."""
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
     config = _config(replace(case, recompute_granularity=None, hidden_dropout=0.0,
                              attention_dropout=0.0, decoder_first_pipeline_num_layers=None,
-                             decoder_last_pipeline_num_layers=None), 1, 1, 1, False)
+                             decoder_last_pipeline_num_layers=None,
+                             gradient_accumulation_fusion=False), 1, 1, 1, False)
     return _build(case, config, pre_process=True, post_process=True, vp_stage=None)
 
 

@@ -191,7 +191,9 @@ def span_layer_spec(config: TransformerConfig, attention_backend: str = "auto",
     """megatron's local GPT layer spec with `SpanAttention` and `SequenceParallelNorm` injected.
 
     `split_backward`: the four linears (QKV, attention projection, FC1, FC2) defer their weight
-    gradients to W actions (runtime/wgrad.py), for the zero-bubble schedules.
+    gradients to W actions (runtime/wgrad.py), for the zero-bubble schedules. With gradient
+    accumulation fusion they are those linears too (outside a W key they back-propagate as
+    megatron's): their autograd function keeps the fused path right under saved-tensor hooks.
     """
     if config.num_moe_experts or config.multi_latent_attention:
         raise NotImplementedError("Seq1F1B's layer spec covers dense GPT layers (no MoE, no MLA)")
@@ -207,7 +209,7 @@ def span_layer_spec(config: TransformerConfig, attention_backend: str = "auto",
     if config.qk_layernorm:
         attention.q_layernorm = SequenceParallelNorm
         attention.k_layernorm = SequenceParallelNorm
-    if split_backward:
+    if split_backward or config.gradient_accumulation_fusion:
         mlp = layer.mlp.submodules
         attention.linear_qkv = mlp.linear_fc1 = SplitBackwardColumnParallelLinear
         attention.linear_proj = mlp.linear_fc2 = SplitBackwardRowParallelLinear
@@ -265,7 +267,7 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
         make_span_aware(model.rotary_pos_emb)
     if reset_position_ids and position_embedding_type == "rope":
         use_position_ids(model)
-    if split_backward and post_process:
+    if (split_backward or config.gradient_accumulation_fusion) and post_process:
         make_split_backward(model.output_layer)
     return model
 

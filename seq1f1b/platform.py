@@ -31,6 +31,8 @@ the CPU, without copying or patching any megatron-core file:
    `host_sync_forbidden()` (the executor's run) unless `host_sync_allowed()`. The rules, and what
    strict mode cannot emulate (streams, asynchrony, the caching allocator, NCCL's matching, GPU
    kernels), are in `seq1f1b/strict_cuda.py`.
+6. megatron's gradient-accumulation-fusion kernel (`fused_weight_gradient_mlp_cuda`, apex or TE)
+   is `seq1f1b.runtime.wgrad_fusion.HostWgradKernel`, the same accumulation as one `addmm_`.
 
 Limits: a `TorchFunctionMode` is thread-local, so threads started by user code run without it; on a
 machine with CUDA `activate()` does nothing and returns False.
@@ -69,6 +71,11 @@ def _cpu_if_cuda(device: Any) -> Any:
     return _CPU if _is_cuda_device(device) else device
 
 
+_REWRITTEN = frozenset((torch.Tensor.cuda, torch.Tensor.pin_memory, torch.Tensor.type,
+                        torch.Tensor.to))
+"""The functions the mode changes whatever their keywords (others only by `device=`/`pin_memory=`)."""
+
+
 def _cpu_type_name(name: str) -> str:
     return "torch." + name[len("torch.cuda."):] if name.startswith("torch.cuda.") else name
 
@@ -82,22 +89,29 @@ class _CudaToCpuMode(TorchFunctionMode):
         self.rules: Optional[strict_cuda.StrictRules] = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # Every torch call of the process comes through here (a few per layer op, dozens per
+        # span): the common case, no keyword and no function of its own, is one test.
         if self.rules is not None:
             return self.rules.call(func, args, kwargs or {}, self._on_cpu)
-        return self._on_cpu(func, args, kwargs)
+        if kwargs or func in _REWRITTEN:
+            return self._on_cpu(func, args, kwargs)
+        return func(*args)
 
     def _on_cpu(self, func, args, kwargs):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
-            return args[0]
-        if func is torch.Tensor.type:
-            return self._tensor_type(func, args, kwargs)
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], _CPU) + tuple(args[2:])
+        kwargs = kwargs or {}
+        if func in _REWRITTEN:
+            if func is torch.Tensor.type:
+                return self._tensor_type(func, args, dict(kwargs))
+            if func is not torch.Tensor.to:          # .cuda(), .pin_memory(): the identity
+                return args[0]
+            if len(args) > 1 and _is_cuda_device(args[1]):
+                args = (args[0], _CPU) + tuple(args[2:])
+        if "device" in kwargs or kwargs.get("pin_memory"):
+            kwargs = dict(kwargs)
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
         return func(*args, **kwargs)
 
     @staticmethod
@@ -218,12 +232,14 @@ def activate() -> bool:
     # megatron.core first: its import registers torch.cuda functions with dynamo (see docstring).
     import megatron.core  # noqa: F401
     from megatron.core.tensor_parallel import random as megatron_random
+    from seq1f1b.runtime import wgrad_fusion
 
     _patch(torch.cuda, _device_functions())
     _patch(torch.cuda.nvtx, _nvtx_functions())
     _patch(torch.cuda, _rng_functions())
     _patch(torch.cuda.random, _rng_functions())
     _patch(megatron_random, _megatron_rng_functions())
+    wgrad_fusion.install_host_kernel()
     logging.getLogger(megatron_random.__name__).addFilter(_DropRngForkWarning())
     mode = _CudaToCpuMode()
     torch.autograd._engine_run_backward = _engine_run_backward_under(mode, engine_run_backward)

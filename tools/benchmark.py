@@ -15,9 +15,20 @@ ratio to the first schedule (of medians; paired: the median of per-round ratios,
 drift of the machine's speed does not move; of the fastest iterations), the measured bubble
 (idle / (P x makespan) from the per-action timeline, waits for a neighbour counted as idle), the
 simulator's bubble, makespan and ratio for the same plan with per-action costs calibrated from
-the measured ones (median F and B per stage and span), what uniform span costs would predict,
-the work per rank (busy seconds, idle excluded) against the first schedule's, and per rank the
-measured peak bytes held for backward beside the memory estimator's figure.
+the measured ones (median F and B per stage and span), what uniform span costs would predict
+(ratio and the ideal bubble, with the bubble's gap to it split into what the measured costs
+explain and what the runtime adds), the work per rank against the first schedule's and the
+ceiling it leaves (uniform-cost ratio / work), and per rank the measured peak bytes held for
+backward beside the memory estimator's figure.
+
+Work is compute, not wall time: each action's main-thread CPU time (time.thread_time; on a GPU
+the actions' CUDA-event time), summed per rank. Its wall time also holds what the machine took:
+an action descheduled while another process held a core grows without doing more, so
+`descheduled` reports that share of the actions' busy wall time, and `wall work` the old,
+wall-clock ratio. The CPU the machine's other processes used during the timed rounds
+(/proc/stat minus our processes and their launcher, seq1f1b/machine_load.py) is printed, per
+round as the rounds run (one line each on stderr, warm-up included) and for the whole run,
+which is marked noisy above --noise-threshold cores.
 
 A schedule takes --splits when its name starts with "seq1f1b" and k=1 otherwise; "NAME:K" sets k
 for one entry (e.g. `--schedules megatron-1f1b seq1f1b:1`), and "NAME[:K]@PARTITION" its span
@@ -43,7 +54,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -102,6 +113,9 @@ def build_parser() -> Parser:
     add("--warmup", type=int, default=1, help="untimed iterations per schedule")
     add("--iterations", type=int, default=3, help="timed iterations per schedule")
     add("--threads", type=int, default=1, help="torch intra-op threads per process")
+    add("--noise-threshold", type=float, default=0.2, metavar="CORES",
+        help="mark the run noisy when the machine's other processes used more than this many "
+             "cores during the timed rounds (from /proc; default 0.2)")
     add("--json", action="store_true", help="print JSON instead of the markdown table")
     add("--schedule-memory-cap", metavar="CAP", default=None,
         help="searched schedules (seq1f1b-zb-auto): per-rank cap on held activations and K/V, "
@@ -141,6 +155,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         raise UsageError("--warmup must be >= 0")
+    if args.noise_threshold < 0:
+        raise UsageError("--noise-threshold must be >= 0")
     uneven = (args.decoder_first_pipeline_num_layers is not None
               or args.decoder_last_pipeline_num_layers is not None)
     if args.num_layers % args.pp and not uneven:
@@ -270,6 +286,31 @@ class Measured:
     peak_device_bytes: Optional[int]
     span_bounds: tuple[tuple[int, int], ...] = ()     # the cut the timed iterations ran
     fit: Optional[str] = None                         # a fit entry: the fit it was cut by
+    compute_s: list[float] = field(default_factory=list)  # per timed iteration: main-thread
+    #                                                   CPU seconds of this rank's actions
+    on_cuda: bool = False                             # the trace's clock is the GPU's
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of a group (every schedule once): its iteration times and what the machine's
+    other processes took meanwhile (rank 0's view)."""
+
+    timed: bool
+    labels: tuple[str, ...]
+    seconds: tuple[float, ...]
+    wall_s: float
+    others_cpu_s: Optional[float]     # CPU seconds of other processes during the round
+
+
+def _progress(index: int, count: int, round_: Round) -> None:
+    """One line on stderr per round, as it ends (stdout keeps the table or the JSON)."""
+    kind = "round" if round_.timed else "warm-up"
+    times = ", ".join(f"{label} {seconds * 1e3:.0f} ms"
+                      for label, seconds in zip(round_.labels, round_.seconds))
+    others = ("" if round_.others_cpu_s is None else
+              f"; others {round_.others_cpu_s / round_.wall_s:.2f} cores")
+    print(f"{PROG}: {kind} {index}/{count}: {times}{others}", file=sys.stderr, flush=True)
 
 
 def _fitted_cut(args: argparse.Namespace, run: Run, traces: list) -> tuple[tuple[int, ...], str]:
@@ -283,15 +324,16 @@ def _fitted_cut(args: argparse.Namespace, run: Run, traces: list) -> tuple[tuple
 
 
 def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
-               batches: list) -> list[Measured]:
+               batches: list) -> tuple[list[Measured], list[Round]]:
     """Time `runs` (all with the same chunk count) on one set of model chunks, round-robin: each
     round runs every schedule once, so a change of load on a shared machine hits all of them
-    alike. Then one memory-metered iteration each."""
+    alike. Then one memory-metered iteration each. Rank 0 prints each round as it ends and
+    returns the rounds (others' CPU from every process's /proc sample)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from seq1f1b import platform
+    from seq1f1b import machine_load, platform
     from seq1f1b.equivalence import forward_step, ParallelLayout
     from seq1f1b.runtime.forward_backward import (MEGATRON_SCHEDULES, SpanSettings,
                                                   get_forward_backward_func, splits_backward)
@@ -339,25 +381,50 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed)
 
-    measured = [Measured(pp_rank, representative, [], [], None, None) for _ in runs]
+    rounds: list[Round] = []
+
+    def run_round(timed: bool, index: int, count: int, one) -> None:
+        start = machine_load.sample()
+        seconds = tuple(one(run, result) for run, result in zip(runs, measured))
+        samples = [None] * dist.get_world_size()
+        dist.all_gather_object(samples, (start, machine_load.sample()))
+        if dist.get_rank() == 0:
+            starts, ends = zip(*samples)
+            cores = machine_load.others_cores(starts, ends)
+            wall = ends[0].wall - starts[0].wall
+            rounds.append(Round(timed, tuple(run.label for run in runs), seconds, wall,
+                                None if cores is None else cores * wall))
+            _progress(index, count, rounds[-1])
+
+    measured = [Measured(pp_rank, representative, [], [], None, None,
+                         on_cuda=torch.cuda.is_available()) for _ in runs]
     warm: dict[Run, list[ExecutionTrace]] = {run: [] for run in runs if run.partition == "fit"}
-    for _ in range(args.warmup):
-        for run in runs:
-            trace = ExecutionTrace() if run in warm else None
-            iteration(run, trace)
-            if trace is not None:
-                warm[run].append(trace)
+
+    def warm_up(run: Run, result: Measured) -> float:
+        trace = ExecutionTrace() if run in warm else None
+        seconds = iteration(run, trace)
+        if trace is not None:
+            warm[run].append(trace)
+        return seconds
+
+    def timed(run: Run, result: Measured) -> float:
+        trace = None if run.schedule in MEGATRON_SCHEDULES else ExecutionTrace()
+        seconds = iteration(run, trace)
+        result.seconds.append(seconds)
+        if trace is not None:
+            result.traces.append([(a.action, a.start, a.end) for a in trace.actions])
+            result.compute_s.append(sum(a.cpu for a in trace.actions))
+            result.span_bounds = trace.span_bounds
+        if run in cuts:
+            result.fit = cuts[run][1]
+        return seconds
+
+    for n in range(args.warmup):
+        run_round(False, n + 1, args.warmup, warm_up)
     for run, traces in warm.items():
         cuts[run] = _fitted_cut(args, run, traces)
-    for _ in range(args.iterations):
-        for run, result in zip(runs, measured):
-            trace = None if run.schedule in MEGATRON_SCHEDULES else ExecutionTrace()
-            result.seconds.append(iteration(run, trace))
-            if trace is not None:
-                result.traces.append([(a.action, a.start, a.end) for a in trace.actions])
-                result.span_bounds = trace.span_bounds
-            if run in cuts:
-                result.fit = cuts[run][1]
+    for n in range(args.iterations):
+        run_round(True, n + 1, args.iterations, timed)
     for run, result in zip(runs, measured):
         if run.schedule not in MEGATRON_SCHEDULES:
             trace = ExecutionTrace(measure_memory=True)
@@ -365,7 +432,7 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
             result.peak_saved_bytes, result.peak_device_bytes = (trace.peak_saved_bytes,
                                                                  trace.peak_device_bytes)
     parallel_state.destroy_model_parallel()
-    return measured
+    return measured, rounds
 
 
 # -- analysis (rank 0) ---------------------------------------------------------------------------
@@ -421,10 +488,10 @@ def _memory_estimate(args: argparse.Namespace, run: Run, dp: int, lengths: tuple
     return estimate_memory(setup)
 
 
-def _uniform_makespan(schedule) -> float:
-    """Makespan with every span costing its share of a micro-batch on a rank (F 1, B 2 per
-    micro-batch and rank; a split backward is B 1 + W 1): the ideal the measured ratios are held
-    against."""
+def _uniform_replay(schedule):
+    """The plan replayed with every span costing its share of a micro-batch on a rank (F 1, B 2
+    per micro-batch and rank; a split backward is B 1 + W 1): the ideal makespan and bubble the
+    measured ones are held against."""
     from seq1f1b.plan.simulate import simulate, uniform_costs
 
     share = schedule.splits * schedule.chunks
@@ -432,14 +499,22 @@ def _uniform_makespan(schedule) -> float:
         costs = uniform_costs(schedule, 1 / share, 1 / share, 1 / share)
     else:
         costs = uniform_costs(schedule, 1 / share, 2 / share)
-    return simulate(schedule, costs).makespan
+    return simulate(schedule, costs)
 
 
 def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measured]],
-            dp: int) -> tuple[dict, list]:
+            dp: int, rounds: Optional[list[Round]] = None) -> tuple[dict, list]:
     """Rank 0: the per-schedule figures (JSON-ready) and (measured, simulated) report pairs.
 
-    `measured[n][pp_rank]` is what pipeline rank `pp_rank` measured for run n.
+    `measured[n][pp_rank]` is what pipeline rank `pp_rank` measured for run n; `rounds` what
+    the machine's other processes took during each round (the noise figures).
+
+    Work is compute: each rank's main-thread CPU seconds inside its actions (on a GPU the
+    actions' CUDA-event time), the median over iterations, averaged over ranks. The busy wall
+    time of the actions (waits for a neighbour excluded) also holds what the machine took from
+    us: `descheduled` is that share. The bubble's gap to the ideal (every span its share of the
+    micro-batch) splits into what the measured per-span costs explain (their replay) and what
+    the runtime adds (measured minus that replay).
     """
     from seq1f1b.plan.simulate import (calibrated_costs, measured_report, simulate,
                                        span_timings)
@@ -453,8 +528,9 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
         row = {"schedule": run.schedule, "splits": run.splits, "chunks": run.chunks,
                "partition": run.partition, "label": run.label,
                "iteration_s": median, "iterations_s": seconds, "tokens_per_s": tokens / median,
-               "best_iteration_s": min(seconds),
-               "uniform_cost_makespan": _uniform_makespan(schedule)}
+               "best_iteration_s": min(seconds)}
+        ideal = _uniform_replay(schedule)
+        row.update(uniform_cost_makespan=ideal.makespan, uniform_cost_bubble=ideal.bubble_ratio)
         if ranks[0].traces:
             reports = [measured_report(schedule, [r.traces[n] for r in ranks])
                        for n in range(len(ranks[0].traces))]
@@ -482,6 +558,15 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
                 row["fit"] = ranks[0].fit
             # Busy seconds of the average rank: what the spans' own cost grows (idle excluded).
             row["busy_per_rank_s"] = row["measured_makespan_s"] * (1 - bubble)
+            if ranks[0].on_cuda:
+                row["compute_per_rank_s"], row["descheduled"] = row["busy_per_rank_s"], None
+            else:
+                row["compute_per_rank_s"] = statistics.mean(
+                    statistics.median(r.compute_s) for r in ranks)
+                row["descheduled"] = max(0.0, 1 - row["compute_per_rank_s"]
+                                         / row["busy_per_rank_s"])
+            row["bubble_gap_from_costs"] = predicted.bubble_ratio - ideal.bubble_ratio
+            row["bubble_gap_from_runtime"] = bubble - predicted.bubble_ratio
             pairs.append((reports[len(reports) // 2], predicted))
         rows.append(row)
     base = rows[0]
@@ -496,9 +581,25 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
                                                / row["simulated_makespan_s"])
         row["uniform_cost_ratio"] = base["uniform_cost_makespan"] / row["uniform_cost_makespan"]
         if "busy_per_rank_s" in row and "busy_per_rank_s" in base:
-            row["work_ratio_to_first"] = row["busy_per_rank_s"] / base["busy_per_rank_s"]
+            row["wall_work_ratio_to_first"] = row["busy_per_rank_s"] / base["busy_per_rank_s"]
+            row["work_ratio_to_first"] = row["compute_per_rank_s"] / base["compute_per_rank_s"]
+            # the best ratio this work allows: the schedule's own gain over the work's growth
+            row["ceiling"] = row["uniform_cost_ratio"] / row["work_ratio_to_first"]
     config = {k: v for k, v in vars(args).items() if k not in ("json", "output", "plot")}
-    return {"config": {**config, "dp": dp, "tokens_per_iteration": tokens}, "runs": rows}, pairs
+    return {"config": {**config, "dp": dp, "tokens_per_iteration": tokens,
+                       **_noise(args, rounds or [])}, "runs": rows}, pairs
+
+
+def _noise(args: argparse.Namespace, rounds: list[Round]) -> dict:
+    """Cores the machine's other processes used over the timed rounds (and per round), and
+    whether that is more than --noise-threshold: a noisy run."""
+    timed = [r for r in rounds if r.timed]
+    if not timed or any(r.others_cpu_s is None for r in timed):
+        return {"others_cores": None, "others_cores_per_round": None, "noisy": None}
+    cores = sum(r.others_cpu_s for r in timed) / sum(r.wall_s for r in timed)
+    return {"others_cores": cores,
+            "others_cores_per_round": [r.others_cpu_s / r.wall_s for r in timed],
+            "noisy": cores > args.noise_threshold}
 
 
 def _recompute_text(config: dict) -> str:
@@ -507,6 +608,15 @@ def _recompute_text(config: dict) -> str:
         return granularity or "none"
     return (f"full/{config.get('recompute_method') or 'uniform'}/"
             f"{config.get('recompute_num_layers') or 1}")
+
+
+def _noise_text(config: dict) -> str:
+    cores = config.get("others_cores")
+    if cores is None:
+        return "others' CPU: unknown (no /proc)"
+    verdict = "NOISY" if config["noisy"] else "quiet"
+    return (f"others' CPU during the timed rounds: {cores:.2f} cores ({verdict}; threshold "
+            f"{config['noise_threshold']:.2f})")
 
 
 def markdown(result: dict) -> str:
@@ -519,33 +629,46 @@ def markdown(result: dict) -> str:
     def ratio(value):
         return "-" if value is None else f"{value:.3f}"
 
+    def gap(row):
+        if "bubble_gap_from_costs" not in row:
+            return "-"
+        return (f"{row['bubble_gap_from_costs'] * 100:+.1f}/"
+                f"{row['bubble_gap_from_runtime'] * 100:+.1f}")
+
     c = result["config"]
     lines = [f"P={c['pp']} TP={c['tp']} DP={c['dp']} m={c['num_microbatches']} "
              f"b={c['micro_batch_size']} L={c['seq_length']} layers={c['num_layers']} "
              f"h={c['hidden_size']} heads={c['num_attention_heads']} vocab={c['vocab_size']} "
              f"partition={c['partition']} recompute={_recompute_text(c)} threads={c['threads']} "
              f"warmup={c['warmup']} "
-             f"iterations={c['iterations']}. iter ms, tokens/s, ratio: medians; paired ratio: "
-             "median over rounds of the first schedule's time over this one's in the same round "
-             "(same V and placement only: each such group runs its own rounds); best-of ratio: of the fastest "
-             "iterations (interference only adds time); bubble diff = "
-             "(measured - simulated) / simulated; work: busy seconds per rank, median makespan x "
-             "(1 - median bubble), over the first schedule's", "",
-             "| schedule | k | V | iter ms | tokens/s | ratio | paired ratio | best-of ratio | "
-             "sim ratio | uniform-cost ratio | bubble meas | bubble sim | bubble diff | "
-             "makespan meas/sim | work | rank-0 peak MiB | rank-0 est MiB |",
-             "|" + "---|" * 17]
+             f"iterations={c['iterations']}; {_noise_text(c)}. iter ms, tokens/s, ratio: "
+             "medians; ceiling: uniform-cost ratio / work, the ratio this work allows; paired "
+             "ratio: median over rounds of the first schedule's time over this one's in the same "
+             "round (same V and placement only: each such group runs its own rounds); best-of "
+             "ratio: of the fastest iterations (interference only adds time); work: compute per "
+             "rank (main-thread CPU time of the actions; on a GPU their CUDA-event time) over "
+             "the first schedule's; wall work: the same of the actions' busy wall time; "
+             "descheduled: the share of that wall time that was not our compute (the machine's "
+             "other processes); bubble ideal: every span its share of the micro-batch; bubble "
+             "sim: the measured per-span costs replayed; gap pp: (sim - ideal) from the costs / "
+             "(meas - sim) from the runtime", "",
+             "| schedule | k | V | iter ms | tokens/s | ratio | ceiling | paired ratio | "
+             "best-of ratio | sim ratio | uniform-cost ratio | work | wall work | descheduled | "
+             "bubble ideal | bubble sim | bubble meas | gap pp costs/runtime | "
+             "makespan meas/sim | rank-0 peak MiB | rank-0 est MiB |",
+             "|" + "---|" * 21]
     for r in result["runs"]:
         makespans = (f"{r['measured_makespan_s'] * 1e3:.0f}/{r['simulated_makespan_s'] * 1e3:.0f}"
                      if "measured_makespan_s" in r else "-")
         lines.append(
             f"| {r['label']} | {r['splits']} | {r['chunks']} | {r['iteration_s'] * 1e3:.1f} | "
-            f"{r['tokens_per_s']:.0f} | {r['ratio_to_first']:.3f} | "
+            f"{r['tokens_per_s']:.0f} | {r['ratio_to_first']:.3f} | {ratio(r.get('ceiling'))} | "
             f"{ratio(r.get('paired_ratio_to_first'))} | {r['best_ratio_to_first']:.3f} | "
             f"{ratio(r.get('simulated_ratio_to_first'))} | {r['uniform_cost_ratio']:.3f} | "
-            f"{pct(r.get('measured_bubble'))} | {pct(r.get('simulated_bubble'))} | "
-            f"{pct(r.get('bubble_rel_diff'))} | {makespans} | "
             f"{ratio(r.get('work_ratio_to_first'))} | "
+            f"{ratio(r.get('wall_work_ratio_to_first'))} | {pct(r.get('descheduled'))} | "
+            f"{pct(r.get('uniform_cost_bubble'))} | {pct(r.get('simulated_bubble'))} | "
+            f"{pct(r.get('measured_bubble'))} | {gap(r)} | {makespans} | "
             f"{mib(r.get('peak_saved_bytes'))} | {mib(r.get('estimated_held_bytes'))} |")
     return "\n".join(lines)
 
@@ -576,17 +699,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     weights = whole_model_weights(_case(args, runs[0]))
     batches = global_batch(_case(args, runs[0]), dp)
     mine: list[Optional[Measured]] = [None] * len(runs)
+    rounds: list[Round] = []
     for group in dict.fromkeys(run.group for run in runs):          # in order of appearance
         members = [n for n, run in enumerate(runs) if run.group == group]
-        for n, result in zip(members, _run_group(args, [runs[n] for n in members], weights,
-                                                 batches)):
+        results, group_rounds = _run_group(args, [runs[n] for n in members], weights, batches)
+        rounds += group_rounds
+        for n, result in zip(members, results):
             mine[n] = result
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:
         measured = [sorted((process[n] for process in gathered if process[n].representative),
                            key=lambda m: m.pp_rank) for n in range(len(runs))]
-        result, pairs = analyse(args, runs, measured, dp)
+        result, pairs = analyse(args, runs, measured, dp, rounds)
         text = json.dumps(result)
         if args.output:
             with open(args.output, "w") as out:

@@ -275,6 +275,11 @@ def _add_training_args(parser: ArgumentParser) -> None:
     g.add_argument("--hysteresis", type=int, default=2,
                    help="with --fp16: overflows tolerated before the scale shrinks")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                   action="store_false",
+                   help="compute each weight gradient into a fresh tensor that DDP then adds to "
+                        "main_grad (by default the GEMM accumulates into main_grad: "
+                        "fused_weight_gradient_mlp_cuda on a GPU, addmm_ on the CPU)")
     g.add_argument("--seed", type=int, default=1234)
 
 

@@ -27,6 +27,7 @@ from megatron.training.lr_schedule import ScheduleSettings
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.plan.stage_layers import StageLayers
 from seq1f1b.runtime.forward_backward import placement_of
+from seq1f1b.runtime import wgrad_fusion
 from seq1f1b.runtime.wgrad import has_split_backward
 
 ModelProvider = Callable[..., torch.nn.Module]
@@ -40,7 +41,9 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 
 
 def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
-    """The TransformerConfig of the run (fusions off, CPU initialisation without a GPU)."""
+    """The TransformerConfig of the run: CPU initialisation without a GPU, the kernel fusions
+    off except gradient accumulation (--no-gradient-accumulation-fusion; without its kernel on a
+    GPU, off after one notice on the first rank: runtime/wgrad_fusion.py)."""
     dtype = params_dtype(args)
     return megatron_adapter.make_transformer_config(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -58,6 +61,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         placement=placement_of(args.pipeline_schedule),
         stage_layers=StageLayers(args.decoder_first_pipeline_num_layers,
                                  args.decoder_last_pipeline_num_layers),
+        gradient_accumulation_fusion=wgrad_fusion.resolve(args.gradient_accumulation_fusion),
         **_recompute_fields(args))
 
 

@@ -35,6 +35,7 @@ On a GPU (what the CPU cannot show, so it is written down here):
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -280,16 +281,26 @@ class Executor:
                         span_bounds=tuple(self.inp.spans))
         show_chunk = self.schedule.chunks > 1
         run_action = {"F": self.forward, "B": self.backward, "W": self.weight_grad}
+        sync = not self.inp.forward_only
+        timed = getattr(self.config, "timers", None) is not None
         self.channels.start()
         for n, action in enumerate(self.program):
-            label = action.format(show_chunk)
-            if not self.inp.forward_only:
+            if sync:
                 self.grad_sync.before(n)
+            # The label, the profiler range and megatron's timers only when someone reads them:
+            # each costs torch calls that every span would pay.
+            profiled = torch.autograd._profiler_enabled()
+            label = action.format(show_chunk) if trace is not None or profiled else None
             start = trace.mark() if trace is not None else None
-            with torch.profiler.record_function(label), self.timers(_TIMER_NAMES[action.op]):
+            cpu = time.thread_time() if trace is not None else 0.0
+            if profiled or timed:
+                with torch.profiler.record_function(label) if profiled else \
+                        contextlib.nullcontext(), self.timers(_TIMER_NAMES[action.op]):
+                    run_action[action.op](action)
+            else:
                 run_action[action.op](action)
             if trace is not None:
-                trace.record(label, start, trace.mark())
+                trace.record(label, start, trace.mark(), time.thread_time() - cpu)
             self.channels.after(action)
         self.channels.finish()
         if trace is not None:

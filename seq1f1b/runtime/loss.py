@@ -54,6 +54,7 @@ class MicrobatchLoss:
     # Under context parallelism: the micro-batch's loss tokens summed over the CP group (each CP
     # rank's spans hold 1/C of its tokens), set by `reduce_tokens`.
     cp_tokens: Optional[torch.Tensor] = None
+    _scales: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def add(self, span: int, outputs: tuple) -> None:
         """Record `loss_func`'s result for span `span`."""
@@ -102,14 +103,18 @@ class MicrobatchLoss:
         if self.per_token_form:
             if per_token_loss:
                 return 1.0
+            loss = self.losses[span]
+            dtype = loss.dtype if isinstance(loss, torch.Tensor) and loss.is_floating_point() \
+                else torch.float64
+            # The same for every span of the micro-batch: computed at its first backward.
             # Megatron's DDP averages gradients over DP x CP: the CP ranks' parts of the
             # micro-batch's loss add up only once multiplied back by C.
-            tokens = self.total_tokens() if self.cp_tokens is None else self.cp_tokens
-            scale = cp_size / (tokens.clamp(min=1).double() * num_microbatches)
-            loss = self.losses[span]
-            if isinstance(loss, torch.Tensor) and loss.is_floating_point():
-                return scale.to(loss.dtype)
-            return scale
+            key = (dtype, num_microbatches, cp_size)
+            if key not in self._scales:
+                tokens = self.total_tokens() if self.cp_tokens is None else self.cp_tokens
+                scale = cp_size / (tokens.clamp(min=1).double() * num_microbatches)
+                self._scales[key] = scale.to(dtype)
+            return self._scales[key]
         return self._weights()[span] * cp_size / num_microbatches
 
     def combined_reduced(self) -> Any:

@@ -8,7 +8,9 @@ barrier before each iteration).
 On a GPU the marks are CUDA events recorded on the current stream: the host only enqueues
 kernels, so its clock would time an F's launches and charge a B with whatever was queued before
 it. Events are read when `actions` is first asked for, after the iteration: no host sync inside
-it. On the CPU the marks are `time.perf_counter()`, which is when the work ran.
+it. On the CPU the marks are `time.perf_counter()`, which is when the work ran; beside them each
+action's main-thread CPU time (`time.thread_time()`), which is the work itself: the wall time
+also holds waits for a neighbour and whatever the machine's other processes took.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class TimedAction:
     action: str
     start: float
     end: float
+    cpu: float = 0.0      # main-thread CPU seconds inside the action (time.thread_time)
 
 
 Mark = Union[float, "torch.cuda.Event"]
@@ -57,7 +60,7 @@ class ExecutionTrace:
     span_bounds: tuple[tuple[int, int], ...] = ()     # the [start, end) of each span it ran
     _on_cuda: bool = False                            # the clock, chosen once per iteration
     _origin: Mark = 0.0
-    _marks: list[tuple[str, Mark, Mark]] = field(default_factory=list)
+    _marks: list[tuple[str, Mark, Mark, float]] = field(default_factory=list)
     _actions: list[TimedAction] = field(default_factory=list)
     _meter: Optional[SavedTensorMeter] = None
     _stack: Optional[ExitStack] = None
@@ -71,8 +74,8 @@ class ExecutionTrace:
             if not isinstance(last, float):
                 last.synchronize()
             self._actions = [TimedAction(label, _seconds_between(self._origin, start),
-                                         _seconds_between(self._origin, end))
-                             for label, start, end in self._marks]
+                                         _seconds_between(self._origin, end), cpu)
+                             for label, start, end, cpu in self._marks]
             self._marks = []
         return self._actions
 
@@ -96,8 +99,9 @@ class ExecutionTrace:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
 
-    def record(self, label: str, start: Mark, end: Mark) -> None:
-        self._marks.append((label, start, end))
+    def record(self, label: str, start: Mark, end: Mark, cpu: float = 0.0) -> None:
+        """Action `label` ran from `start` to `end` (marks) using `cpu` main-thread seconds."""
+        self._marks.append((label, start, end, cpu))
         if self._meter is not None:
             self._meter.sample()
 

@@ -11,8 +11,9 @@ the bias gradient (a cheap sum). The weight-gradient GEMM is queued under `key` 
 it needs, which autograd saved anyway (the layer input and the output gradient), and runs at
 `WeightGradStore.flush(key)`. Nothing is recomputed: B + W is the same work as one backward.
 
-Outside `begin` the layers are megatron's, untouched: the backward is megatron's own code, so
-schedules without W and forward-only runs are unaffected.
+Outside `begin` the backward is megatron's own code, so schedules without W and forward-only
+runs are unaffected; with gradient accumulation fusion every model uses these linears, whose
+autograd function keeps the weight Parameter on ctx (see `_SplitBackwardLinear`).
 
 Where the gradient goes: `flush` hands each weight its gradient through autograd's own
 accumulation (`torch.autograd.backward` on the parameter), exactly where a normal backward puts
@@ -27,8 +28,9 @@ accumulator. The linear runs that hook after each accumulation that brought a gr
 hook adds the gradient to `main_grad` (and clears `.grad`), as after any backward, so
 `finalize_model_grads` sees it. (A DDP built without `delay_wgrad_compute` ignores the mark and
 keeps its hook on the accumulator: the same sum, with a gradient-less call at B that only
-`overlap_grad_reduce` refuses. With `gradient_accumulation_fusion` megatron would add into
-`main_grad` inside the GEMM; the deferred GEMM takes the hook path instead, same sum.)
+`overlap_grad_reduce` refuses.) With `gradient_accumulation_fusion` the deferred GEMM adds into
+`main_grad` itself, as megatron's linear does at a full backward (runtime/wgrad_fusion.py), and
+autograd carries megatron's dummy gradient to the same hook, which then adds nothing.
 
 Under sequence parallelism the layer input is a sequence shard; the deferred GEMM needs the
 whole sequence and all-gathers it at W (all TP ranks run the same program, so the collective
@@ -52,11 +54,14 @@ from megatron.core.tensor_parallel.layers import (
     LinearWithGradAccumulationAndAsyncCommunication,
     RowParallelLinear,
     custom_bwd,
+    custom_fwd,
 )
 from megatron.core.utils import (
     get_tensor_model_parallel_group_if_none,
     prepare_input_tensors_for_wgrad_compute,
 )
+
+from seq1f1b.runtime import wgrad_fusion
 
 
 @dataclass
@@ -68,8 +73,11 @@ class _DeferredGemm:
     grad_output: torch.Tensor
     sequence_parallel: bool
     tp_group: Optional[dist.ProcessGroup]
+    fused: bool                       # gradient_accumulation_fusion: the GEMM adds into main_grad
 
-    def compute(self) -> torch.Tensor:
+    def compute(self) -> Optional[torch.Tensor]:
+        """The weight's gradient for autograd: dW, or with the fusion megatron's dummy after dW
+        went into `main_grad` (None where no DDP hook expects one)."""
         total_input = self.input
         if self.sequence_parallel:
             shape = list(self.input.shape)
@@ -79,7 +87,9 @@ class _DeferredGemm:
                                         group=self.tp_group)
         grad_output, total_input = prepare_input_tensors_for_wgrad_compute(
             self.grad_output, total_input)
-        return grad_output.t().matmul(total_input)
+        if self.fused:
+            return wgrad_fusion.accumulate(self.weight, total_input, grad_output)
+        return grad_output.t().matmul(total_input).to(self.weight.dtype)
 
 
 _active: Optional[tuple["WeightGradStore", Hashable]] = None
@@ -115,7 +125,9 @@ class WeightGradStore:
         grads: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
         with torch.no_grad():
             for gemm in self._gemms.pop(key, []):
-                grad = gemm.compute().to(gemm.weight.dtype)
+                grad = gemm.compute()
+                if grad is None:
+                    continue
                 weight_id = id(gemm.weight)
                 if weight_id in grads:
                     grad = grads[weight_id][1] + grad
@@ -136,16 +148,36 @@ class WeightGradStore:
 
 
 class _SplitBackwardLinear(LinearWithGradAccumulationAndAsyncCommunication):
-    """megatron's linear autograd function; inside `WeightGradStore.begin`, backward is B only."""
+    """megatron's linear autograd function; inside `WeightGradStore.begin`, backward is B only.
+
+    It also keeps the weight Parameter itself on ctx. Under saved-tensor hooks (the CPU
+    trainer's and the benchmark's saved-tensor meter) `ctx.saved_tensors` hands back an alias of
+    the weight without its Python attributes, and the fused path reads them: megatron's backward
+    then gives autograd no dummy gradient (`grad_added_to_main_grad` seems absent), DDP's hook
+    sees none and, with `overlap_grad_reduce`, refuses. The dummy is made here for the
+    Parameter instead, and W defers its GEMM against the Parameter.
+    """
+
+    @staticmethod
+    @custom_fwd
+    def forward(ctx, input, weight, *args):
+        ctx.weight_param = weight
+        return LinearWithGradAccumulationAndAsyncCommunication.forward.__wrapped__(
+            ctx, input, weight, *args)
 
     @staticmethod
     @custom_bwd
     def backward(ctx, grad_output):
         target = _active
+        weight = ctx.weight_param
         if target is None or ctx.grad_output_buffer is not None:
-            return LinearWithGradAccumulationAndAsyncCommunication.backward(ctx, grad_output)
+            grads = LinearWithGradAccumulationAndAsyncCommunication.backward.__wrapped__(
+                ctx, grad_output)
+            if ctx.gradient_accumulation_fusion and grads[1] is None:   # see the docstring
+                grads = (grads[0], wgrad_fusion.dummy_gradient(weight), *grads[2:])
+            return grads
         store, key = target
-        input, weight = ctx.saved_tensors
+        input, _ = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
         if ctx.sequence_parallel:
             grad_shard = torch.empty(input.shape, dtype=input.dtype, device=grad_input.device)
@@ -153,8 +185,10 @@ class _SplitBackwardLinear(LinearWithGradAccumulationAndAsyncCommunication):
             grad_input = grad_shard
         elif ctx.allreduce_dgrad:
             dist.all_reduce(grad_input, group=ctx.tp_group)
+        if ctx.gradient_accumulation_fusion:
+            weight.main_grad = ctx.main_grad    # as megatron's backward: the forward's buffer
         store.defer(key, _DeferredGemm(weight, input, grad_output, ctx.sequence_parallel,
-                                       ctx.tp_group))
+                                       ctx.tp_group, ctx.gradient_accumulation_fusion))
         grad_bias = (grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
                      if ctx.use_bias else None)
         return grad_input, None, grad_bias, None, None, None, None, None, None

@@ -37,6 +37,7 @@ def benchmark(tmp_path_factory):
            "--plot", str(out / "timelines.png")]
     proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    (out / "stderr.txt").write_text(proc.stderr)
     return proc.stdout, json.loads((out / "result.json").read_text()), out
 
 
@@ -77,8 +78,34 @@ def test_traced_schedules_have_bubbles_predictions_and_memory(benchmark):
         assert len(run["estimated_held_bytes"]) == 2 and min(run["estimated_held_bytes"]) > 0
         assert run["busy_per_rank_s"] == pytest.approx(
             run["measured_makespan_s"] * (1 - run["measured_bubble"]))
-        assert run["work_ratio_to_first"] == pytest.approx(
+        assert run["wall_work_ratio_to_first"] == pytest.approx(
             run["busy_per_rank_s"] / result["runs"][0]["busy_per_rank_s"])
+        # work is compute: main-thread CPU time, never more than the busy wall time
+        assert 0 < run["compute_per_rank_s"] <= run["busy_per_rank_s"] * 1.01
+        assert run["descheduled"] == pytest.approx(
+            max(0.0, 1 - run["compute_per_rank_s"] / run["busy_per_rank_s"]))
+        assert run["work_ratio_to_first"] == pytest.approx(
+            run["compute_per_rank_s"] / result["runs"][0]["compute_per_rank_s"])
+        assert run["ceiling"] == pytest.approx(run["uniform_cost_ratio"]
+                                               / run["work_ratio_to_first"])
+        assert 0 <= run["uniform_cost_bubble"] < 1
+        assert run["uniform_cost_bubble"] + run["bubble_gap_from_costs"] + run[
+            "bubble_gap_from_runtime"] == pytest.approx(run["measured_bubble"])
+
+
+def test_the_noise_of_the_machine_is_reported_and_rounds_show_as_they_run(benchmark):
+    _, result, out = benchmark
+    config = result["config"]
+    assert config["noise_threshold"] == 0.2
+    # three groups of shared chunks (V=1; V=2 looped; V=2 in a V), two timed rounds each
+    assert config["others_cores"] >= 0 and len(config["others_cores_per_round"]) == 3 * 2
+    assert config["noisy"] == (config["others_cores"] > 0.2)
+    progress = [line for line in (out / "stderr.txt").read_text().splitlines()
+                if line.startswith("benchmark.py: ")]
+    # per group: one line per warm-up round, then one per timed round, in order
+    assert [line.split(":")[1].strip() for line in progress] == [
+        "warm-up 1/1", "round 1/2", "round 2/2"] * 3
+    assert all("others" in line and "1f1b" in line for line in progress)
 
 
 def test_a_fit_entry_is_cut_by_its_warm_up_and_the_output_calibrates_plan_py(benchmark):

@@ -19,6 +19,8 @@ Context parallelism (CP, the all-to-all around the span attention,
 runtime/context_parallel.py) at CP 2 and 4: with PP 2, TP 2 with SP, DP 2, V 2
 interleaved, the zero-bubble schedule, GQA with 2 K/V groups and 1 (replicated to every CP rank),
 packed documents, full and selective recompute, the eager and sdpa kernels, k 2-4.
+Weight gradients accumulate into main_grad inside the GEMM (gradient accumulation fusion, the
+default) in every case but the `UNFUSED` ones.
 """
 import pytest
 
@@ -38,6 +40,9 @@ QWEN2 = {"num_query_groups": 1, "swiglu": True, "normalization": "RMSNorm",
          "disable_bias_linear": True, "add_qkv_bias": True, "rotary_base": 1000000,
          "use_rope_scaling": True}
 DOCS = {"reset_attention_mask": True, "reset_position_ids": True}
+# Every case accumulates weight gradients into main_grad inside the GEMM (Megatron-LM's default,
+# gradient_accumulation_fusion); UNFUSED cases take DDP's separate add instead.
+UNFUSED = {"gradient_accumulation_fusion": False}
 CASES: dict[int, list[dict]] = {
     1: [
         {"schedule": "seq1f1b", "splits": 1},
@@ -55,6 +60,7 @@ CASES: dict[int, list[dict]] = {
         # spans [0,8) [8,16) [16,24): [8,12) starts at a boundary, shorter than a span; GQA
         {"schedule": "seq1f1b", "splits": 3, **DOCS, "document_lengths": [8, 4, 12],
          "num_query_groups": 2, "attention_backend": "eager"},
+        {"schedule": "seq1f1b", "splits": 4, "span_lengths": [3, 9, 5, 7], **UNFUSED},
     ],
     2: [
         {"schedule": "1f1b", "pp": 2},
@@ -108,6 +114,8 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b", "cp": 2, "splits": 3, **DOCS, "document_lengths": [5, 9, 10]},
         {"schedule": "seq1f1b", "cp": 2, "splits": 3, **FULL, "attention_backend": "eager"},
         {"schedule": "seq1f1b-zb-h1", "cp": 2, "splits": 2},
+        {"schedule": "seq1f1b-zb-h1", "tp": 2, "splits": 2, "sequence_parallel": True,
+         **UNFUSED},
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},

@@ -34,11 +34,14 @@ KEYS = [(0, 1, 0), (1, 0, 0)]
 """Two B actions (micro-batch, span, chunk) whose weight gradients are deferred side by side."""
 
 
-def _stage(tp: int, sequence_parallel: bool, split_backward: bool, ddp: bool):
-    """A last pipeline stage (2 layers + output layer) fed a hidden-state tensor."""
+def _stage(tp: int, sequence_parallel: bool, split_backward: bool, ddp: bool,
+           fusion: bool = False):
+    """A last pipeline stage (2 layers + output layer) fed a hidden-state tensor; `fusion`:
+    gradient accumulation fusion (needs DDP's main_grad)."""
     config = make_transformer_config(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
                                      ffn_hidden_size=64, tensor_model_parallel_size=tp,
-                                     sequence_parallel=sequence_parallel, init_method_std=0.2)
+                                     sequence_parallel=sequence_parallel, init_method_std=0.2,
+                                     gradient_accumulation_fusion=fusion)
     torch.manual_seed(0)
     model = build_model_chunk(config, vocab_size=VOCAB, max_sequence_length=SEQ,
                               pre_process=False, post_process=True,
@@ -83,8 +86,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def compare_split_backward(tp: int, sequence_parallel: bool, ddp: bool) -> dict:
-    """Two micro-batches through a split-backward stage and through megatron's stage.
+def compare_split_backward(tp: int, sequence_parallel: bool, ddp: bool,
+                           fusion: bool = False) -> dict:
+    """Two micro-batches through a split-backward stage and through megatron's stage (always
+    unfused: with `fusion` the split stage's GEMMs accumulate into main_grad, at W and in the
+    plain backward, and `fused` says whether every linear's weight took that path).
 
     Returns the worst relative differences (max over this process's params): of the input grads
     after B alone, of the not-deferred param grads after B, of every grad after W; whether the
@@ -93,7 +99,7 @@ def compare_split_backward(tp: int, sequence_parallel: bool, ddp: bool) -> dict:
     """
     init_megatron(tensor_model_parallel_size=tp)
     reference = _stage(tp, sequence_parallel, False, ddp)
-    split = _stage(tp, sequence_parallel, True, ddp)
+    split = _stage(tp, sequence_parallel, True, ddp, fusion)
     split.load_state_dict(reference.state_dict())
     deferred = {f"{name}.weight" for name, module in split.named_modules()
                 if isinstance(module, (SplitBackwardColumnParallelLinear,
@@ -109,6 +115,8 @@ def compare_split_backward(tp: int, sequence_parallel: bool, ddp: bool) -> dict:
     for key in KEYS:
         store.flush(key)
     after_w = _grads(split, ddp)
+    fused_at_w = all(getattr(split.get_parameter(name), "grad_added_to_main_grad", False)
+                     for name in deferred) if ddp else False
 
     if ddp:
         split.zero_grad_buffer()
@@ -116,6 +124,8 @@ def compare_split_backward(tp: int, sequence_parallel: bool, ddp: bool) -> dict:
         split.zero_grad(set_to_none=True)
     plain_input = [_backward(split, tp, sequence_parallel, n) for n in range(len(KEYS))]
     plain = _grads(split, ddp)
+    fused_plain = all(getattr(split.get_parameter(name), "grad_added_to_main_grad", False)
+                      for name in deferred) if ddp else False
 
     def absent(grad):
         return grad is None or not bool(grad.any())
@@ -131,6 +141,7 @@ def compare_split_backward(tp: int, sequence_parallel: bool, ddp: bool) -> dict:
         "all_after_w": max(_rel(after_w[name], expected[name]) for name in expected),
         "plain_input": max(_rel(a, b) for a, b in zip(plain_input, ref_input)),
         "plain_all": max(_rel(plain[name], expected[name]) for name in expected),
+        "fused": fused_at_w and fused_plain,
     }
 
 

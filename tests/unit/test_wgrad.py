@@ -27,8 +27,9 @@ from wgrad_worker import compare_split_backward  # noqa: E402
 TOLERANCE = 1e-6
 
 
-def assert_exact_split(result: dict, case: str = "tp=1") -> None:
+def assert_exact_split(result: dict, case: str = "tp=1", fusion: bool = False) -> None:
     assert result["deferred"] > 0, case
+    assert result["fused"] == fusion, f"{case}: fused {result['fused']}"
     assert result["pending_after_b"] == [[0, 1, 0], [1, 0, 0]], case
     assert result["pending_after_w"] == 0, case
     assert result["deferred_absent_after_b"], f"{case}: a deferred weight got its grad during B"
@@ -37,18 +38,23 @@ def assert_exact_split(result: dict, case: str = "tp=1") -> None:
 
 
 @pytest.mark.usefixtures("megatron_world")
-@pytest.mark.parametrize("ddp", [False, True], ids=["plain", "ddp"])
-def test_b_then_w_equals_megatrons_backward(ddp):
-    result = compare_split_backward(tp=1, sequence_parallel=False, ddp=ddp)
+@pytest.mark.parametrize("ddp,fusion", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "ddp", "ddp-fused"])
+def test_b_then_w_equals_megatrons_backward(ddp, fusion):
+    """`fusion`: gradient accumulation fusion (the GEMM into main_grad), exact against
+    megatron's unfused stage."""
+    result = compare_split_backward(tp=1, sequence_parallel=False, ddp=ddp, fusion=fusion)
     assert result["deferred"] == 2 * 4 + 1    # QKV, projection, FC1, FC2 of 2 layers; output
-    assert_exact_split(result)
+    assert_exact_split(result, fusion=fusion)
 
 
 def test_b_then_w_equals_megatrons_backward_at_tp2():
     cases = [{"tp": 2, "sequence_parallel": sp, "ddp": ddp}
              for sp in (False, True) for ddp in (False, True)]
+    cases += [{"tp": 2, "sequence_parallel": sp, "ddp": True, "fusion": True}
+              for sp in (False, True)]
     for case, result in zip(cases, run_cases(2, "wgrad_worker.py", cases, timeout_s=300)):
-        assert_exact_split(result, str(case))
+        assert_exact_split(result, str(case), fusion=case.get("fusion", False))
 
 
 @pytest.mark.usefixtures("megatron_world")
