@@ -146,12 +146,6 @@ REFUSED: dict[str, str] = {
 }
 """Single flags refused, and why."""
 
-_PENDING = "not available in this version yet (another change adds it)"
-PENDING = ("--context-parallel-size", "--cp-comm-type", "--decoder-first-pipeline-num-layers",
-           "--decoder-last-pipeline-num-layers", "--no-gradient-accumulation-fusion")
-"""Flags other changes of this project add (context parallelism, uneven first/last stages,
-gradient-accumulation fusion); refused until then, honoured by construction once defined."""
-REFUSED.update({flag: _PENDING for flag in PENDING})
 
 REFUSED_PREFIXES: tuple[tuple[str, str], ...] = (
     ("--fp8", _FP8), ("--fp4", _FP8), ("--no-fp8", _FP8), ("--first-last-layers-bf16", _FP8),

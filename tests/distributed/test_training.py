@@ -296,7 +296,7 @@ def results(data_prefix, tmp_path_factory):
         "megatron-1f1b": {"argv": _schedule_flags(data_prefix, "megatron-1f1b", 1)},
         "documents-1f1b": {"argv": _document_flags(data_prefix, "1f1b", 1)},
         "documents-seq1f1b": {"argv": _document_flags(data_prefix, "seq1f1b", 4)},
-        "llama3_script": {"argv": _llama3_cpu_flags(str(root / "llama3"))},
+        "llama3_script": {"argv": llama3.cpu_flags(str(root / "llama3"))},
     })
     for layout in OVERLAP_LAYOUTS:
         for overlapped in (False, True):
@@ -322,19 +322,6 @@ def results(data_prefix, tmp_path_factory):
 
 SIGTERM_AT = (1, 2)
 """Rank 1 (not the last, which logs) receives SIGTERM as iteration 2 starts."""
-
-
-def _llama3_cpu_flags(folder: str) -> list[str]:
-    """Megatron-LM's Llama-3 8B script's flags at a tiny shape, less its GPU-only ones (and the
-    flags another change of this project adds, until it is merged)."""
-    from megatron.training import megatron_lm_flags
-    from megatron.training.arguments import build_parser
-
-    flags, defined = llama3.cpu_flags(folder), build_parser()._option_string_actions
-    for flag in megatron_lm_flags.PENDING:
-        if flag in flags and isinstance(defined[flag], megatron_lm_flags._Refused):
-            del flags[flags.index(flag):flags.index(flag) + 2]
-    return flags
 
 
 def test_megatron_lms_llama3_script_trains_on_the_cpu_with_seq1f1b(results):

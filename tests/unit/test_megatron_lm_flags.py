@@ -90,12 +90,6 @@ def test_sequence_parallel_at_tp_1_warns_and_turns_off_as_megatron(capsys):
     assert "warning: --sequence-parallel is turned off" in capsys.readouterr().err
 
 
-def _pending(flags: list[str]) -> list[str]:
-    """Script flags another change of this project adds (refused until it is merged)."""
-    honoured = _honoured()
-    return [flag for flag in table.PENDING if flag in flags and flag not in honoured]
-
-
 def test_the_llama3_script_is_refused_only_for_its_gpu_only_flags(tmp_path, capsys):
     flags = llama3.script_flags(str(tmp_path))
     with pytest.raises(SystemExit) as stop:
@@ -103,16 +97,12 @@ def test_the_llama3_script_is_refused_only_for_its_gpu_only_flags(tmp_path, caps
     assert stop.value.code == 2
     line = capsys.readouterr().err.strip()
     named = sorted(word for word in line.split() if word.startswith("--"))
-    assert "\n" not in line and named == sorted(llama3.REFUSED_AT_PARSE + _pending(flags)), line
+    assert "\n" not in line and named == sorted(llama3.REFUSED_AT_PARSE), line
     flags = llama3.cpu_flags(str(tmp_path), attention_backend="fused")
-    for flag in _pending(flags):
-        del flags[flags.index(flag):flags.index(flag) + 2]
     with pytest.raises(ArgumentError, match=r"^--attention-backend fused is unavailable: needs "
                                             r"a CUDA GPU$"):
         validate_args(parse_args(flags), WORLD)
     cpu = llama3.cpu_flags(str(tmp_path))
-    for flag in _pending(cpu):
-        del cpu[cpu.index(flag):cpu.index(flag) + 2]
     args = validate_args(parse_args(cpu), WORLD)
     assert (args.train_iters, args.num_micro_batches, args.kv_channels) == (4, 2, 16)
     assert args.decoupled_lr == 5e-4 and args.sequence_parallel and args.log_throughput
