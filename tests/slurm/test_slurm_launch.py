@@ -228,9 +228,10 @@ def _rank_pid(cluster, job_id: str, rank: int) -> Optional[int]:
 
 
 def test_a_dead_rank_fails_the_job_with_its_exit_code(jobs, slurm_cluster):
-    """Rank 1 (on the second node) dies by SIGKILL mid-training, as a crashed rank does: the job
-    fails with that rank's status (137), the summary says FAILED, and rank 0 is taken down by
-    srun instead of waiting out its timeout."""
+    """Rank 1 (on the second node) crashes mid-training (SIGSEGV): the job fails with that
+    rank's status (139), the summary says FAILED, and rank 0 is taken down by srun instead of
+    waiting out its timeout. (A SIGKILL short of the time limit is the host's OOM killer to the
+    summary: tests/slurm/test_job_results.py.)"""
     job = jobs["killed"]
     deadline = time.monotonic() + OUTER_TIMEOUT_S
     while not _loss_lines(job.log()):
@@ -240,12 +241,12 @@ def test_a_dead_rank_fails_the_job_with_its_exit_code(jobs, slurm_cluster):
     job_id = slurm_cluster.slurm("squeue", "-h", "--name", job.name, "-o", "%i").strip()
     pid = _rank_pid(slurm_cluster, job_id, 1)
     assert pid is not None, "rank 1's process not found"
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGSEGV)
     killed_at = time.monotonic()
-    assert job.wait(slurm_cluster) == 137, job.log()[-3000:]
+    assert job.wait(slurm_cluster) == 139, job.log()[-3000:]
     assert time.monotonic() - killed_at < float(TINY_MODEL["P2P_TIMEOUT"])
     summary = job.summary()
-    assert summary["status"] == "FAILED" and summary["exit"] == "137"
+    assert summary["status"] == "FAILED" and summary["exit"] == "139"
 
 
 def test_sweep_gives_one_row_per_job_oom_included(jobs, slurm_cluster):
