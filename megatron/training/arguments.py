@@ -323,8 +323,40 @@ def _add_run_args(parser: ArgumentParser) -> None:
                    help="add Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' field to the log "
                         "line (by the paper's FLOP count, as TFLOPS/GPU)")
     g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="iterations between the per-iteration TensorBoard/W&B scalars (loss, "
+                        "learning rate, grad norm, ...); the log line's timings follow "
+                        "--log-interval")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="TensorBoard events queued before a write to disk")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write megatron's timers (<name>-time: the max over ranks, s per iteration; "
+                        "those --timing-log-level enables) and, with --log-throughput, "
+                        "'throughput' at each log line")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="write the CUDA allocator's mem-reserved-bytes, mem-allocated-bytes, "
+                        "mem-max-allocated-bytes and mem-allocated-count (GPU only; on the CPU "
+                        "the log line's peak-memory-mb/stage-N is what there is)")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="also write each evaluation's perplexity ('lm loss validation ppl')")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false", help="do not write 'loss-scale'")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="also write 'world-size'")
     g.add_argument("--exit-interval", type=int,
                    help="save (with --save) and stop once the iteration is a multiple of this")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background with megatron-core's async save "
+                        "(a forked writer per rank; torch_dist only): training goes on, the "
+                        "checkpoint is published (renamed, tracker updated) once every rank "
+                        "finished writing, checked each iteration and forced before the next "
+                        "save and at exit")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="leave the optimizer state and LR schedule out of checkpoints (loading "
+                        "one then needs --no-load-optim or --finetune)")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="leave the RNG states out of checkpoints (a resume then starts the RNGs "
+                        "from --seed)")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="save the distributed optimizer's state per parameter, so that the "
                         "checkpoint resumes at another TP, PP or V (saving gathers it over DP; "
@@ -415,6 +447,9 @@ def _add_resume_args(parser: ArgumentParser) -> None:
                         "args, or a release's config.json), as Megatron-LM: the sizes where not "
                         "given, the rest forced; a RoPE base or scaling given here stays (a "
                         "context extension)")
+    g.add_argument("--skip-train", action="store_true",
+                   help="do not train: load the checkpoint (weights only, as --no-load-optim), "
+                        "evaluate on the validation and test splits from their start, and exit")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on --exit-signal (on any rank), finish the iteration, save (with --save) "
                         "and exit with code 0")
@@ -476,6 +511,12 @@ def _fail(message: str) -> NoReturn:
     raise ArgumentError(message)
 
 
+def _warn(message: str) -> None:
+    """What Megatron-LM warns about and then adjusts: one line on stderr, the run goes on."""
+    print(f"{os.path.basename(sys.argv[0]) or 'pretrain_gpt.py'}: warning: {message}",
+          file=sys.stderr)
+
+
 def _require(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         if getattr(args, name) is None:
@@ -520,7 +561,8 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "seq1f1b_splits", "pipe_sp_splits", "seq1f1b_fit_iterations",
                  "make_vocab_size_divisible_by",
                  "lr_decay_iters", "save_interval", "eval_interval", "log_interval",
-                 "exit_interval", "vocab_size", "num_query_groups", "rotary_base",
+                 "exit_interval", "tensorboard_log_interval", "tensorboard_queue_size",
+                 "vocab_size", "num_query_groups", "rotary_base",
                  "kv_channels", "train_samples", "lr_decay_samples",
                  "distributed_timeout_minutes",
                  "rotary_seq_len_interpolation_factor"):
@@ -672,9 +714,7 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--recompute-num-layers {args.recompute_num_layers} must divide the "
               f"{chunk_layers} layers of each model chunk with --recompute-method uniform")
     if args.sequence_parallel and tp == 1:      # as Megatron-LM: a warning, and off
-        print(f"{os.path.basename(sys.argv[0]) or 'pretrain_gpt.py'}: warning: "
-              f"--sequence-parallel is turned off: --tensor-model-parallel-size is 1",
-              file=sys.stderr)
+        _warn("--sequence-parallel is turned off: --tensor-model-parallel-size is 1")
         args.sequence_parallel = False
     if args.distributed_timeout_minutes is not None:
         args.p2p_timeout = 60.0 * args.distributed_timeout_minutes
@@ -1019,6 +1059,9 @@ def _validate_run(args: argparse.Namespace, explicit: frozenset[str]) -> None:
     if args.ckpt_format != "torch_dist":
         _fail(f"--ckpt-format {args.ckpt_format}: only torch_dist (megatron-core's "
               f"dist_checkpointing, Megatron-LM's default) is written and read here")
+    if args.skip_train and not args.no_load_optim:     # as Megatron-LM
+        _warn("enabling --no-load-optim when skipping training (--skip-train)")
+        args.no_load_optim = True
     _validate_start(args, explicit)
     if args.exit_signal is not None and not args.exit_signal_handler:
         _fail(f"--exit-signal {args.exit_signal} needs --exit-signal-handler")
@@ -1041,7 +1084,8 @@ def _validate_start(args: argparse.Namespace, explicit: frozenset[str]) -> None:
     """The checkpoint the run starts from: its tracker, its iteration, its files, its model
     (checkpoint_model: the flags' model must be the checkpoint's), its LR schedule."""
     for flag in ("finetune", "no_load_optim", "no_load_rng"):
-        if getattr(args, flag) and args.load is None and args.pretrained_checkpoint is None:
+        if getattr(args, flag) and args.load is None and args.pretrained_checkpoint is None \
+                and not (flag == "no_load_optim" and args.skip_train):
             _fail(f"--{flag.replace('_', '-')} needs --load or --pretrained-checkpoint")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         _fail("--override-opt_param-scheduler contradicts --use-checkpoint-opt_param-scheduler; "
@@ -1052,7 +1096,7 @@ def _validate_start(args: argparse.Namespace, explicit: frozenset[str]) -> None:
         _fail(str(err))
     if start is None:
         return
-    if not start.finetune and start.iteration > args.train_iters:
+    if not start.finetune and not args.skip_train and start.iteration > args.train_iters:
         _fail(f"--train-iters {args.train_iters} is below the iteration {start.iteration} of the "
               f"checkpoint in {start.flag} {start.root}")
     try:
@@ -1063,13 +1107,19 @@ def _validate_start(args: argparse.Namespace, explicit: frozenset[str]) -> None:
         _fail(str(err))
     if not start.release:
         _validate_resume_layout(args, start)
-    if not start.restores_optimizer or args.override_opt_param_scheduler or \
-            args.use_checkpoint_opt_param_scheduler:
+    if not start.restores_optimizer:
         return
     try:
-        saved = read_common_state(start.folder).get("opt_param_scheduler")
+        common = read_common_state(start.folder)
     except ValueError as err:
         _fail(f"{start.flag}: {err}")
+    if getattr(common.get("args"), "no_save_optim", False):
+        _fail(f"{start.flag} {start.root}: the checkpoint was saved with --no-save-optim (no "
+              f"optimizer state or LR schedule): give --no-load-optim or --finetune, as "
+              f"Megatron-LM asks")
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    saved = common.get("opt_param_scheduler")
     found = [] if saved is None else lr_schedule.disagreements(
         lr_schedule.ScheduleSettings.from_args(args), saved)
     if found:
@@ -1109,6 +1159,11 @@ def _validate_observability(args: argparse.Namespace) -> None:
             _fail(f"--profile-ranks {' '.join(map(str, outside))}: ranks are 0 to "
                   f"{args.world_size - 1}")
     _validate_timeline(args)
+    if args.log_memory_to_tensorboard:
+        import torch
+        if not torch.cuda.is_available():
+            _warn("--log-memory-to-tensorboard writes the CUDA allocator's statistics: no CUDA "
+                  "device here, so none are written (peak-memory-mb/stage-N still is)")
     if args.record_memory_history:
         import torch
         if not torch.cuda.is_available():
