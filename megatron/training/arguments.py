@@ -22,7 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional, Sequence
 
-from megatron.training import checkpoint_model, lr_schedule, megatron_lm_flags, writable
+from megatron.training import (checkpoint_layout, checkpoint_model, lr_schedule, megatron_lm_flags,
+                               writable)
 from megatron.training.checkpoint_common import read_common_state, starting_point
 from megatron.training.data import DataConfig, check_data_config, check_token_ids, parse_split
 from megatron.training.tokenizer import (
@@ -432,6 +433,9 @@ def _add_resume_args(parser: ArgumentParser) -> None:
                    help="do not load the optimizer state and LR schedule of --load")
     g.add_argument("--no-load-rng", action="store_true",
                    help="do not load the RNG states of --load")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="stop (one line) when --load holds no checkpoint, instead of starting "
+                        "from iteration 0")
     g.add_argument("--pretrained-checkpoint",
                    help="fine-tune from this checkpoint directory when --load holds no "
                         "checkpoint (as --finetune); once the run has saved into --load, "
@@ -1094,6 +1098,9 @@ def _validate_start(args: argparse.Namespace, explicit: frozenset[str]) -> None:
         start = starting_point(args)
     except ValueError as err:
         _fail(str(err))
+    if start is None and args.exit_on_missing_checkpoint and args.load is not None:
+        _fail(f"--exit-on-missing-checkpoint: --load {args.load} holds no checkpoint "
+              f"({checkpoint_layout.TRACKER_NAME} is missing)")
     if start is None:
         return
     if not start.finetune and not args.skip_train and start.iteration > args.train_iters:

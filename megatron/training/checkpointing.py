@@ -232,11 +232,11 @@ def save_checkpoint(save_dir: str, model: list, optimizer: MegatronOptimizer,
     content = {**CONTENT_METADATA, "distrib_optim_sharding_type":
                optimizer_format or checkpoint_resharding.DP_RESHARDABLE}
     state = _model_state(model)
-    if not args.no_save_optim:
+    if not getattr(args, "no_save_optim", False):
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False,
                                                           metadata=_metadata(content))
         state["opt_param_scheduler"] = scheduler.state_dict()
-    if not args.no_save_rng:
+    if not getattr(args, "no_save_rng", False):
         state["rng_state"] = _rng_sharded_object(_gathered_rng_states())
     state["args"] = saved_args(args, position.consumed_train_samples,
                                position.consumed_valid_samples)
