@@ -331,7 +331,7 @@ def _add_run_args(parser: ArgumentParser) -> None:
     g.add_argument("--tensorboard-queue-size", type=int, default=1000,
                    help="TensorBoard events queued before a write to disk")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="write megatron's timers (<name>-time: the max over ranks, s per iteration; "
+                   help="write megatron's timers (<name>-time: max over ranks, s per iteration; "
                         "those --timing-log-level enables) and, with --log-throughput, "
                         "'throughput' at each log line")
     g.add_argument("--log-memory-to-tensorboard", action="store_true",

@@ -36,7 +36,3 @@ class AsyncSaves:
     def finalize(self, blocking: bool) -> None:
         """Publish the writes every rank has finished (all of them, waiting, with `blocking`)."""
         self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
-
-    @property
-    def pending(self) -> bool:
-        return self._queue.get_num_unfinalized_calls() > 0

@@ -20,7 +20,11 @@ A release checkpoint (a converted model, tools/checkpoint/convert.py) holds the 
 loaded as Megatron-LM loads one, as iteration 0 with the optimizer, scheduler and RNGs as built.
 
 Atomicity is `checkpoint_layout`'s: the state is written to a staging folder, and only after every
-rank finished is it renamed and the tracker updated, by rank 0.
+rank finished is it renamed and the tracker updated, by rank 0. With --async-save the shards are
+written in the background (`async_checkpoint`) and that publish is the async request's last
+finalize step. --no-save-optim and --no-save-rng leave the optimizer with the LR schedule and the
+RNG states out, and say so in the stored `args`, as Megatron-LM does (validation then asks for
+--no-load-optim or --finetune; the RNGs are not looked for).
 """
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ happen in `optimizer.step()`), advance the LR schedule by one global batch. Arou
 every --log-interval, evaluate every --eval-interval (forward only, same schedule and spans), save
 every --save-interval and at the end (with --async-save in the background: async_checkpoint),
 stop at --exit-interval, on --exit-signal-handler's signal or after --exit-duration-in-mins
-(saving first). --skip-train loads the checkpoint and only evaluates. The flow follows Megatron-LM's `pretrain()`;
-the user supplies the same three functions a Megatron `pretrain_gpt.py` does.
+(saving first). --skip-train loads the checkpoint and only evaluates. The flow follows
+Megatron-LM's `pretrain()`; the user supplies the same three functions a Megatron
+`pretrain_gpt.py` does.
 
 Observability, as in Megatron-LM: the log line (logging_utils) and, after it with
 --timing-log-level 1 or 2, megatron's timers (min/max over ranks, ms per iteration); the same

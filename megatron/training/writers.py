@@ -6,11 +6,11 @@ iteration's loss, learning rate, batch size, loss scale, grad norm, and as the -
 the number of zeros, the params norm, the world size and the CUDA allocator's memory),
 `interval_scalars` at each log line (iteration time, throughput, peak memory per stage; with
 --log-timers-to-tensorboard megatron's timers), and the validation / test loss (and with
---log-validation-ppl-to-tensorboard the perplexity) of each evaluation. W&B is an optional dependency: the flags
-are validated before anything is built (`--wandb-project` without the `wandb` package is refused),
-and the package is imported only when a run asks for it. The W&B writer uses wandb's public API
-only (`wandb.init(project, name, dir, config)`, `wandb.log(dict, step)`, `wandb.finish()`), so
-`WANDB_MODE=offline` works as wandb documents it.
+--log-validation-ppl-to-tensorboard the perplexity) of each evaluation. W&B is an optional
+dependency: the flags are validated before anything is built (`--wandb-project` without the
+`wandb` package is refused), and the package is imported only when a run asks for it. The W&B
+writer uses wandb's public API only (`wandb.init(project, name, dir, config)`, `wandb.log(dict,
+step)`, `wandb.finish()`), so `WANDB_MODE=offline` works as wandb documents it.
 """
 from __future__ import annotations
 

@@ -30,8 +30,9 @@
   names the previous one until then) and its resume is exact; --no-save-optim --no-save-rng
   leave those states out and the load asks for --no-load-optim; --skip-train only evaluates;
 - the TensorBoard scalars of a run are the figures it logged (Megatron-LM's per-iteration tags
-  every --tensorboard-log-interval, timers with --log-timers-to-tensorboard), and W&B (a fake `wandb` module on
-  PYTHONPATH with WANDB_MODE=offline: the package is not installed here) gets the same ones;
+  every --tensorboard-log-interval, timers with --log-timers-to-tensorboard), and W&B (a fake
+  `wandb` module on PYTHONPATH with WANDB_MODE=offline: the package is not installed here) gets
+  the same ones;
 - overlap: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer) at PP2 x DP2
   leave every loss, grad norm and evaluation of 10 iterations bit for bit as without overlap,
   under 1f1b (unaligned gathers), seq1f1b, the split-backward seq1f1b-zb-h1 (gradients of the
