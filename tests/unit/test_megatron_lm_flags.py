@@ -35,7 +35,8 @@ def test_every_upstream_flag_has_a_status_and_a_reason():
         assert (kind == "honoured") == (reason == ""), flag
         # every refusal says why in its own words, never the generic fallback
         assert not reason.startswith("not implemented here ("), flag
-    assert counts == {"honoured": 137, "no-op": 43, "refused": 471}, counts
+    # 137 honoured, 43 no-ops, 471 refused at this writing; other changes honour more
+    assert counts["honoured"] >= 137 and counts["no-op"] >= 43, counts
     # the table's own entries name real upstream flags (no typos that would never match)
     names = {option for flag in flags for option in flag.options}
     assert set(table.NO_OPS) <= names and set(table.REFUSED) <= names
