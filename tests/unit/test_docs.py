@@ -174,7 +174,7 @@ def _outputs_shown(page: Path) -> list[tuple[Block, Block]]:
     text_lines = page.read_text().splitlines()
     found, page_blocks = [], _page_blocks(page)
     for block, after in zip(page_blocks, page_blocks[1:]):
-        between = text_lines[block.line + len(block.lines):after.line - 1]
+        between = text_lines[block.line + len(block.lines) + 1:after.line - 1]
         if block.lang == "sh" and after.lang == "text" and not any(l.strip() for l in between):
             found.append((block, after))
     return found
