@@ -25,8 +25,7 @@ from typing import NoReturn, Optional, Sequence
 from megatron.training import checkpoint_model, lr_schedule, megatron_lm_flags, writable
 from megatron.training.checkpoint_common import read_common_state, starting_point
 from megatron.training.data import DataConfig, check_data_config, check_token_ids, parse_split
-from megatron.training.tokenizer import (
-    add_tokenizer_args, build_tokenizer, padded_vocab_size)
+from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer
 
 MEGATRON_SCHEDULES = {"megatron-1f1b": False, "megatron-interleaved-1f1b": True}
 MEGATRON_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")   # megatron's --cp-comm-type
@@ -971,6 +970,8 @@ def _validate_data(args: argparse.Namespace) -> None:
     if args.reset_attention_mask and args.attention_backend == "te":
         _fail(f"--reset-attention-mask: --attention-backend {args.attention_backend} cannot mask "
               f"documents; use eager, sdpa, flex or flash")
+    from seq1f1b.plan.costs import padded_vocab_size
+
     try:
         parse_split(args.split)
         infos = check_data_config(DataConfig.from_args(args))
