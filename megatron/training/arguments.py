@@ -26,6 +26,8 @@ from megatron.training import checkpoint_model, lr_schedule, megatron_lm_flags, 
 from megatron.training.checkpoint_common import read_common_state, starting_point
 from megatron.training.data import DataConfig, check_data_config, check_token_ids, parse_split
 from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer
+from seq1f1b.model_flags import (add_model_shape_args, default_ffn_hidden_size,
+                                 kv_channels_error, query_groups_error, swiglu_ffn_error)
 
 MEGATRON_SCHEDULES = {"megatron-1f1b": False, "megatron-interleaved-1f1b": True}
 MEGATRON_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")   # megatron's --cp-comm-type
@@ -39,8 +41,6 @@ MEGATRON_BACKENDS = {"local": "eager", "unfused": "eager", "fused": "te"}
 """Megatron-LM's --attention-backend names and ours for them: megatron-core's local attention and
 TE's unfused one are the plain softmax(QK^T)V (eager), TE's fused attention is te."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
 CKPT_FORMATS = ("torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor")
 
@@ -89,46 +89,7 @@ def _placement(name: str) -> str:
 
 def _add_model_args(parser: ArgumentParser) -> None:
     g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, help="transformer layers (required)")
-    g.add_argument("--hidden-size", type=int, help="hidden size (required)")
-    g.add_argument("--ffn-hidden-size", type=int, help="MLP hidden size (default: 4 x hidden)")
-    g.add_argument("--num-attention-heads", type=int, help="attention heads (required)")
-    g.add_argument("--seq-length", type=int, help="tokens per sample (required)")
-    g.add_argument("--max-position-embeddings", type=int,
-                   help="position table size (default: --seq-length)")
-    g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=POSITION_EMBEDDINGS)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="separate input embedding and output layer weights")
-    g.add_argument("--group-query-attention", action="store_true",
-                   help="grouped-query attention: --num-query-groups K/V heads")
-    g.add_argument("--num-query-groups", type=int,
-                   help="K/V heads with --group-query-attention (divides the attention heads)")
-    g.add_argument("--swiglu", action="store_true",
-                   help="gated SiLU MLP (Llama); --ffn-hidden-size defaults to 8h/3 rounded "
-                        "down to a multiple of 64, as Megatron-LM does")
-    g.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS,
-                   help="the layers' and the final norm (sequence-parallel capable either way)")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="the norms' epsilon")
-    g.add_argument("--disable-bias-linear", action="store_true",
-                   help="no biases in the linear layers (Llama, Mistral)")
-    g.add_argument("--add-qkv-bias", action="store_true",
-                   help="bias in the QKV projection even with --disable-bias-linear (Qwen2)")
-    g.add_argument("--kv-channels", type=int,
-                   help="channels per attention head; only hidden / heads (the default) is "
-                        "supported")
-    g.add_argument("--rotary-base", type=int,
-                   help="RoPE base (theta) (default: 10000; resuming, the checkpoint's must "
-                        "match unless this is given)")
-    g.add_argument("--rotary-percent", type=float, default=1.0,
-                   help="fraction of each head's channels that RoPE rotates")
-    g.add_argument("--rotary-seq-len-interpolation-factor", type=int,
-                   help="linear position interpolation: positions divided by this")
-    g.add_argument("--use-rope-scaling", action="store_true",
-                   help="Llama 3.x RoPE frequency scaling (megatron-core's: low/high frequency "
-                        "factors 1/4, original context 8192)")
-    g.add_argument("--rope-scaling-factor", type=float,
-                   help="the factor of --use-rope-scaling (default: 8)")
+    add_model_shape_args(g)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -557,8 +518,7 @@ def _validate_model(args: argparse.Namespace) -> None:
         _fail("--recompute-method / --recompute-num-layers need --recompute-granularity full")
     _validate_architecture(args)
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
-                                else 4 * args.hidden_size)
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -600,11 +560,9 @@ def _validate_attention_backend(args: argparse.Namespace) -> None:
 def _validate_architecture(args: argparse.Namespace) -> None:
     """GQA, norm and RoPE flags, checked as Megatron-LM checks them."""
     if args.group_query_attention:
-        if args.num_query_groups is None:
-            _fail("--group-query-attention needs --num-query-groups")
-        if args.num_attention_heads % args.num_query_groups:
-            _fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-                  f"--num-query-groups {args.num_query_groups}")
+        error = query_groups_error(args)
+        if error is not None:
+            _fail(error)
         if args.num_query_groups % args.tensor_model_parallel_size:
             _fail(f"--num-query-groups {args.num_query_groups} is not divisible by "
                   f"--tensor-model-parallel-size {args.tensor_model_parallel_size}")
@@ -619,14 +577,13 @@ def _validate_architecture(args: argparse.Namespace) -> None:
             _fail(f"--{changed[0].replace('_', '-')} needs --position-embedding-type rope")
     args.rotary_base = args.rotary_base or 10000
     args.rope_scaling_factor = args.rope_scaling_factor or 8.0
-    head_channels = args.hidden_size // args.num_attention_heads
-    if args.kv_channels is not None and args.kv_channels != head_channels:
-        _fail(f"--kv-channels {args.kv_channels}: only --hidden-size / --num-attention-heads "
-              f"= {head_channels} is supported (the span attention sizes its heads so)")
-    args.kv_channels = head_channels
-    if args.swiglu and args.ffn_hidden_size is None and args.hidden_size < 48:
-        _fail(f"--swiglu with --hidden-size {args.hidden_size}: the default FFN size rounds "
-              "to 0; give --ffn-hidden-size")
+    error = kv_channels_error(args)
+    if error is not None:
+        _fail(error)
+    args.kv_channels = args.hidden_size // args.num_attention_heads
+    error = swiglu_ffn_error(args)
+    if error is not None:
+        _fail(error)
 
 
 def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
