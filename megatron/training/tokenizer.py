@@ -265,4 +265,3 @@ def build_tokenizer(args: object) -> AnyTokenizer:
         return NullTokenizer(cfg.vocab_size)
     raise ValueError(f"--tokenizer-type: unknown tokenizer {cfg.tokenizer_type!r}; "
                      f"choose from {', '.join(TOKENIZER_TYPES)}")
-
