@@ -31,13 +31,14 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from seq1f1b.model_flags import COST_FLAGS, add_model_shape_args, model_of_flags  # noqa: E402
 from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
 from seq1f1b.plan.budget import (MemoryCap, ScheduleBudget, model_budget,  # noqa: E402
                                  resolve_budget)
 from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
 from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
-                                ModelConfig, preset)
+                                ModelConfig)
 from seq1f1b.plan.communication import SEND, communication_plan  # noqa: E402
 from seq1f1b.plan.memory import (FRAMEWORK_OVERHEAD_GIB, GIB, MEGATRON_PLANS,  # noqa: E402
                                  PRECISIONS, MemoryEstimate, TrainingSetup, estimate_memory)
@@ -105,17 +106,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model (a preset or its dimensions)")
     group.add_argument("--model", type=str.lower, choices=list(PRESETS), metavar="NAME",
                        help=f"the paper's configs: {', '.join(PRESETS)}")
-    group.add_argument("--num-layers", type=int)
-    group.add_argument("--hidden-size", type=int)
-    group.add_argument("--num-attention-heads", type=int)
-    group.add_argument("--ffn-hidden-size", type=int)
+    add_model_shape_args(group, COST_FLAGS, required=" (without --model)",
+                         **{name: None for name in COST_FLAGS})
     group.add_argument("--vocab-size", type=int)
-    group.add_argument("--num-query-groups", type=int, help="K/V heads (grouped-query attention)")
-    group.add_argument("--swiglu", action="store_true", default=None,
-                       help="gated SiLU MLP: three GEMMs, more kept activations")
-    group.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
-    group.add_argument("--disable-bias-linear", action="store_true", default=None)
-    group.add_argument("--add-qkv-bias", action="store_true", default=None)
 
 
 def _add_stage_layer_args(parser: argparse.ArgumentParser) -> None:
@@ -152,25 +145,10 @@ def _add_span_args(parser: argparse.ArgumentParser, method_flag: str) -> None:
 
 
 def _model(args: argparse.Namespace) -> ModelConfig | None:
-    dims = {name: getattr(args, name) for name in
-            ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-             "vocab_size", "num_query_groups", "swiglu", "normalization",
-             "disable_bias_linear", "add_qkv_bias")}
-    given = {name: value for name, value in dims.items() if value is not None}
-    if args.model:
-        if given:
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise UsageError(f"--model {args.model} cannot be combined with {flags}")
-        return preset(args.model)
-    if not given:
-        return None
-    missing = [name for name in ("num_layers", "hidden_size", "num_attention_heads")
-               if name not in given]
-    if missing:
-        raise UsageError(f"--{missing[0].replace('_', '-')} is required without --model")
-    if given.pop("disable_bias_linear", False):
-        given["add_bias_linear"] = False
-    return ModelConfig(**given)
+    try:
+        return model_of_flags(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _time_fit(args: argparse.Namespace) -> SpanTimeFit | None:

@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.training import checkpoint_layout
+from seq1f1b import checkpoint_layout
 
 MEGATRON_CHECKPOINT_VERSION = 3.0
 """Megatron-LM's `checkpoint_version` of torch_dist checkpoints (below 2.0 it would reorder the

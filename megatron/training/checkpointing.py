@@ -41,10 +41,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer, distrib_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training import async_checkpoint, checkpoint_layout, checkpoint_resharding
+from megatron.training import async_checkpoint, checkpoint_resharding
 from megatron.training.checkpoint_common import (MEGATRON_CHECKPOINT_VERSION, CheckpointLayout,
                                                  StartingPoint, saved_args)
 from megatron.training.model_setup import unwrap
+from seq1f1b import checkpoint_layout
 
 CONTENT_METADATA = {"distrib_optim_sharding_type": checkpoint_resharding.DP_RESHARDABLE,
                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}

@@ -40,7 +40,7 @@ from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.budget import MemoryCap, model_budget
 from seq1f1b.plan.context_parallel import all_to_all_bytes, check_heads
 from seq1f1b.plan.costs import (ModelConfig, Recompute, backward_workspace_bytes,
-                                recomputed_activation_bytes, stage_parameters)
+                                padded_vocab_size, recomputed_activation_bytes, stage_parameters)
 from seq1f1b.plan.partition import partition
 from seq1f1b.plan.simulate import SpanCosts, layers_per_stage, model_costs, simulate
 from seq1f1b.plan.stage_layers import StageLayers
@@ -154,8 +154,7 @@ class TrainingSetup:
     @property
     def padded_vocab_size(self) -> int:
         """megatron's padding: a multiple of make_vocab_size_divisible_by x TP."""
-        multiple = self.make_vocab_size_divisible_by * self.tp
-        return -(-self.model.vocab_size // multiple) * multiple
+        return padded_vocab_size(self.model.vocab_size, self.make_vocab_size_divisible_by, self.tp)
 
 
 @dataclass

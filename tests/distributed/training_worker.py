@@ -55,7 +55,8 @@ def saves_recorded(path: str):
     folders exist."""
     import torch.distributed as dist
 
-    from megatron.training import checkpoint_layout, checkpointing
+    from megatron.training import checkpointing
+    from seq1f1b import checkpoint_layout
 
     save, publish = checkpointing.save_checkpoint, checkpoint_layout.publish
 
