@@ -261,9 +261,10 @@ def _simulated_peaks(schedule: Schedule, costs: SpanCosts) -> Sequence[RankRepor
     return simulate(schedule, costs).ranks
 
 
-def estimate_memory(setup: TrainingSetup, held_peaks: HeldPeaks = _simulated_peaks
-                    ) -> MemoryEstimate:
-    """The per-rank memory of `setup` (see the module docstring for what is counted)."""
+def estimate_memory(setup: TrainingSetup, held_peaks: HeldPeaks = _simulated_peaks,
+                    schedule: Optional[Schedule] = None) -> MemoryEstimate:
+    """The per-rank memory of `setup` (see the module docstring for what is counted);
+    `schedule`: its plan built already (not for a searched schedule, built on its costs)."""
     if setup.seq_length is None:
         raise ScheduleError("--seq-length is required")
     model = replace(setup.model, vocab_size=setup.padded_vocab_size)
@@ -286,8 +287,8 @@ def estimate_memory(setup: TrainingSetup, held_peaks: HeldPeaks = _simulated_pea
     cap = MemoryCap.parse(setup.schedule_memory_cap) if setup.schedule_memory_cap else None
     budget = model_budget(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
                           setup.chunks, cap, costs_of)
-    schedule = registry.build(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
-                              setup.chunks, budget=budget)
+    schedule = schedule or registry.build(setup.plan_name, setup.pp, setup.microbatches,
+                                          setup.splits, setup.chunks, budget=budget)
     costs = costs_of(schedule)
     ranks = held_peaks(schedule, costs)
     layers = layers_per_stage(model, schedule, setup.stage_layers)

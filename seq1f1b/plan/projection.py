@@ -13,7 +13,7 @@ kernels and per-span stage times on a GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable
+from typing import Callable, Optional
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule
@@ -102,6 +102,7 @@ class Projection:
     data_parallel_s: float     # reduce-scatter of fp32 grads + all-gather of bf16 params
     report: SimulationReport
     simulator: "Simulator" = field(default=simulate, repr=False, compare=False)
+    schedule: Optional[Schedule] = field(default=None, repr=False, compare=False)
 
     @property
     def iteration_s(self) -> float:
@@ -128,7 +129,8 @@ class Projection:
         Terms interact through the pipeline, so they need not add up to the difference from a
         run without all of them."""
         return {name: self.pipeline_s - project(self.setup, self.device.without(*terms),
-                                                simulator=self.simulator).pipeline_s
+                                                simulator=self.simulator,
+                                                schedule=self.schedule).pipeline_s
                 for name, terms in TERMS.items()}
 
 
@@ -257,11 +259,12 @@ def pipeline_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule
 
 
 def project(setup: TrainingSetup, device: DeviceModel = A100, *,
-            simulator: Simulator = simulate) -> Projection:
-    """Replay `setup`'s plan with the device model's durations (bf16 training)."""
+            simulator: Simulator = simulate, schedule: Optional[Schedule] = None) -> Projection:
+    """Replay `setup`'s plan with the device model's durations (bf16 training); `schedule`:
+    that plan built already (the registry's for the setup's name, P, m, k, V)."""
     model = replace(setup.model, vocab_size=setup.padded_vocab_size)
-    schedule = registry.build(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
-                              setup.chunks)
+    schedule = schedule or registry.build(setup.plan_name, setup.pp, setup.microbatches,
+                                          setup.splits, setup.chunks)
     spans = setup.spans(model)
     report = simulator(schedule, _span_costs(setup, device, schedule, model, spans))
     layers = layers_per_stage(model, schedule, setup.stage_layers)
@@ -276,4 +279,5 @@ def project(setup: TrainingSetup, device: DeviceModel = A100, *,
         device.tp_bus_gbps
     dp_seconds = params * (4 + 2) * (replicas - 1) / replicas / (dp_link * 1e9)
     gpus = setup.tp * setup.cp * setup.pp * setup.dp
-    return Projection(setup, device, spans, gpus, report.makespan, dp_seconds, report, simulator)
+    return Projection(setup, device, spans, gpus, report.makespan, dp_seconds, report, simulator,
+                      schedule)

@@ -81,9 +81,9 @@ def _rank_profile(schedule: Schedule, rank: int) -> RankProfile:
         return rows
 
     tables = {kind: table(index) for index, kind in enumerate(KINDS)}
-    changes: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-    state = np.zeros(size)
-    seen: dict[bytes, np.ndarray] = {}
+    changes: dict[tuple, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
+    state = [0] * size
+    seen: dict[tuple[int, ...], None] = {}
     live = peak_live = 0
     for action in schedule.programs[rank]:
         frees = schedule.frees_activations(rank, action)
@@ -94,13 +94,19 @@ def _rank_profile(schedule: Schedule, rank: int) -> RankProfile:
             live -= 1
         stage = schedule.stage_of(rank, action.chunk)
         key = (stage, action.op, action.span, frees)
-        if key not in changes:
-            allocated, released = held_change(tables, stage, action, frees)
-            changes[key] = (sum(allocated.values()) + zero, sum(released.values()) + zero)
+        if key not in changes:      # as sparse count changes: (basis index, count)
+            changes[key] = tuple(_sparse(sum(change.values()) + zero)
+                                 for change in held_change(tables, stage, action, frees))
         allocated, released = changes[key]
-        if allocated.any():
-            state = state + allocated
-            seen.setdefault(state.tobytes(), state)
-        state = state - released
-    states = np.array(list(seen.values())) if seen else np.zeros((0, size))
+        for index, count in allocated:
+            state[index] += count
+        if allocated:
+            seen.setdefault(tuple(state))
+        for index, count in released:
+            state[index] -= count
+    states = np.array(list(seen), dtype=float) if seen else np.zeros((0, size))
     return RankProfile(rank, stages, states, peak_live)
+
+
+def _sparse(vector: np.ndarray) -> list[tuple[int, int]]:
+    return [(int(index), int(round(vector[index]))) for index in np.flatnonzero(vector)]
