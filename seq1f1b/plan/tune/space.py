@@ -22,6 +22,9 @@ from seq1f1b.plan.memory import TrainingSetup
 from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
 
 RECOMPUTES = (None, "selective", "full")
+ONE_RANK_TWINS = {"gpipe": "1f1b", "zb-h1": "1f1b", "seq1f1b-zb-h1": "seq1f1b"}
+"""On one pipeline rank these run as their twin does (no neighbour to wait for, a split W
+right after its B): the planner keeps only the twin there."""
 PARTITIONS = ("even", "compute")
 
 
@@ -156,7 +159,7 @@ def candidates(query: Query) -> Iterator[TrainingSetup]:
 def _layouts(query: Query, schedule: str, tp: int, cp: int, pp: int, dp: int,
              microbatches: int) -> Iterator[TrainingSetup]:
     info = registry.get(schedule)
-    if info.chunked and pp == 1:
+    if pp == 1 and (info.chunked or schedule in ONE_RANK_TWINS):
         return
     chunk_choices = ((2,) if info.placement == "vshape" else query.chunks) if info.chunked \
         else (1,)
