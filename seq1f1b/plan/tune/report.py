@@ -63,13 +63,14 @@ def text(result: TuneResult) -> list[str]:
     if not result.ranked:
         lines.append("no layout fits: try more GPUs, a larger --gpu-memory or more recompute")
         return lines
-    heading = (f"{'#':>2} {'layout':<62} {'GiB/stage':>16} {'tok/s':>9} {'TFLOPS':>6} "
+    width = max(len(row.name) for row in result.ranked)
+    heading = (f"{'#':>2} {'layout':<{width}} {'GiB/stage':>16} {'tok/s':>9} {'TFLOPS':>6} "
                f"{'bubble':>6} " + " ".join(f"{h:>6}" for h, _ in TERMS) + f" {'DP s':>6}")
     lines += ["", heading]
     for rank, row in enumerate(result.ranked, 1):
         p = row.projection
         terms = " ".join(f"{row.overheads_s[key] / p.iteration_s:>6.1%}" for _, key in TERMS)
-        lines.append(f"{rank:>2} {row.name:<62} {_stages(row):>16} {p.tokens_per_s:>9.0f} "
+        lines.append(f"{rank:>2} {row.name:<{width}} {_stages(row):>16} {p.tokens_per_s:>9.0f} "
                      f"{p.tflops_per_gpu:>6.1f} {p.report.bubble_ratio:>6.1%} {terms} "
                      f"{p.data_parallel_s:>6.2f}")
     lines += ["(GiB/stage: the estimator's peak per pipeline rank, as plan.py memory; fixed, "
