@@ -11,6 +11,7 @@ import pytest
 
 from megatron.training.arguments import parse_args, validate_args
 from seq1f1b.plan import registry
+from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.plan.memory import TrainingSetup, estimate_memory
 from seq1f1b.plan.projection import A100, project, pipeline_costs
@@ -68,7 +69,7 @@ def _exhaustive(query, gpu):
     for setup in candidates(query):
         try:
             estimate = estimate_memory(setup)
-        except Exception:           # refused by its schedule: the planner skips it too
+        except ScheduleError:       # refused by its schedule: the planner skips it too
             continue
         if estimate.fits(gpu.memory_gib):
             fitting.append((project(setup, gpu.device).iteration_s, layout_name(setup)))
@@ -192,3 +193,15 @@ def test_bad_input_is_one_line_and_exit_2(extra, message, capsys):
 def test_bad_input_without_a_model_exits_2(capsys):
     assert plan.main(["tune", "--seq-length", "8192", "--gpus", "8"]) == 2
     assert "model" in capsys.readouterr().err
+
+
+def test_gpu_from_a_device_check_judges_reserved_bytes(tmp_path):
+    from test_calibration import _device_check, _spans
+    path = _device_check(tmp_path, _spans(0.5, 0.3), ratios=(1.05, 1.2, 1.1))
+    gpu = resolve_gpu(str(path), 80.0, gpus_per_node=4)
+    assert gpu.reserve_ratio == pytest.approx(1.2)
+    assert gpu.device.peak_tflops == 989.0 and gpu.device.gemm.saturated == pytest.approx(0.5)
+    result = tune(QUERY, gpu, top=1)
+    row = result.ranked[0]
+    assert row.estimate.reserved_peak_bytes(1.2) <= 80.0 * 2 ** 30
+    assert row.projection.device == gpu.device
