@@ -25,9 +25,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 MARKERS = ("quick", "slow", "gpu", "cluster", "files")
-PENDING_PAGES = {REPO / "docs" / "planner.md"}
-"""Pages another change of this session writes (the planner's); a link to one is accepted while
-it is absent, and checked like any other once it exists. Empty this set when they are merged."""
 MEGATRON_LM_PATHS = {"tests/unit_tests/pipeline_parallel/test_schedules.py",
                      "examples/llama/train_llama3_8b_h100_fp8.sh"}
 """Paths in Megatron-LM's tree that the pages name as such."""
@@ -245,8 +242,6 @@ def test_relative_links_resolve(page):
             continue
         path, _, anchor = target.partition("#")
         file = (page.parent / path).resolve() if path else page
-        if file in PENDING_PAGES and not file.exists():
-            continue
         if not file.exists():
             broken.append(f"{target}: no such file")
         elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
