@@ -577,7 +577,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
     if args.emit_sbatch and result.ranked:
         winner = result.ranked[0]
         with open(args.emit_sbatch, "w") as out:
-            out.write(sbatch_script(winner.setup, query.global_batch_size, query.gpus,
+            out.write(sbatch_script(winner.setup, query.gpus,
                                     query.gpus_per_node,
                                     f"{winner.name}: {winner.projection.tokens_per_s:.0f} "
                                     f"tokens/s projected on {gpu.device.name}"))

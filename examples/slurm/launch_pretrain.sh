@@ -15,6 +15,7 @@
 #   SCHEDULE, SPLITS    --pipeline-schedule and k [seq1f1b, 4 (1 for non-seq1f1b schedules)]
 #   PARTITION_METHOD    --seq1f1b-partition [compute]
 #   VPP_LAYERS      --num-layers-per-virtual-pipeline-stage, for the interleaved schedules [unset]
+#   CP              --context-parallel-size [1]; DP = world / (TP x PP x CP)
 #   MICRO_BATCHES   micro-batches per iteration and DP rank; global batch = this x DP x MICRO_BATCH
 #   MICRO_BATCH     --micro-batch-size [1]
 #   TRAIN_ITERS, LOG_INTERVAL  [20, 1]
@@ -53,7 +54,7 @@ fi
 : "${LAUNCHER:=srun}" "${SCHEDULE:=seq1f1b}" "${PARTITION_METHOD:=compute}"
 # k = 4 for the seq1f1b* schedules; the others run whole sequences unless SPLITS says otherwise.
 case "$SCHEDULE" in seq1f1b*) : "${SPLITS:=4}" ;; *) : "${SPLITS:=1}" ;; esac
-: "${MICRO_BATCH:=1}" "${TRAIN_ITERS:=20}" "${LOG_INTERVAL:=1}" "${VOCAB_SIZE:=50257}"
+: "${CP:=1}" "${MICRO_BATCH:=1}" "${TRAIN_ITERS:=20}" "${LOG_INTERVAL:=1}" "${VOCAB_SIZE:=50257}"
 : "${TOKENIZER_TYPE:=GPT2BPETokenizer}" "${P2P_TIMEOUT:=600}" "${DATA_PATH:=}"
 : "${EXTRA_ARGS:=}" "${CONTAINER_ARGS:=}" "${SAVE_INTERVAL:=}"
 PRECISION="${PRECISION---bf16}"
@@ -78,9 +79,9 @@ case "$LAUNCHER" in
     *) echo "launch_pretrain.sh: LAUNCHER must be srun, torchrun or local, not '$LAUNCHER'" >&2
        exit 2 ;;
 esac
-MODEL_PARALLEL=$(( TP * PP ))
+MODEL_PARALLEL=$(( TP * PP * CP ))
 if [ "$WORLD" -lt "$MODEL_PARALLEL" ] || [ $(( WORLD % MODEL_PARALLEL )) -ne 0 ]; then
-    echo "launch_pretrain.sh: TP=$TP x PP=$PP does not divide the $WORLD ranks" >&2; exit 2
+    echo "launch_pretrain.sh: TP=$TP x PP=$PP x CP=$CP does not divide the $WORLD ranks" >&2; exit 2
 fi
 DP=$(( WORLD / MODEL_PARALLEL ))
 GLOBAL_BATCH=$(( MICRO_BATCHES * DP * MICRO_BATCH ))
@@ -91,6 +92,7 @@ ARGS=(--num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE"
       --untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0
       --init-method-std 0.006
       --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+      --context-parallel-size "$CP"
       --use-distributed-optimizer
       --pipeline-schedule "$SCHEDULE" --seq1f1b-splits "$SPLITS"
       --seq1f1b-partition "$PARTITION_METHOD"
@@ -120,7 +122,7 @@ fi
 ARGS+=($EXTRA_ARGS "$@")
 
 echo "launch: LAUNCHER=$LAUNCHER nodes=$NODES ($(echo "$HOSTS" | paste -sd, -)) world=$WORLD" \
-     "TP=$TP PP=$PP DP=$DP schedule=$SCHEDULE k=$SPLITS L=$SEQ_LENGTH m=$MICRO_BATCHES" \
+     "TP=$TP PP=$PP CP=$CP DP=$DP schedule=$SCHEDULE k=$SPLITS L=$SEQ_LENGTH m=$MICRO_BATCHES" \
      "master=$MASTER_ADDR:$MASTER_PORT run_dir=$RUN_DIR"
 
 LOG="$RUN_DIR/train.log"

@@ -143,9 +143,15 @@ def test_winner_flags_pass_the_trainers_validation(query, tmp_path):
     assert args.num_micro_batches == setup.microbatches
     assert args.pipeline_schedule == setup.schedule and args.seq1f1b_splits == setup.splits
     script = tmp_path / "run.sbatch"
-    script.write_text(sbatch_script(setup, query.global_batch_size, query.gpus,
-                                    query.gpus_per_node, "test"))
+    script.write_text(sbatch_script(setup, query.gpus, query.gpus_per_node, "test"))
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    # the layout as launch_pretrain.sh reads it: its DP (world / TP x PP x CP) and global batch
+    settings = "\n".join(line for line in script.read_text().splitlines()
+                         if line.startswith(": "))
+    batch = subprocess.run(["bash", "-c", settings + f"\necho $(( MICRO_BATCHES * {query.gpus}"
+                            " / (TP * PP * CP) * MICRO_BATCH )) $CP"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert batch == [str(query.global_batch_size), str(setup.cp)]
 
 
 def test_uneven_stages_and_cp_reach_the_flags():

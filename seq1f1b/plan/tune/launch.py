@@ -3,9 +3,8 @@
 The sbatch script has the shape of examples/slurm's pretrain_gpt_*.sbatch: #SBATCH lines for the
 nodes, the layout as the variables examples/slurm/launch_pretrain.sh reads (`: "${VAR:=...}"`,
 each overridable at submission), what that script has no variable for in EXTRA_ARGS, then it
-sources launch_pretrain.sh, the one body of every shipped script. The global batch goes in
-EXTRA_ARGS too: launch_pretrain.sh derives DP as world / (TP x PP), which under context
-parallelism is C times too many, and a later flag wins.
+sources launch_pretrain.sh, the one body of every shipped script (which derives DP, and with it
+the global batch, as world / (TP x PP x CP)).
 """
 from __future__ import annotations
 
@@ -51,6 +50,8 @@ def layout_flags(setup: TrainingSetup, global_batch_size: int) -> list[str]:
         flags.append("--use-distributed-optimizer")
     if _vpp_layers(setup):
         flags += ["--num-layers-per-virtual-pipeline-stage", str(_vpp_layers(setup))]
+    if setup.cp > 1:
+        flags += ["--context-parallel-size", str(setup.cp)]
     flags += _script_gaps(setup)
     flags += ["--pipeline-schedule", setup.schedule, "--seq1f1b-splits", str(setup.splits),
               "--seq1f1b-partition", setup.partition,
@@ -64,10 +65,8 @@ def _vpp_layers(setup: TrainingSetup) -> int | None:
 
 
 def _script_gaps(setup: TrainingSetup) -> list[str]:
-    """The layout flags launch_pretrain.sh has no variable for: CP, uneven stages, recompute."""
+    """The layout flags launch_pretrain.sh has no variable for: uneven stages, recompute."""
     flags = []
-    if setup.cp > 1:
-        flags += ["--context-parallel-size", str(setup.cp)]
     if setup.decoder_first_pipeline_num_layers:
         flags += ["--decoder-first-pipeline-num-layers",
                   str(setup.decoder_first_pipeline_num_layers)]
@@ -91,18 +90,17 @@ def pretrain_flags(setup: TrainingSetup, global_batch_size: int) -> list[str]:
                "--vocab-size", str(setup.model.vocab_size)])
 
 
-def sbatch_script(setup: TrainingSetup, global_batch_size: int, gpus: int,
+def sbatch_script(setup: TrainingSetup, gpus: int,
                   gpus_per_node: int, about: str) -> str:
     """The sbatch script of `setup` (see the module docstring); `about`: a comment line."""
     nodes = max(1, gpus // gpus_per_node)
     per_node = min(gpus, gpus_per_node)
     model = setup.model
     # launch_pretrain.sh passes the first three model dimensions; the rest go as EXTRA_ARGS
-    extra = (model_flags(setup)[6:] + _script_gaps(setup)
-             + ["--global-batch-size", str(global_batch_size)])
+    extra = model_flags(setup)[6:] + _script_gaps(setup)
     defaults = {"NUM_LAYERS": model.num_layers, "HIDDEN_SIZE": model.hidden_size,
                 "NUM_ATTENTION_HEADS": model.num_attention_heads, "TP": setup.tp,
-                "PP": setup.pp, "SEQ_LENGTH": setup.seq_length,
+                "PP": setup.pp, "CP": setup.cp, "SEQ_LENGTH": setup.seq_length,
                 "MICRO_BATCHES": setup.microbatches, "MICRO_BATCH": setup.micro_batch_size,
                 "SCHEDULE": setup.schedule, "SPLITS": setup.splits,
                 "PARTITION_METHOD": setup.partition, "VOCAB_SIZE": model.vocab_size}
