@@ -19,10 +19,10 @@ projection and the model builders (the trainer, check_equivalence), so they cann
 
 A layout (`--pipeline-model-parallel-layout`, megatron's string form: stages split by `|`, `t` a
 decoder layer, `E` the embedding, `L` the loss, `X*n` / `(...)*n` repeats, commas cosmetic, e.g.
-"Et*4|(t*5|)*2(t*4|)*4t*2L": 32 layers on 8 stages) lists the virtual stages in the order the data flows through them, E
-leading the first and L closing the last. On a loop that is megatron's own order (entry cP + r is
-chunk c of rank r); on a V it is stage order, so entry 2P-1 is rank 0's chunk 1, the output
-layer's. Any counts of >= 1 layer may be given, so the output layer's stage can shed layers to
+"Et*4|(t*5|)*2(t*4|)*4t*2L": 32 layers on 8 stages) lists the virtual stages in the order the
+data flows through them, E leading the first and L closing the last. On a loop that is
+megatron's own order (entry cP + r is chunk c of rank r); on a V it is stage order, so entry
+2P-1 is rank 0's chunk 1, the output layer's. Any counts of >= 1 layer may be given, so the output layer's stage can shed layers to
 the middle ones, which the first / last rule (the middle stages even) cannot.
 """
 from __future__ import annotations
