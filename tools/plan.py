@@ -495,12 +495,6 @@ def _run_costs(args: argparse.Namespace, split: StageLayers | None = None):
 def _searched_layout(args: argparse.Namespace, budget: ScheduleBudget) -> StageLayers:
     """--search-layout: every stage's layers chosen with the schedule (layout_search.py), each
     candidate searched under `budget`'s cap; the choice goes to stderr as a layout string."""
-    model = _model(args)
-    if model is None:
-        raise UsageError("--search-layout needs a model (--model or its dimensions)")
-    if _stage_layers(args).uneven:
-        raise UsageError(f"--search-layout chooses every stage's layers: drop {FIRST_FLAG} / "
-                         f"{LAST_FLAG} / {LAYOUT_FLAG}")
     shape = registry.build("seq1f1b-zbv", args.pp, args.microbatches, args.splits, args.chunks)
     cap = budget.cap if budget.cap is not None else default_cap(
         Problem(args.pp, args.microbatches, args.splits, args.chunks, shape.placement),
@@ -515,7 +509,7 @@ def _searched_layout(args: argparse.Namespace, budget: ScheduleBudget) -> StageL
                                   args.chunks, budget=ScheduleBudget(on, cap))
         return schedule, simulate(schedule, on).makespan
 
-    choice = choose_layout(model.num_layers, shape.num_stages,
+    choice = choose_layout(_model(args).num_layers, shape.num_stages,
                            lambda split: lower_bound(shape, costs(split)), search)
     print(f"plan.py: --search-layout chose {LAYOUT_FLAG} '{choice.stage_layers.layout}': "
           f"makespan {choice.makespan:.6g} against {choice.start_makespan:.6g} for the even "
@@ -527,6 +521,11 @@ def cmd_search(args: argparse.Namespace) -> None:
     if args.time_limit <= 0:
         raise UsageError("--time-limit must be positive (seconds)")
     args.schedule = "seq1f1b-zb-auto"
+    if args.search_layout and _model(args) is None:
+        raise UsageError("--search-layout needs a model (--model or its dimensions)")
+    if args.search_layout and _stage_layers(args).uneven:
+        raise UsageError(f"--search-layout chooses every stage's layers: drop {FIRST_FLAG} / "
+                         f"{LAST_FLAG} / {LAYOUT_FLAG}")
     costs_of, uniform = _run_costs(args)
     budget = _search_budget(args, costs_of, uniform)
     layout = None
