@@ -6,7 +6,8 @@ with even stages rank 0 is the busiest, and megatron's first / last rule (the mi
 can move only whole multiples of the middle stages' count. A layout may move single layers. The
 search starts from the even split (or the nearest one: the remainder on the middle stages) and
 tries every layout one or two single-layer moves away (each stage keeps >= 1 layer); it ranks them
-by the lower bound on their costs (bounds.py, cheap), then runs the schedule search itself on the
+by the lower bound on their costs (bounds.py, cheap; ties: fewer layers on the output layer's
+stage first), then runs the schedule search itself on the
 `tries` best and on the start, and keeps the shortest simulated makespan (ties: the start, then
 the earlier candidate). Each candidate is searched under the same cap in bytes, so the layout
 chosen never holds more than the cap asked for.
@@ -80,7 +81,10 @@ def choose_layout(num_layers: int, stages: int, bound: Callable[[StageLayers], f
     of lowest `bound` (module doc). `bound(split)`: a lower bound on any schedule's makespan
     with `split`'s costs; `search(split)`: the searched schedule on them and its makespan."""
     start = StageLayers(counts=near_even(num_layers, stages))
-    ranked = sorted(neighbours(start.counts), key=lambda c: bound(StageLayers(counts=c)))
+    # Ties of the bound (it often sees only rank 0's work) go to fewer layers on the output
+    # layer's stage, the last.
+    ranked = sorted(neighbours(start.counts),
+                    key=lambda c: (bound(StageLayers(counts=c)), c[-1]))
     schedule, start_makespan = search(start)
     best = LayoutChoice(start, schedule, start_makespan, start_makespan, 1)
     for counts in ranked[:tries]:
