@@ -770,12 +770,14 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         _fail(f"--pipeline-schedule: unknown schedule {name!r}; choose from "
               f"{', '.join(catalog)}")
     chunked = catalog[name]
+    chunks_flag = ("--num-layers-per-virtual-pipeline-stage"
+                   if args.pipeline_model_parallel_layout is None
+                   else "--pipeline-model-parallel-layout (V x P stages)")
     if chunked and args.virtual_pipeline_model_parallel_size is None:
-        _fail(f"--pipeline-schedule {name} interleaves model chunks and needs "
-              f"--num-layers-per-virtual-pipeline-stage")
+        _fail(f"--pipeline-schedule {name} interleaves model chunks and needs {chunks_flag}")
     if not chunked and args.virtual_pipeline_model_parallel_size is not None:
-        _fail(f"--num-layers-per-virtual-pipeline-stage: --pipeline-schedule {name} runs one "
-              f"model chunk per rank; use an interleaved schedule")
+        _fail(f"{chunks_flag}: --pipeline-schedule {name} runs one model chunk per rank "
+              "(a stage per pipeline rank); use an interleaved schedule")
     if name not in MEGATRON_SCHEDULES and _placement(name) == "vshape":
         _validate_v_placement(args)
     _validate_memory_cap(args)

@@ -150,6 +150,9 @@ def _flags(*extra):
      "lists 3 stages, not a multiple of --pipeline-model-parallel-size 2"),
     (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Et*3|t*5x"],
      "unknown layer 'x'"),
+    (["--pipeline-model-parallel-layout", "Et*3|t*5L"],
+     "--pipeline-model-parallel-layout (V x P stages): --pipeline-schedule seq1f1b runs one "
+     "model chunk per rank"),
 ])
 def test_the_trainer_validates_the_flags_in_one_line(monkeypatch, extra, message):
     monkeypatch.setattr(arguments, "schedule_catalog", arguments.schedule_catalog)
