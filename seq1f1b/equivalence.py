@@ -28,6 +28,8 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.distributed import release_model_parallel
+from seq1f1b.model_flags import (SHAPE_FLAGS, add_model_shape_args, default_ffn_hidden_size,
+                                 kv_channels_error, query_groups_error, swiglu_ffn_error)
 from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan import registry, schedule_file
 from seq1f1b.plan.actions import Schedule
@@ -99,33 +101,29 @@ class EquivalenceCase:
     gradient_accumulation_fusion: bool = True      # weight-gradient GEMMs add into main_grad
 
 
+TOOL_SHAPE_DEFAULTS = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=24,
+                           position_embedding_type="rope", rotary_base=10000,
+                           rope_scaling_factor=8.0)
+"""The checking tools' model: tiny, RoPE (pretrain_gpt.py's defaults are Megatron-LM's)."""
+
+
 def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "explicit"),
                     **defaults) -> None:
     """The model and layout flags of EquivalenceCase (shared by check_equivalence.py and
-    benchmark.py); `partitions` the --partition choices, `defaults` overrides a flag's default
-    by its dest, e.g. hidden_size=256."""
+    benchmark.py): the model shape in pretrain_gpt.py's spelling (seq1f1b.model_flags), then
+    the layout; `partitions` the --partition choices, `defaults` overrides a flag's default
+    by its dest, e.g. hidden_size=256. settle_shape_flags completes them."""
+    defaults = {**TOOL_SHAPE_DEFAULTS, **defaults}
+
     def add(flag: str, **kwargs) -> None:
         dest = flag[2:].replace("-", "_")
         if dest in defaults:
             kwargs["default"] = defaults[dest]
         parser.add_argument(flag, **kwargs)
 
-    add("--num-layers", type=int, default=4)
-    add("--hidden-size", type=int, default=32)
-    add("--num-attention-heads", type=int, default=4)
-    add("--num-query-groups", type=int, default=None,
-        help="K/V heads (grouped-query attention; default: one per attention head)")
-    add("--swiglu", action="store_true", help="gated SiLU MLP")
-    add("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    add("--norm-epsilon", type=float, default=1e-5)
-    add("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
-    add("--add-qkv-bias", action="store_true", help="QKV bias even without linear biases")
-    add("--rotary-base", type=int, default=10000)
-    add("--rotary-percent", type=float, default=1.0)
-    add("--rotary-seq-len-interpolation-factor", type=float, default=None)
-    add("--use-rope-scaling", action="store_true", help="Llama 3.x RoPE frequency scaling")
-    add("--rope-scaling-factor", type=float, default=8.0)
-    add("--ffn-hidden-size", type=int, default=None)
+    add_model_shape_args(parser, dests={"untie_embeddings_and_output_weights": "untie_embeddings"},
+                         required="", **{name: value for name, value in defaults.items()
+                            if name in SHAPE_FLAGS})
     add("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N",
         help="uneven first stage: its decoder layers (a loop: pipeline rank 0's; a V: virtual "
              "stage 0's); the other stages share the rest evenly")
@@ -136,7 +134,6 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
         help="every virtual stage's decoder layers, megatron's string form in stage order, "
              "e.g. 'Et|t*2|t|tL' (seq1f1b/plan/stage_layers.py)")
     add("--vocab-size", type=int, default=96)
-    add("--seq-length", type=int, default=24)
     add("--micro-batch-size", type=int, default=2)
     add("--num-microbatches", type=int, default=4)
     add("--tp", type=int, default=1, help="tensor-parallel size")
@@ -146,7 +143,6 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
     add("--partition", choices=list(partitions), default="even")
     add("--span-lengths", type=int, nargs="+", default=None,
         help="explicit span lengths (implies --partition explicit)")
-    add("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
     add("--sequence-parallel", action="store_true")
     add("--attention-backend", choices=["auto", "eager", "sdpa", "flex", "flash", "te"],
         default="auto")
@@ -168,9 +164,21 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
                         action="store_false",
                         help="weight gradients into fresh tensors that DDP adds to main_grad "
                              "(default: the GEMM accumulates into main_grad, as Megatron-LM)")
-    parser.add_argument("--untie-embeddings-and-output-weights", dest="untie_embeddings",
-                        action="store_true",
-                        help="separate output-layer weights (V placements need them)")
+
+
+def settle_shape_flags(args) -> None:
+    """Fill in the model-shape flags of add_model_flags as pretrain_gpt.py does (the SwiGLU FFN
+    width), or raise ValueError (one line naming the flag) for what a case cannot build:
+    inconsistent grouped-query flags, --kv-channels other than hidden / heads, a position table
+    other than --seq-length (the case builds one of that size)."""
+    error = query_groups_error(args) or kv_channels_error(args) or swiglu_ffn_error(args)
+    if error is not None:
+        raise ValueError(error)
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
+    if args.max_position_embeddings not in (None, args.seq_length):
+        raise ValueError(f"--max-position-embeddings {args.max_position_embeddings}: this tool "
+                         f"builds the position table of --seq-length {args.seq_length}")
 
 
 def cost_model(flags) -> ModelConfig:

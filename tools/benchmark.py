@@ -129,13 +129,14 @@ def build_parser() -> Parser:
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, list[Run]]:
     """Parse and check everything that can be checked before the processes meet."""
     from megatron.training.writable import check_output_file
-    from seq1f1b.equivalence import check_placement
+    from seq1f1b.equivalence import check_placement, settle_shape_flags
     from seq1f1b.plan.actions import ScheduleError
     from seq1f1b.plan.budget import MemoryCap
     from seq1f1b.runtime.forward_backward import MEGATRON_SCHEDULES, schedule_names
 
     args = build_parser().parse_args(argv)
     try:      # the results are written after the whole run: a bad path is refused before it
+        settle_shape_flags(args)
         for flag, path, suffix in (("--output", args.output, None), ("--plot", args.plot, ".png")):
             if path is not None:
                 check_output_file(path, flag, suffix)

@@ -57,8 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.span_lengths:
         args.partition = "explicit"
     from seq1f1b.equivalence import (check_budget, check_documents, check_placement,
-                                     check_stage_layers)
+                                     check_stage_layers, settle_shape_flags)
     try:
+        settle_shape_flags(args)
         if args.pipeline_schedule_file is not None:
             _take_schedule_file(args, parser)
         args.schedule = args.schedule or "seq1f1b"

@@ -6,12 +6,12 @@
     device_check.py OUTDIR --suite gpu [--tiny]   the first GPU run's evidence (issue 19)
 
 --suite gpu writes five parts, each with its own budget (SUITE_BUDGETS_S, 8.5 minutes in all) and
-its failure kept to itself: numerics (device_numerics.py: bf16 span attention with a cached
-prefix against an fp32 reference, per backend), training (device_training.py: pretrain_gpt.py,
-bf16, the 1.3B shape at 16K, 20 iterations with seq1f1b k=1 and k=4), memory (the stage run at
-32K and held_microbatches below), attention (the comparison and span_kernels below) and
-documents (device_documents.py: packed documents' peak memory against the dense case at the
-same shape, per backend).
+its failure kept to itself: numerics (seq1f1b/device_checks/numerics.py: bf16 span attention with a
+cached prefix against an fp32 reference, per backend), training
+(megatron/training/device_training.py: pretrain_gpt.py, bf16, the 1.3B shape at 16K, 20 iterations
+with seq1f1b k=1 and k=4), memory (the stage run at 32K and held_microbatches below), attention
+(the comparison and span_kernels below) and documents (seq1f1b/device_checks/documents.py: packed
+documents' peak memory against the dense case at the same shape, per backend).
 
 The default suite writes OUTDIR/device_check.json with these parts (the stage first; parts that
 would start after --budget-s are skipped and say so):
@@ -580,9 +580,9 @@ SUITE_BUDGETS_S = {"numerics": 60.0, "training": 165.0, "memory": 120.0, "attent
 
 def run_gpu_suite(shapes: Shapes, tiny: bool) -> dict:
     """The parts of --suite gpu, each with its own budget and its failures kept to itself."""
-    from device_documents import check_documents
-    from device_numerics import check_numerics
-    from device_training import GPU_TRAINING, TINY_TRAINING, check_training
+    from megatron.training.device_training import GPU_TRAINING, TINY_TRAINING, check_training
+    from seq1f1b.device_checks.documents import check_documents
+    from seq1f1b.device_checks.numerics import check_numerics
 
     memory_shapes = replace(shapes, stage_lengths=shapes.stage_lengths[:1])
     parts = {

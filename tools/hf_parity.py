@@ -10,7 +10,7 @@ the logits and the loss with transformers' forward (eager attention) on the same
 (PP micro-batches of --micro-batch-size sequences). Prints
 {"max_abs_logit_diff", "loss", "hf_loss", "passed", ...} with --json (a sentence without); exit
 code 0 when passed, 1 when not, 2 for bad input (one line naming the flag or file). The
-threshold is seq1f1b.hf.parity's docstring: 1e-4 of the logits' scale, fp32.
+threshold is megatron.training.hf_parity's docstring: 1e-4 of the logits' scale, fp32.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from seq1f1b.hf import ConversionError
-    from seq1f1b.hf.parity import ParityCase, run_parity
+    from megatron.training.hf_parity import ParityCase, run_parity
 
     args = parse_args(argv)
     case = ParityCase(hf_dir=args.hf_dir, tp=args.tp, pp=args.pp, vpp=args.vpp,

@@ -16,6 +16,8 @@
   plan.py search    --pp 4 --microbatches 8 --splits 2 --uniform-cost 1 1.5 0.5 --exact
   plan.py compare   --pp 4 --microbatches 8 --model 7b --seq-length 65536 --tp 8 \
                     --sequence-parallel --partition compute
+  plan.py tune      --model 7b --seq-length 131072 --gpus 32 --gpu-memory 80GiB --top 10 \
+                    --emit-sbatch tuned.sbatch      (which layout to launch: docs/planner.md)
 
 Every subcommand takes --json for other tools. Bad arguments print one line on stderr and exit 2;
 `comm` exits 1 when the communication would deadlock or mismatch under NCCL's rules.
@@ -31,13 +33,14 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from seq1f1b.model_flags import COST_FLAGS, add_model_shape_args, model_of_flags  # noqa: E402
 from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
 from seq1f1b.plan.budget import (MemoryCap, ScheduleBudget, model_budget,  # noqa: E402
                                  resolve_budget)
 from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
 from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
-                                ModelConfig, preset)
+                                ModelConfig)
 from seq1f1b.plan.communication import SEND, communication_plan  # noqa: E402
 from seq1f1b.plan.memory import (FRAMEWORK_OVERHEAD_GIB, GIB, MEGATRON_PLANS,  # noqa: E402
                                  PRECISIONS, MemoryEstimate, TrainingSetup, estimate_memory)
@@ -107,17 +110,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model (a preset or its dimensions)")
     group.add_argument("--model", type=str.lower, choices=list(PRESETS), metavar="NAME",
                        help=f"the paper's configs: {', '.join(PRESETS)}")
-    group.add_argument("--num-layers", type=int)
-    group.add_argument("--hidden-size", type=int)
-    group.add_argument("--num-attention-heads", type=int)
-    group.add_argument("--ffn-hidden-size", type=int)
+    add_model_shape_args(group, COST_FLAGS, required=" (without --model)",
+                         **{name: None for name in COST_FLAGS})
     group.add_argument("--vocab-size", type=int)
-    group.add_argument("--num-query-groups", type=int, help="K/V heads (grouped-query attention)")
-    group.add_argument("--swiglu", action="store_true", default=None,
-                       help="gated SiLU MLP: three GEMMs, more kept activations")
-    group.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
-    group.add_argument("--disable-bias-linear", action="store_true", default=None)
-    group.add_argument("--add-qkv-bias", action="store_true", default=None)
 
 
 def _add_stage_layer_args(parser: argparse.ArgumentParser) -> None:
@@ -161,25 +156,10 @@ def _add_span_args(parser: argparse.ArgumentParser, method_flag: str) -> None:
 
 
 def _model(args: argparse.Namespace) -> ModelConfig | None:
-    dims = {name: getattr(args, name) for name in
-            ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-             "vocab_size", "num_query_groups", "swiglu", "normalization",
-             "disable_bias_linear", "add_qkv_bias")}
-    given = {name: value for name, value in dims.items() if value is not None}
-    if args.model:
-        if given:
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise UsageError(f"--model {args.model} cannot be combined with {flags}")
-        return preset(args.model)
-    if not given:
-        return None
-    missing = [name for name in ("num_layers", "hidden_size", "num_attention_heads")
-               if name not in given]
-    if missing:
-        raise UsageError(f"--{missing[0].replace('_', '-')} is required without --model")
-    if given.pop("disable_bias_linear", False):
-        given["add_bias_linear"] = False
-    return ModelConfig(**given)
+    try:
+        return model_of_flags(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _time_fit(args: argparse.Namespace) -> SpanTimeFit | None:
@@ -599,6 +579,112 @@ def cmd_compare(args: argparse.Namespace) -> None:
               f"{r.gap:6.1%}  {peaks}")
 
 
+def _gpu_memory(text: str) -> float:
+    """--gpu-memory: GiB, or a number with a unit (80GiB, 80GB = 80e9 bytes)."""
+    units = {"": 1.0, "gib": 1.0, "gb": 1e9 / GIB, "mib": 1 / 1024}
+    number = text.lower().rstrip("gibm")
+    unit = text.lower()[len(number):]
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise UsageError(f"--gpu-memory {text!r}: give GiB, e.g. 80GiB, 79.25 or 80GB") from None
+    if value <= 0:
+        raise UsageError(f"--gpu-memory {text!r} must be positive")
+    return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name for name in text.split(",") if name)
+
+
+def cmd_tune(args: argparse.Namespace) -> None:
+    from seq1f1b.plan.tune import report
+    from seq1f1b.plan.tune.devices import resolve_gpu
+    from seq1f1b.plan.tune.launch import sbatch_script
+    from seq1f1b.plan.tune.search import tune
+    from seq1f1b.plan.tune.space import Query, default_schedules
+    model = _model(args)
+    if model is None:
+        raise UsageError("a model is required: --model or its dimensions")
+    if args.emit_sbatch:
+        folder = os.path.dirname(os.path.abspath(args.emit_sbatch))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise UsageError(f"--emit-sbatch {args.emit_sbatch}: {folder} is not a writable "
+                             "directory")
+    schedules = _names(args.schedules) if args.schedules else default_schedules()
+    for name in schedules:
+        registry.get(name)
+    try:
+        chunks = tuple(int(v) for v in _names(args.chunks))
+    except ValueError:
+        raise UsageError(f"--chunks {args.chunks!r}: give integers, e.g. 2,4") from None
+    recomputes = tuple(None if name == "none" else name for name in _names(args.recompute))
+    for name in recomputes:
+        if name not in (None, "selective", "full"):
+            raise UsageError(f"--recompute: {name!r}; choose from none, selective, full")
+    query = Query(model, args.seq_length, args.gpus, args.gpus_per_node,
+                  args.global_batch_size, args.micro_batch_size, schedules, args.max_splits,
+                  args.min_span, chunks, _names(args.partitions), recomputes,
+                  not args.even_stages)
+    gpu = resolve_gpu(args.gpu, _gpu_memory(args.gpu_memory) if args.gpu_memory else None,
+                      args.gpus_per_node)
+    result = tune(query, gpu, args.top)
+    if args.emit_sbatch and result.ranked:
+        winner = result.ranked[0]
+        with open(args.emit_sbatch, "w") as out:
+            out.write(sbatch_script(winner.setup, query.global_batch_size, query.gpus,
+                                    query.gpus_per_node,
+                                    f"{winner.name}: {winner.projection.tokens_per_s:.0f} "
+                                    f"tokens/s projected on {gpu.device.name}"))
+    if args.json:
+        print(json.dumps(report.to_dict(result)))
+    else:
+        print("\n".join(report.text(result)))
+        if args.emit_sbatch and result.ranked:
+            print(f"wrote {args.emit_sbatch} (sbatch {args.emit_sbatch})")
+    if not result.ranked:
+        raise SystemExit(1)
+
+
+def _add_tune_args(tune: argparse.ArgumentParser) -> None:
+    _add_model_args(tune)
+    tune.add_argument("--seq-length", type=int, required=True, help="tokens per sequence L")
+    tune.add_argument("--gpus", type=int, required=True, help="GPUs of the run")
+    tune.add_argument("--gpus-per-node", type=int, default=8,
+                      help="GPUs per node: TP stays inside one (default 8)")
+    tune.add_argument("--gpu", default="a100", metavar="a100|h100|FILE",
+                      help="the device model: a100 (default), h100, or a device_check.json "
+                           "of tools/device_check.py (its measured efficiencies and "
+                           "reserved/allocated ratio)")
+    tune.add_argument("--gpu-memory", metavar="SIZE",
+                      help="memory per GPU for the OOM verdicts: 80GiB, 79.25 (GiB) or 80GB "
+                           f"(default: the device's, {A100.memory_gib:g} GiB for an A100)")
+    tune.add_argument("--global-batch-size", type=int,
+                      help="sequences per iteration (default max(32, GPUs / 4)); with DP "
+                           "it sets the micro-batch count")
+    tune.add_argument("--micro-batch-size", type=int, default=1)
+    tune.add_argument("--schedules", metavar="A,B",
+                      help="registry schedules to consider (default: all but the searched)")
+    tune.add_argument("--max-splits", type=int, default=32, help="largest k (default 32)")
+    tune.add_argument("--min-span", type=int, default=1024,
+                      help="shortest span in tokens: caps k at L / this (default 1024)")
+    tune.add_argument("--chunks", default="2,4", metavar="V,V",
+                      help="V of the loop-interleaved schedules (default 2,4; a V has 2)")
+    tune.add_argument("--partitions", default="even,compute", metavar="A,B",
+                      help="span cuts to consider for k > 1 (default even,compute)")
+    tune.add_argument("--recompute", default="none,selective,full", metavar="A,B",
+                      help="activation recompute to consider (default none,selective,full; "
+                           "full is uniform, one layer per group)")
+    tune.add_argument("--even-stages", action="store_true",
+                      help="do not try uneven first/last stages")
+    tune.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    tune.add_argument("--emit-sbatch", metavar="FILE",
+                      help="write the winner as an sbatch script (examples/slurm's shape, "
+                           "sourcing launch_pretrain.sh)")
+    tune.add_argument("--json", action="store_true")
+    tune.set_defaults(run=cmd_tune)
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="plan.py", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -705,6 +791,10 @@ def build_parser() -> Parser:
                                                "and interleaved zero bubble on the same costs")
     _add_problem_args(comp, "F B W per micro-batch on a rank's layers (default 1 1 1)")
     comp.set_defaults(run=cmd_compare)
+
+    _add_tune_args(commands.add_parser(
+        "tune", help="the fastest layouts (TP, CP, PP, V, k, schedule, recompute) that fit, "
+                     "and the winner's flags"))
     return parser
 
 

@@ -7,6 +7,11 @@ combination with an `ArgumentError` whose message is one line naming the flag. I
 starts from) but writes nothing, so a rejected run leaves no trace.
 `parse_and_validate_args` is the CLI form: the message on stderr and exit code 2.
 
+The flags are grouped as Megatron-LM groups them (_add_network_size_args,
+_add_regularization_args, _add_training_args, ... in its megatron/training/arguments.py), so
+--help reads in the order its users know; Seq1F1B's own schedule flags have a group of their
+own, and megatron_lm_flags holds the rest of Megatron-LM's (accepted without effect, or refused).
+
 Schedule names are read lazily from `seq1f1b.plan.registry` (plus megatron-core's own schedules).
 This module does not import megatron-core (~4 s), so a bad flag is reported at once; only a
 resume imports torch and megatron-core, last, to read how its checkpoint was saved (its LR
@@ -25,8 +30,10 @@ from typing import NoReturn, Optional, Sequence
 from megatron.training import checkpoint_model, lr_schedule, megatron_lm_flags, writable
 from megatron.training.checkpoint_common import read_common_state, starting_point
 from megatron.training.data import DataConfig, check_data_config, check_token_ids, parse_split
-from megatron.training.tokenizer import (
-    add_tokenizer_args, build_tokenizer, padded_vocab_size)
+from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer
+from seq1f1b import checkpoint_layout
+from seq1f1b.model_flags import (SHAPE_FLAGS, add_model_shape_args, default_ffn_hidden_size,
+                                 kv_channels_error, query_groups_error, swiglu_ffn_error)
 
 MEGATRON_SCHEDULES = {"megatron-1f1b": False, "megatron-interleaved-1f1b": True}
 MEGATRON_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")   # megatron's --cp-comm-type
@@ -40,8 +47,6 @@ MEGATRON_BACKENDS = {"local": "eager", "unfused": "eager", "fused": "te"}
 """Megatron-LM's --attention-backend names and ours for them: megatron-core's local attention and
 TE's unfused one are the plain softmax(QK^T)V (eager), TE's fused attention is te."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 TRANSFORMER_IMPLS = ("local", "transformer_engine", "inference_optimized")
 CKPT_FORMATS = ("torch_dist", "torch", "zarr", "torch_dcp", "fsdp_dtensor")
 
@@ -88,59 +93,37 @@ def _placement(name: str) -> str:
     return registry.get(name).placement
 
 
-def _add_model_args(parser: ArgumentParser) -> None:
-    g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, help="transformer layers (required)")
-    g.add_argument("--hidden-size", type=int, help="hidden size (required)")
-    g.add_argument("--ffn-hidden-size", type=int, help="MLP hidden size (default: 4 x hidden)")
-    g.add_argument("--num-attention-heads", type=int, help="attention heads (required)")
-    g.add_argument("--seq-length", type=int, help="tokens per sample (required)")
-    g.add_argument("--max-position-embeddings", type=int,
-                   help="position table size (default: --seq-length)")
-    g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=POSITION_EMBEDDINGS)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="separate input embedding and output layer weights")
-    g.add_argument("--group-query-attention", action="store_true",
-                   help="grouped-query attention: --num-query-groups K/V heads")
-    g.add_argument("--num-query-groups", type=int,
-                   help="K/V heads with --group-query-attention (divides the attention heads)")
-    g.add_argument("--swiglu", action="store_true",
-                   help="gated SiLU MLP (Llama); --ffn-hidden-size defaults to 8h/3 rounded "
-                        "down to a multiple of 64, as Megatron-LM does")
-    g.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS,
-                   help="the layers' and the final norm (sequence-parallel capable either way)")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="the norms' epsilon")
-    g.add_argument("--disable-bias-linear", action="store_true",
-                   help="no biases in the linear layers (Llama, Mistral)")
-    g.add_argument("--add-qkv-bias", action="store_true",
-                   help="bias in the QKV projection even with --disable-bias-linear (Qwen2)")
-    g.add_argument("--kv-channels", type=int,
-                   help="channels per attention head; only hidden / heads (the default) is "
-                        "supported")
-    g.add_argument("--rotary-base", type=int,
-                   help="RoPE base (theta) (default: 10000; resuming, the checkpoint's must "
-                        "match unless this is given)")
-    g.add_argument("--rotary-percent", type=float, default=1.0,
-                   help="fraction of each head's channels that RoPE rotates")
-    g.add_argument("--rotary-seq-len-interpolation-factor", type=int,
-                   help="linear position interpolation: positions divided by this")
-    g.add_argument("--use-rope-scaling", action="store_true",
-                   help="Llama 3.x RoPE frequency scaling (megatron-core's: low/high frequency "
-                        "factors 1/4, original context 8192)")
-    g.add_argument("--rope-scaling-factor", type=float,
-                   help="the factor of --use-rope-scaling (default: 8)")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+EXIT_SIGNALS = tuple(sorted(s.name for s in signal.valid_signals()
+                            if isinstance(s, signal.Signals)
+                            and s not in (signal.SIGKILL, signal.SIGSTOP)))
+"""What --exit-signal accepts: the catchable signals, by name (Megatron-LM's choices)."""
+
+
+def _add_network_size_args(parser: ArgumentParser) -> None:
+    """The model's shape (seq1f1b.model_flags: every tool that takes a model shares it; only
+    --seq-length sits with the data, as in Megatron-LM) and the vocabulary's padding."""
+    g = parser.add_argument_group("network size")
+    add_model_shape_args(g, tuple(name for name in SHAPE_FLAGS if name != "seq_length"))
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x TP")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="core attention kernel of the span-aware attention; Megatron-LM's "
-                        "local and unfused run eager, fused runs te")
-    g.add_argument("--transformer-impl", default="local", choices=TRANSFORMER_IMPLS,
-                   help="the layers: megatron-core's local ones (Transformer Engine's are not "
-                        "supported; Megatron-LM's default is transformer_engine)")
+
+
+def _add_regularization_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("regularization")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="grad-norm clip (0: off)")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+
+
+def _add_training_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, help="samples per micro-batch (required)")
+    g.add_argument("--global-batch-size", type=int,
+                   help="samples per iteration over all DP ranks (default: micro x DP)")
     g.add_argument("--recompute-activations", action="store_true",
                    help="selective recompute (= --recompute-granularity selective)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"],
@@ -151,14 +134,163 @@ def _add_model_args(parser: ArgumentParser) -> None:
                         "(uniform) or the first --recompute-num-layers layers of a stage (block)")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per recompute group (uniform) or recomputed per stage (block)")
+    g.add_argument("--train-iters", type=int,
+                   help="iterations to train (required, or --train-samples)")
+    g.add_argument("--train-samples", type=int,
+                   help="samples to train instead of --train-iters (iterations = samples // "
+                        "global batch); the LR schedule is then counted in samples")
+    g.add_argument("--skip-train", action="store_true",
+                   help="do not train: load the checkpoint (weights only, as --no-load-optim), "
+                        "evaluate on the validation and test splits from their start, and exit")
+    g.add_argument("--exit-interval", type=int,
+                   help="save (with --save) and stop once the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float,
+                   help="after this many minutes from the start, finish the iteration, save "
+                        "(with --save) and exit with code 0")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal (on any rank), finish the iteration, save (with --save) "
+                        "and exit with code 0")
+    g.add_argument("--exit-signal", choices=EXIT_SIGNALS, metavar="SIGNAL",
+                   help="the signal --exit-signal-handler catches (default: SIGTERM)")
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler chrome traces of iterations [--profile-step-start, "
+                        "--profile-step-end) into --tensorboard-dir, one per profiled rank, "
+                        "with the executor's actions named")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="accepted for Megatron-LM command lines: --profile always uses "
+                        "torch.profiler here")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="first profiled iteration, counted from this run's start")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="iteration where profiling stops (exclusive)")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], metavar="RANK",
+                   help="global ranks to profile (default: 0)")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="record the CUDA caching allocator's history; the last rank dumps a "
+                        "snapshot to --memory-snapshot-path at each log line (GPU only)")
+    g.add_argument("--memory-snapshot-path", default="snapshot.pickle",
+                   help="where --record-memory-history dumps (default: snapshot.pickle)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="do not stop at a NaN or inf loss or gradient norm (by default the run "
+                        "stops, naming the iteration, the stage and the micro-batch)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="gradient of the global batch's token mean (default: mean over "
+                        "micro-batches of each one's token mean, as Megatron)")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                   action="store_false",
+                   help="compute each weight gradient into a fresh tensor that DDP then adds to "
+                        "main_grad (by default the GEMM accumulates into main_grad: "
+                        "fused_weight_gradient_mlp_cuda on a GPU, addmm_ on the CPU)")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="core attention kernel of the span-aware attention; Megatron-LM's "
+                        "local and unfused run eager, fused runs te")
+    g.add_argument("--transformer-impl", default="local", choices=TRANSFORMER_IMPLS,
+                   help="the layers: megatron-core's local ones (Transformer Engine's are not "
+                        "supported; Megatron-LM's default is transformer_engine)")
 
 
-def _add_parallel_args(parser: ArgumentParser) -> None:
-    g = parser.add_argument_group("parallelism")
+def _add_initialization_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("initialization")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+
+def _add_learning_rate_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, help="peak learning rate (required)")
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
+    g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=int,
+                   help="with --train-samples: samples to decay over (default: --train-samples)")
+    g.add_argument("--lr-warmup-fraction", type=float,
+                   help="warm-up as a fraction of the decay horizon (instead of --lr-warmup-iters"
+                        " / --lr-warmup-samples)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="with --train-samples: warm-up samples")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="the learning rate warm-up starts from")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, the LR schedule of the flags replaces the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's LR schedule over the flags'")
+    g.add_argument("--decoupled-lr", type=float,
+                   help="a separate peak LR for the input embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float,
+                   help="a separate minimum LR for them (with --decoupled-lr)")
+
+
+def _add_checkpointing_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", help="checkpoint directory to write")
+    g.add_argument("--save-interval", type=int, help="iterations between checkpoints")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background with megatron-core's async save "
+                        "(a forked writer per rank; torch_dist only): training goes on, the "
+                        "checkpoint is published (renamed, tracker updated) once every rank "
+                        "finished writing, checked each iteration and forced before the next "
+                        "save and at exit")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="leave the optimizer state and LR schedule out of checkpoints (loading "
+                        "one then needs --no-load-optim or --finetune)")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="leave the RNG states out of checkpoints (a resume then starts the RNGs "
+                        "from --seed)")
+    g.add_argument("--load", help="checkpoint directory to resume from")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="do not load the optimizer state and LR schedule of --load")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="do not load the RNG states of --load")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="stop (one line) when --load holds no checkpoint, instead of starting "
+                        "from iteration 0")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model weights of --load; start at iteration 0 with a fresh "
+                        "optimizer, LR schedule, data position and RNG")
+    g.add_argument("--pretrained-checkpoint",
+                   help="fine-tune from this checkpoint directory when --load holds no "
+                        "checkpoint (as --finetune); once the run has saved into --load, "
+                        "requeues resume from there")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model flags from the checkpoint the run starts from (its "
+                        "args, or a release's config.json), as Megatron-LM: the sizes where not "
+                        "given, the rest forced; a RoPE base or scaling given here stays (a "
+                        "context extension)")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,
+                   help="checkpoint format: torch_dist (megatron-core's dist_checkpointing) is "
+                        "the one written and read here")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="save the distributed optimizer's state per parameter, so that the "
+                        "checkpoint resumes at another TP, PP or V (saving gathers it over DP; "
+                        "default: megatron's dp_reshardable format, which reshards over DP only)")
+
+
+def _add_mixed_precision_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce gradients over data parallelism in bf16 (default: fp32)")
+    g.add_argument("--loss-scale", type=float,
+                   help="with --fp16: a static loss scale (default: dynamic scaling)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                   help="with --fp16: the dynamic loss scale's start")
+    g.add_argument("--min-loss-scale", type=float, default=1.0,
+                   help="with --fp16: the dynamic loss scale's floor")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="with --fp16: iterations without overflow before the scale grows")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="with --fp16: overflows tolerated before the scale shrinks")
+
+
+def _add_distributed_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
-                   help="layers per model chunk; chunks per rank V = layers / (PP x this)")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, metavar="N",
                    help="uneven first stage: its decoder layers; the other stages share the "
                         "rest evenly (megatron-core's num_layers_in_first_pipeline_stage: of "
@@ -173,6 +305,26 @@ def _add_parallel_args(parser: ArgumentParser) -> None:
                         "order data flows (a V: stage 2P-1 is rank 0's chunk 1), e.g. "
                         "'Et*3|t*5|t*5|t*3L'; its stage count gives the chunks per rank "
                         "(seq1f1b/plan/stage_layers.py)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                   help="layers per model chunk; chunks per rank V = layers / (PP x this)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce each gradient bucket over data parallelism as soon as its last "
+                        "gradient of the iteration is in (at W for the zero-bubble schedules' "
+                        "weights), overlapped with the rest of the backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="gather the updated parameters (--use-distributed-optimizer) during "
+                        "the next forward instead of after the optimizer step")
+    g.add_argument("--no-align-param-gather", dest="align_param_gather", action="store_false",
+                   help="with --overlap-param-gather: each bucket's gather starts at its first "
+                        "forward, not the whole chunk's ahead of it")
+    g.add_argument("--distributed-timeout-minutes", type=int,
+                   help="Megatron-LM's process-group timeout in minutes: sets --p2p-timeout")
+    g.add_argument("--p2p-timeout", type=float, default=600.0,
+                   help="seconds a pipeline send/receive, or any collective (the process "
+                        "groups' timeout, which NCCL's watchdog enforces), may wait before the "
+                        "run fails")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state over data-parallel ranks")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="shard norms/dropout activations along the sequence over TP")
     g.add_argument("--context-parallel-size", type=int, default=1,
@@ -181,18 +333,12 @@ def _add_parallel_args(parser: ArgumentParser) -> None:
     g.add_argument("--cp-comm-type", default="a2a",
                    help="context-parallel communication: a2a (Ulysses, the only one span "
                         "schedules run; Megatron's p2p ring, all_gather and a2a+p2p are refused)")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard optimizer state over data-parallel ranks")
-    g.add_argument("--distributed-timeout-minutes", type=int,
-                   help="Megatron-LM's process-group timeout in minutes: sets --p2p-timeout")
-    g.add_argument("--p2p-timeout", type=float, default=600.0,
-                   help="seconds a pipeline send/receive, or any collective (the process "
-                        "groups' timeout, which NCCL's watchdog enforces), may wait before the "
-                        "run fails")
 
 
-def _add_schedule_args(parser: ArgumentParser) -> None:
-    g = parser.add_argument_group("pipeline schedule")
+def _add_pipeline_schedule_args(parser: ArgumentParser) -> None:
+    """Seq1F1B's own flags: the schedule, its spans and the reference fork's aliases (no
+    Megatron-LM group holds them)."""
+    g = parser.add_argument_group("pipeline schedule (Seq1F1B)")
     g.add_argument("--pipeline-schedule",
                    help="a registered schedule name (seq1f1b.plan.registry), or megatron-1f1b / "
                         f"megatron-interleaved-1f1b (default: {DEFAULT_SCHEDULE})")
@@ -225,100 +371,39 @@ def _add_schedule_args(parser: ArgumentParser) -> None:
                    help="alias of --seq1f1b-partition: average = even, uniform_comp = compute")
 
 
-def _add_training_args(parser: ArgumentParser) -> None:
-    g = parser.add_argument_group("batch")
-    g.add_argument("--micro-batch-size", type=int, help="samples per micro-batch (required)")
-    g.add_argument("--global-batch-size", type=int,
-                   help="samples per iteration over all DP ranks (default: micro x DP)")
-    g = parser.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, help="peak learning rate (required)")
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
-    g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--train-iters", type=int,
-                   help="iterations to train (required, or --train-samples)")
-    g.add_argument("--train-samples", type=int,
-                   help="samples to train instead of --train-iters (iterations = samples // "
-                        "global batch); the LR schedule is then counted in samples")
-    g.add_argument("--lr-decay-samples", type=int,
-                   help="with --train-samples: samples to decay over (default: --train-samples)")
-    g.add_argument("--lr-warmup-samples", type=int, default=0,
-                   help="with --train-samples: warm-up samples")
-    g.add_argument("--lr-warmup-fraction", type=float,
-                   help="warm-up as a fraction of the decay horizon (instead of --lr-warmup-iters"
-                        " / --lr-warmup-samples)")
-    g.add_argument("--lr-warmup-init", type=float, default=0.0,
-                   help="the learning rate warm-up starts from")
-    g.add_argument("--decoupled-lr", type=float,
-                   help="a separate peak LR for the input embedding and output layer")
-    g.add_argument("--decoupled-min-lr", type=float,
-                   help="a separate minimum LR for them (with --decoupled-lr)")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="grad-norm clip (0: off)")
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="gradient of the global batch's token mean (default: mean over "
-                        "micro-batches of each one's token mean, as Megatron)")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false",
-                   help="do not stop at a NaN or inf loss or gradient norm (by default the run "
-                        "stops, naming the iteration, the stage and the micro-batch)")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="reduce gradients over data parallelism in bf16 (default: fp32)")
-    g.add_argument("--loss-scale", type=float,
-                   help="with --fp16: a static loss scale (default: dynamic scaling)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
-                   help="with --fp16: the dynamic loss scale's start")
-    g.add_argument("--min-loss-scale", type=float, default=1.0,
-                   help="with --fp16: the dynamic loss scale's floor")
-    g.add_argument("--loss-scale-window", type=float, default=1000,
-                   help="with --fp16: iterations without overflow before the scale grows")
-    g.add_argument("--hysteresis", type=int, default=2,
-                   help="with --fp16: overflows tolerated before the scale shrinks")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
-                   action="store_false",
-                   help="compute each weight gradient into a fresh tensor that DDP then adds to "
-                        "main_grad (by default the GEMM accumulates into main_grad: "
-                        "fused_weight_gradient_mlp_cuda on a GPU, addmm_ on the CPU)")
-    g.add_argument("--seed", type=int, default=1234)
+def _add_validation_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("validation")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches per evaluation (0: no evaluation)")
+    g.add_argument("--eval-interval", type=int, default=1000,
+                   help="iterations between evaluations on the validation split")
 
 
 def _add_data_args(parser: ArgumentParser) -> None:
-    g = parser.add_argument_group("data and tokenizer")
+    g = parser.add_argument_group("data and dataloader")
     g.add_argument("--data-path", nargs="+",
                    help="dataset prefixes, or WEIGHT PREFIX pairs to blend")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
-    g.add_argument("--mock-data", action="store_true", help="synthetic data, no files")
     g.add_argument("--data-cache-path", help="where megatron-core caches sample indices")
+    g.add_argument("--mock-data", action="store_true", help="synthetic data, no files")
     g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
                    help="read the .bin files without memory-mapping them")
-    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD tokens")
+    add_model_shape_args(g, ("seq_length",))
     g.add_argument("--reset-position-ids", action="store_true",
                    help="packed documents: positions restart at 0 after each EOD")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="packed documents: a token attends only to its own document (exact "
                         "across spans; every pipeline stage then reads the data)")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD tokens")
+
+
+def _add_tokenizer_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("tokenizer")
     add_tokenizer_args(g)
 
 
-def _add_run_args(parser: ArgumentParser) -> None:
-    g = parser.add_argument_group("checkpoints and logging")
-    g.add_argument("--save", help="checkpoint directory to write")
-    g.add_argument("--load", help="checkpoint directory to resume from")
-    g.add_argument("--save-interval", type=int, help="iterations between checkpoints")
-    g.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,
-                   help="checkpoint format: torch_dist (megatron-core's dist_checkpointing) is "
-                        "the one written and read here")
-    g.add_argument("--eval-interval", type=int, default=1000,
-                   help="iterations between evaluations on the validation split")
-    g.add_argument("--eval-iters", type=int, default=100,
-                   help="global batches per evaluation (0: no evaluation)")
-    g.add_argument("--log-interval", type=int, default=100, help="iterations per log line")
+def _add_logging_args(parser: ArgumentParser) -> None:
+    g = parser.add_argument_group("logging")
     g.add_argument("--log-params-norm", action="store_true",
                    help="add Megatron-LM's 'params norm' field: the L2 norm of the parameters")
     g.add_argument("--log-num-zeros-in-grad", action="store_true",
@@ -327,53 +412,6 @@ def _add_run_args(parser: ArgumentParser) -> None:
     g.add_argument("--log-throughput", action="store_true",
                    help="add Megatron-LM's 'throughput per GPU (TFLOP/s/GPU)' field to the log "
                         "line (by the paper's FLOP count, as TFLOPS/GPU)")
-    g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
-    g.add_argument("--exit-interval", type=int,
-                   help="save (with --save) and stop once the iteration is a multiple of this")
-    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
-                   help="save the distributed optimizer's state per parameter, so that the "
-                        "checkpoint resumes at another TP, PP or V (saving gathers it over DP; "
-                        "default: megatron's dp_reshardable format, which reshards over DP only)")
-
-
-def _add_overlap_args(parser: ArgumentParser) -> None:
-    g = parser.add_argument_group("data-parallel communication overlap")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="reduce each gradient bucket over data parallelism as soon as its last "
-                        "gradient of the iteration is in (at W for the zero-bubble schedules' "
-                        "weights), overlapped with the rest of the backward")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="gather the updated parameters (--use-distributed-optimizer) during "
-                        "the next forward instead of after the optimizer step")
-    g.add_argument("--no-align-param-gather", dest="align_param_gather", action="store_false",
-                   help="with --overlap-param-gather: each bucket's gather starts at its first "
-                        "forward, not the whole chunk's ahead of it")
-
-
-def _add_observability_args(parser: ArgumentParser) -> None:
-    g = parser.add_argument_group("observability")
-    g.add_argument("--wandb-project", help="log the TensorBoard scalars to this W&B project "
-                   "(needs the wandb package)")
-    g.add_argument("--wandb-exp-name", help="the W&B run's name (required with --wandb-project)")
-    g.add_argument("--wandb-save-dir", help="W&B's local folder (default: <--save>/wandb)")
-    g.add_argument("--profile", action="store_true",
-                   help="torch.profiler chrome traces of iterations [--profile-step-start, "
-                        "--profile-step-end) into --tensorboard-dir, one per profiled rank, "
-                        "with the executor's actions named")
-    g.add_argument("--use-pytorch-profiler", action="store_true",
-                   help="accepted for Megatron-LM command lines: --profile always uses "
-                        "torch.profiler here")
-    g.add_argument("--profile-step-start", type=int, default=10,
-                   help="first profiled iteration, counted from this run's start")
-    g.add_argument("--profile-step-end", type=int, default=12,
-                   help="iteration where profiling stops (exclusive)")
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], metavar="RANK",
-                   help="global ranks to profile (default: 0)")
-    g.add_argument("--record-memory-history", action="store_true",
-                   help="record the CUDA caching allocator's history; the last rank dumps a "
-                        "snapshot to --memory-snapshot-path at each log line (GPU only)")
-    g.add_argument("--memory-snapshot-path", default="snapshot.pickle",
-                   help="where --record-memory-history dumps (default: snapshot.pickle)")
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
                    help="megatron timers printed after each log line: 0 none, 1 forward-"
                         "backward, grad sync and optimizer, 2 also each op's compute")
@@ -382,6 +420,32 @@ def _add_observability_args(parser: ArgumentParser) -> None:
     g.add_argument("--no-barrier-with-level-1-timing", dest="barrier_with_L1_time",
                    action="store_false",
                    help="level-1 timers start and stop without a barrier across ranks")
+    g.add_argument("--tensorboard-dir", help="write TensorBoard scalars here")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="iterations between the per-iteration TensorBoard/W&B scalars (loss, "
+                        "learning rate, grad norm, ...); the log line's timings follow "
+                        "--log-interval")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="TensorBoard events queued before a write to disk")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write megatron's timers (<name>-time: max over ranks, s per iteration; "
+                        "those --timing-log-level enables) and, with --log-throughput, "
+                        "'throughput' at each log line")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="write the CUDA allocator's mem-reserved-bytes, mem-allocated-bytes, "
+                        "mem-max-allocated-bytes and mem-allocated-count (GPU only; on the CPU "
+                        "the log line's peak-memory-mb/stage-N is what there is)")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="also write each evaluation's perplexity ('lm loss validation ppl')")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false", help="do not write 'loss-scale'")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="also write 'world-size'")
+    g.add_argument("--log-interval", type=int, default=100, help="iterations per log line")
+    g.add_argument("--wandb-project", help="log the TensorBoard scalars to this W&B project "
+                   "(needs the wandb package)")
+    g.add_argument("--wandb-exp-name", help="the W&B run's name (required with --wandb-project)")
+    g.add_argument("--wandb-save-dir", help="W&B's local folder (default: <--save>/wandb)")
     g.add_argument("--timeline-path", metavar="FILE.png",
                    help="trace one training iteration on every rank and draw each pipeline "
                         "rank's measured actions (seconds of this run) to FILE.png, with the "
@@ -390,51 +454,12 @@ def _add_observability_args(parser: ArgumentParser) -> None:
                    help="the iteration --timeline-path draws (default: --train-iters, the last)")
 
 
-EXIT_SIGNALS = tuple(sorted(s.name for s in signal.valid_signals()
-                            if isinstance(s, signal.Signals)
-                            and s not in (signal.SIGKILL, signal.SIGSTOP)))
-"""What --exit-signal accepts: the catchable signals, by name (Megatron-LM's choices)."""
-
-
-def _add_resume_args(parser: ArgumentParser) -> None:
-    g = parser.add_argument_group("starting points and preemption")
-    g.add_argument("--finetune", action="store_true",
-                   help="load only the model weights of --load; start at iteration 0 with a fresh "
-                        "optimizer, LR schedule, data position and RNG")
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="do not load the optimizer state and LR schedule of --load")
-    g.add_argument("--no-load-rng", action="store_true",
-                   help="do not load the RNG states of --load")
-    g.add_argument("--pretrained-checkpoint",
-                   help="fine-tune from this checkpoint directory when --load holds no "
-                        "checkpoint (as --finetune); once the run has saved into --load, "
-                        "requeues resume from there")
-    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
-                   dest="override_opt_param_scheduler", action="store_true",
-                   help="on resume, the LR schedule of the flags replaces the checkpoint's")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
-                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
-                   help="on resume, keep the checkpoint's LR schedule over the flags'")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="take the model flags from the checkpoint the run starts from (its "
-                        "args, or a release's config.json), as Megatron-LM: the sizes where not "
-                        "given, the rest forced; a RoPE base or scaling given here stays (a "
-                        "context extension)")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on --exit-signal (on any rank), finish the iteration, save (with --save) "
-                        "and exit with code 0")
-    g.add_argument("--exit-signal", choices=EXIT_SIGNALS, metavar="SIGNAL",
-                   help="the signal --exit-signal-handler catches (default: SIGTERM)")
-    g.add_argument("--exit-duration-in-mins", type=float,
-                   help="after this many minutes from the start, finish the iteration, save "
-                        "(with --save) and exit with code 0")
-
-
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description="Megatron-style GPT pretraining with Seq1F1B schedules")
-    for add in (_add_model_args, _add_parallel_args, _add_schedule_args, _add_training_args,
-                _add_data_args, _add_run_args, _add_resume_args, _add_overlap_args,
-                _add_observability_args):
+    for add in (_add_network_size_args, _add_regularization_args, _add_training_args,
+                _add_initialization_args, _add_learning_rate_args, _add_checkpointing_args,
+                _add_mixed_precision_args, _add_distributed_args, _add_pipeline_schedule_args,
+                _add_validation_args, _add_data_args, _add_tokenizer_args, _add_logging_args):
         add(parser)
     megatron_lm_flags.add_upstream_flags(parser)    # the rest of Megatron-LM's: no-op or refused
     return parser
@@ -481,6 +506,12 @@ def _fail(message: str) -> NoReturn:
     raise ArgumentError(message)
 
 
+def _warn(message: str) -> None:
+    """What Megatron-LM warns about and then adjusts: one line on stderr, the run goes on."""
+    print(f"{os.path.basename(sys.argv[0]) or 'pretrain_gpt.py'}: warning: {message}",
+          file=sys.stderr)
+
+
 def _require(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         if getattr(args, name) is None:
@@ -525,7 +556,8 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "seq1f1b_splits", "pipe_sp_splits", "seq1f1b_fit_iterations",
                  "make_vocab_size_divisible_by",
                  "lr_decay_iters", "save_interval", "eval_interval", "log_interval",
-                 "exit_interval", "vocab_size", "num_query_groups", "rotary_base",
+                 "exit_interval", "tensorboard_log_interval", "tensorboard_queue_size",
+                 "vocab_size", "num_query_groups", "rotary_base",
                  "kv_channels", "train_samples", "lr_decay_samples",
                  "distributed_timeout_minutes",
                  "rotary_seq_len_interpolation_factor"):
@@ -563,8 +595,7 @@ def _validate_model(args: argparse.Namespace) -> None:
         _fail("--recompute-method / --recompute-num-layers need --recompute-granularity full")
     _validate_architecture(args)
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
-                                else 4 * args.hidden_size)
+        args.ffn_hidden_size = default_ffn_hidden_size(args.hidden_size, args.swiglu)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -606,11 +637,9 @@ def _validate_attention_backend(args: argparse.Namespace) -> None:
 def _validate_architecture(args: argparse.Namespace) -> None:
     """GQA, norm and RoPE flags, checked as Megatron-LM checks them."""
     if args.group_query_attention:
-        if args.num_query_groups is None:
-            _fail("--group-query-attention needs --num-query-groups")
-        if args.num_attention_heads % args.num_query_groups:
-            _fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-                  f"--num-query-groups {args.num_query_groups}")
+        error = query_groups_error(args)
+        if error is not None:
+            _fail(error)
         if args.num_query_groups % args.tensor_model_parallel_size:
             _fail(f"--num-query-groups {args.num_query_groups} is not divisible by "
                   f"--tensor-model-parallel-size {args.tensor_model_parallel_size}")
@@ -625,14 +654,13 @@ def _validate_architecture(args: argparse.Namespace) -> None:
             _fail(f"--{changed[0].replace('_', '-')} needs --position-embedding-type rope")
     args.rotary_base = args.rotary_base or 10000
     args.rope_scaling_factor = args.rope_scaling_factor or 8.0
-    head_channels = args.hidden_size // args.num_attention_heads
-    if args.kv_channels is not None and args.kv_channels != head_channels:
-        _fail(f"--kv-channels {args.kv_channels}: only --hidden-size / --num-attention-heads "
-              f"= {head_channels} is supported (the span attention sizes its heads so)")
-    args.kv_channels = head_channels
-    if args.swiglu and args.ffn_hidden_size is None and args.hidden_size < 48:
-        _fail(f"--swiglu with --hidden-size {args.hidden_size}: the default FFN size rounds "
-              "to 0; give --ffn-hidden-size")
+    error = kv_channels_error(args)
+    if error is not None:
+        _fail(error)
+    args.kv_channels = args.hidden_size // args.num_attention_heads
+    error = swiglu_ffn_error(args)
+    if error is not None:
+        _fail(error)
 
 
 def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
@@ -679,9 +707,7 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--recompute-num-layers {args.recompute_num_layers} must divide the "
               f"{chunk_layers} layers of each model chunk with --recompute-method uniform")
     if args.sequence_parallel and tp == 1:      # as Megatron-LM: a warning, and off
-        print(f"{os.path.basename(sys.argv[0]) or 'pretrain_gpt.py'}: warning: "
-              f"--sequence-parallel is turned off: --tensor-model-parallel-size is 1",
-              file=sys.stderr)
+        _warn("--sequence-parallel is turned off: --tensor-model-parallel-size is 1")
         args.sequence_parallel = False
     if args.distributed_timeout_minutes is not None:
         args.p2p_timeout = 60.0 * args.distributed_timeout_minutes
@@ -1002,6 +1028,8 @@ def _validate_data(args: argparse.Namespace) -> None:
     if args.reset_attention_mask and args.attention_backend == "te":
         _fail(f"--reset-attention-mask: --attention-backend {args.attention_backend} cannot mask "
               f"documents; use eager, sdpa, flex or flash")
+    from seq1f1b.plan.costs import padded_vocab_size
+
     try:
         parse_split(args.split)
         infos = check_data_config(DataConfig.from_args(args))
@@ -1050,6 +1078,9 @@ def _validate_run(args: argparse.Namespace, explicit: frozenset[str]) -> None:
     if args.ckpt_format != "torch_dist":
         _fail(f"--ckpt-format {args.ckpt_format}: only torch_dist (megatron-core's "
               f"dist_checkpointing, Megatron-LM's default) is written and read here")
+    if args.skip_train and not args.no_load_optim:     # as Megatron-LM
+        _warn("enabling --no-load-optim when skipping training (--skip-train)")
+        args.no_load_optim = True
     _validate_start(args, explicit)
     if args.exit_signal is not None and not args.exit_signal_handler:
         _fail(f"--exit-signal {args.exit_signal} needs --exit-signal-handler")
@@ -1072,7 +1103,8 @@ def _validate_start(args: argparse.Namespace, explicit: frozenset[str]) -> None:
     """The checkpoint the run starts from: its tracker, its iteration, its files, its model
     (checkpoint_model: the flags' model must be the checkpoint's), its LR schedule."""
     for flag in ("finetune", "no_load_optim", "no_load_rng"):
-        if getattr(args, flag) and args.load is None and args.pretrained_checkpoint is None:
+        if getattr(args, flag) and args.load is None and args.pretrained_checkpoint is None \
+                and not (flag == "no_load_optim" and args.skip_train):
             _fail(f"--{flag.replace('_', '-')} needs --load or --pretrained-checkpoint")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         _fail("--override-opt_param-scheduler contradicts --use-checkpoint-opt_param-scheduler; "
@@ -1081,9 +1113,12 @@ def _validate_start(args: argparse.Namespace, explicit: frozenset[str]) -> None:
         start = starting_point(args)
     except ValueError as err:
         _fail(str(err))
+    if start is None and args.exit_on_missing_checkpoint and args.load is not None:
+        _fail(f"--exit-on-missing-checkpoint: --load {args.load} holds no checkpoint "
+              f"({checkpoint_layout.TRACKER_NAME} is missing)")
     if start is None:
         return
-    if not start.finetune and start.iteration > args.train_iters:
+    if not start.finetune and not args.skip_train and start.iteration > args.train_iters:
         _fail(f"--train-iters {args.train_iters} is below the iteration {start.iteration} of the "
               f"checkpoint in {start.flag} {start.root}")
     try:
@@ -1094,13 +1129,19 @@ def _validate_start(args: argparse.Namespace, explicit: frozenset[str]) -> None:
         _fail(str(err))
     if not start.release:
         _validate_resume_layout(args, start)
-    if not start.restores_optimizer or args.override_opt_param_scheduler or \
-            args.use_checkpoint_opt_param_scheduler:
+    if not start.restores_optimizer:
         return
     try:
-        saved = read_common_state(start.folder).get("opt_param_scheduler")
+        common = read_common_state(start.folder)
     except ValueError as err:
         _fail(f"{start.flag}: {err}")
+    if getattr(common.get("args"), "no_save_optim", False):
+        _fail(f"{start.flag} {start.root}: the checkpoint was saved with --no-save-optim (no "
+              f"optimizer state or LR schedule): give --no-load-optim or --finetune, as "
+              f"Megatron-LM asks")
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    saved = common.get("opt_param_scheduler")
     found = [] if saved is None else lr_schedule.disagreements(
         lr_schedule.ScheduleSettings.from_args(args), saved)
     if found:
@@ -1140,6 +1181,11 @@ def _validate_observability(args: argparse.Namespace) -> None:
             _fail(f"--profile-ranks {' '.join(map(str, outside))}: ranks are 0 to "
                   f"{args.world_size - 1}")
     _validate_timeline(args)
+    if args.log_memory_to_tensorboard:
+        import torch
+        if not torch.cuda.is_available():
+            _warn("--log-memory-to-tensorboard writes the CUDA allocator's statistics: no CUDA "
+                  "device here, so none are written (peak-memory-mb/stage-N still is)")
     if args.record_memory_history:
         import torch
         if not torch.cuda.is_available():

@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.training import checkpoint_layout
+from seq1f1b import checkpoint_layout
 
 MEGATRON_CHECKPOINT_VERSION = 3.0
 """Megatron-LM's `checkpoint_version` of torch_dist checkpoints (below 2.0 it would reorder the
@@ -163,12 +163,13 @@ class CheckpointLayout:
 def saved_args(args: argparse.Namespace, consumed_train_samples: int,
                consumed_valid_samples: int) -> argparse.Namespace:
     """The `args` a checkpoint carries: the run's flags with Megatron-LM's names for what its
-    loader reads besides them (the consumed samples, add_position_embedding, the format)."""
+    loader reads besides them (the consumed samples, add_position_embedding, the format, what
+    --no-save-optim / --no-save-rng left out)."""
     saved = argparse.Namespace(**vars(args))
     saved.consumed_train_samples = consumed_train_samples
     saved.consumed_valid_samples = consumed_valid_samples
     saved.add_position_embedding = args.position_embedding_type == "learned_absolute"
     saved.ckpt_format = "torch_dist"
-    saved.no_save_optim = False
-    saved.no_save_rng = False
+    saved.no_save_optim = bool(getattr(args, "no_save_optim", False))
+    saved.no_save_rng = bool(getattr(args, "no_save_rng", False))
     return saved

@@ -20,14 +20,18 @@ A release checkpoint (a converted model, tools/checkpoint/convert.py) holds the 
 loaded as Megatron-LM loads one, as iteration 0 with the optimizer, scheduler and RNGs as built.
 
 Atomicity is `checkpoint_layout`'s: the state is written to a staging folder, and only after every
-rank finished is it renamed and the tracker updated, by rank 0.
+rank finished is it renamed and the tracker updated, by rank 0. With --async-save the shards are
+written in the background (`async_checkpoint`) and that publish is the async request's last
+finalize step. --no-save-optim and --no-save-rng leave the optimizer with the LR schedule and the
+RNG states out, and say so in the stored `args`, as Megatron-LM does (validation then asks for
+--no-load-optim or --finetune; the RNGs are not looked for).
 """
 from __future__ import annotations
 
 import argparse
 import random
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy
 import torch
@@ -37,10 +41,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer, distrib_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron.training import checkpoint_layout, checkpoint_resharding
+from megatron.training import async_checkpoint, checkpoint_resharding
 from megatron.training.checkpoint_common import (MEGATRON_CHECKPOINT_VERSION, CheckpointLayout,
                                                  StartingPoint, saved_args)
 from megatron.training.model_setup import unwrap
+from seq1f1b import checkpoint_layout
 
 CONTENT_METADATA = {"distrib_optim_sharding_type": checkpoint_resharding.DP_RESHARDABLE,
                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -209,12 +214,18 @@ def _model_state(model: list) -> dict:
 
 def save_checkpoint(save_dir: str, model: list, optimizer: MegatronOptimizer,
                     scheduler: OptimizerParamScheduler, position: RunPosition,
-                    args: argparse.Namespace) -> str:
+                    args: argparse.Namespace,
+                    background: Optional[async_checkpoint.AsyncSaves] = None,
+                    on_published: Callable[[str], None] = lambda folder: None) -> str:
     """Write the checkpoint of `position.iteration` under `save_dir`, atomically; collective.
 
     `args` (the run's validated flags) is stored as Megatron-LM's `args`, with the position's
     consumed samples; its --dist-ckpt-optim-fully-reshardable stores the distributed optimizer's
-    state so that it resumes at another TP/PP/V. Returns the published folder.
+    state so that it resumes at another TP/PP/V, and --no-save-optim / --no-save-rng leave the
+    optimizer and LR schedule / the RNG states out, as Megatron-LM does. With `background`
+    (--async-save) the shards are written by megatron-core's async save and this returns while
+    they are; the checkpoint is published when `background` finalizes it. `on_published(folder)`
+    runs on every rank once it is published. Returns the folder it is published as.
     """
     staging = checkpoint_layout.staging_dir(save_dir, position.iteration)
     if dist.get_rank() == 0:
@@ -226,10 +237,12 @@ def save_checkpoint(save_dir: str, model: list, optimizer: MegatronOptimizer,
     content = {**CONTENT_METADATA, "distrib_optim_sharding_type":
                optimizer_format or checkpoint_resharding.DP_RESHARDABLE}
     state = _model_state(model)
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False,
-                                                      metadata=_metadata(content))
-    state["opt_param_scheduler"] = scheduler.state_dict()
-    state["rng_state"] = _rng_sharded_object(_gathered_rng_states())
+    if not getattr(args, "no_save_optim", False):
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False,
+                                                          metadata=_metadata(content))
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if not getattr(args, "no_save_rng", False):
+        state["rng_state"] = _rng_sharded_object(_gathered_rng_states())
     state["args"] = saved_args(args, position.consumed_train_samples,
                                position.consumed_valid_samples)
     state["checkpoint_version"] = MEGATRON_CHECKPOINT_VERSION
@@ -238,12 +251,22 @@ def save_checkpoint(save_dir: str, model: list, optimizer: MegatronOptimizer,
     state.update(checkpoint_resharding.record_entries(
         virtual=len(model), padded_vocab_size=getattr(unwrap(model[0]), "vocab_size", None),
         optimizer_format=optimizer_format))
-    dist_checkpointing.save(state, staging, content_metadata=content)
-    dist.barrier()     # every rank's shards are on disk before the checkpoint becomes visible
+    request = dist_checkpointing.save(state, staging, content_metadata=content,
+                                      async_sharded_save=background is not None)
     final = checkpoint_layout.iteration_dir(save_dir, position.iteration)
-    if dist.get_rank() == 0:
-        checkpoint_layout.publish(save_dir, position.iteration)
-    dist.barrier()
+
+    def publish() -> None:       # every rank's shards are on disk: make the checkpoint visible
+        if dist.get_rank() == 0:
+            checkpoint_layout.publish(save_dir, position.iteration)
+        dist.barrier()
+        on_published(final)
+
+    if background is None:
+        dist.barrier()
+        publish()
+    else:
+        request.add_finalize_fn(publish)
+        background.schedule(request)
     return final
 
 
@@ -261,16 +284,18 @@ def load_model_weights(folder: str, model: list) -> None:
             unwrap(chunk).load_state_dict(state[_model_key(i, len(model))], strict=True)
 
 
-def load_checkpoint(start: StartingPoint, model: list, optimizer: MegatronOptimizer,
-                    scheduler: OptimizerParamScheduler) -> RunPosition:
+def load_checkpoint(start: StartingPoint, model: list, optimizer: Optional[MegatronOptimizer],
+                    scheduler: Optional[OptimizerParamScheduler]) -> RunPosition:
     """Restore the checkpoint `start` names (ours or Megatron-LM's) into the model and, as far as
     `start` asks and the layouts allow, the optimizer, the LR schedule and the RNGs; collective.
+    Without an optimizer (--skip-train builds none) `start` must not restore one.
 
     Returns the position to continue from (iteration 0 for a fine-tune).
     """
     if start.release:
         load_model_weights(start.folder, model)
-        optimizer.reload_model_params()     # main (fp32) copies of bf16/fp16 params follow
+        if optimizer is not None:     # main (fp32) copies of bf16/fp16 params follow
+            optimizer.reload_model_params()
         return RunPosition()
     common = dist_checkpointing.load_common_state_dict(start.folder)
     if "args" not in common:
@@ -296,7 +321,10 @@ def load_checkpoint(start: StartingPoint, model: list, optimizer: MegatronOptimi
         (saved.pipeline_parallel, saved.tensor_parallel) == (
             parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_world_size())
-    if start.restores_rng and not load_rng:
+    if start.restores_rng and getattr(common["args"], "no_save_rng", False):
+        _print_rank_0(f" {start.flag}: the checkpoint holds no RNG states (saved with "
+                      f"--no-save-rng): the RNGs start from --seed, as in Megatron-LM")
+    elif start.restores_rng and not load_rng:
         _print_rank_0(f" {start.flag}: resharding the checkpoint saved at TP="
                       f"{saved.tensor_parallel} PP={saved.pipeline_parallel} (RNG states not "
                       f"restored: they belong to ranks)")
@@ -320,7 +348,7 @@ def load_checkpoint(start: StartingPoint, model: list, optimizer: MegatronOptimi
             _load_fully_reshardable_without_steps(optimizer, state["optimizer"])
         elif load_optimizer:
             optimizer.load_state_dict(state["optimizer"])
-        else:       # mixed precision: the fp32 main parameters copy the loaded weights
+        elif optimizer is not None:   # mixed precision: the fp32 main parameters copy them
             optimizer.reload_model_params()
     if adam_step_per_parameter:
         _restore_adam_steps(optimizer)

@@ -89,10 +89,13 @@ NO_OPS: dict[str, str] = {
     "--use-dist-ckpt": "deprecated upstream: checkpoints are torch_dist (dist_checkpointing)",
     "--no-one-logger": _NVIDIA, "--disable-msc": "the multi-storage client is not used here",
     "--logging-level": "Python logging levels are left as they are",
+    "--no-clone-scatter-output-in-embedding": _PERF, "--no-align-grad-reduce": _PERF,
+    "--no-overlap-p2p-communication": "p2p is issued as the plan's communication groups "
+                                      "(performance only upstream)",
+    "--overlap-p2p-communication-warmup-flush": _PERF, "--no-scatter-gather-tensors-in-pipeline":
+        _PERF,
     "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and reduced in fp32 "
                                             "already (unless --grad-reduce-in-bf16)",
-    "--log-validation-ppl-to-tensorboard": "the perplexity is always written ('lm loss "
-                                           "validation ppl')",
 }
 """Flags accepted without effect, and why nothing changes."""
 
@@ -102,8 +105,6 @@ REFUSED: dict[str, str] = {
     "--fp8-param-gather": _FP8, "--te-precision-config-file": _TE, "--te-rng-tracker": _TE,
     "--tp-comm-overlap-cfg": _TE, "--use-te-activation-func": _TE,
     "--use-legacy-models": "the legacy (pre-megatron-core) models are not available",
-    "--async-save": "not implemented: checkpoints are saved synchronously (megatron-core's "
-                    "async save is not wired into the atomic publish)",
     "--checkpoint-activations": "removed upstream; use --recompute-granularity",
     "--batch-size": "removed upstream; use --micro-batch-size",
     "--warmup": "removed upstream; use --lr-warmup-iters or --lr-warmup-samples",
@@ -120,15 +121,6 @@ REFUSED: dict[str, str] = {
     "--train-data-path": "per-split data paths are not implemented; use --data-path and --split",
     "--valid-data-path": "per-split data paths are not implemented; use --data-path and --split",
     "--test-data-path": "per-split data paths are not implemented; use --data-path and --split",
-    "--skip-train": "evaluation-only runs are not implemented",
-    "--no-save-optim": "not implemented: every checkpoint holds the optimizer and LR schedule",
-    "--no-save-rng": "not implemented: every checkpoint holds the RNG states",
-    "--tensorboard-log-interval": "not implemented: TensorBoard gets each log line's figures "
-                                  "(every --log-interval)",
-    "--log-timers-to-tensorboard": "not implemented: the timers go to the log "
-                                   "(--timing-log-level)",
-    "--log-memory-to-tensorboard": "not implemented: the log line's peak memory per stage is "
-                                   "written (peak-memory-mb/stage-N)",
     "--deterministic-mode": "not implemented (the CPU runs are deterministic; on a GPU, "
                             "megatron-core's deterministic kernels are TE's)",
     "--padded-vocab-size": "derived from the tokenizer, --make-vocab-size-divisible-by and TP "
@@ -144,6 +136,206 @@ REFUSED: dict[str, str] = {
                                        "not used (the span softmax runs in fp32)",
     "--rotary-interleaved": "interleaved RoPE is not supported by the span positions",
     "--fp16-lm-cross-entropy": "the span loss computes the cross entropy in fp32",
+    # transformer configuration
+    "--pipeline-model-parallel-comm-backend": "pipeline p2p runs on the process group's backend "
+                                              "(NCCL or gloo); a separate backend is not wired",
+    "--hierarchical-context-parallel-sizes": "hierarchical CP is for --cp-comm-type a2a+p2p; "
+                                             "the span attention's CP is Ulysses a2a",
+    "--max-seqlen-per-dp-cp-rank": "dynamic context parallelism (packed sequences across DP x "
+                                   "CP) is not supported",
+    "--no-initialization": "skipping weight initialisation is not wired (a checkpoint loaded "
+                           "with --load overwrites the initial weights anyway)",
+    "--overlap-moe-expert-parallel-comm": "mixture of experts is not supported (dense GPT only)",
+    "--delay-wgrad-compute": "megatron-core's MoE/A2A weight-gradient delay; the split-backward "
+                             "schedules (--pipeline-schedule seq1f1b-zb-*) defer W instead",
+    "--ep-overlap-early-attn-memory-release": "expert-parallel overlap: mixture of experts is "
+                                              "not supported",
+    "--use-ring-exchange-p2p": "needs a custom PyTorch build with ring exchange; p2p is the "
+                               "plan's batched isend/irecv groups",
+    "--defer-embedding-wgrad-compute": "needs TE's gradient-accumulation fusion on the output "
+                                       "layer; the zero-bubble schedules defer W per span",
+    "--wgrad-deferral-limit": "belongs to --defer-embedding-wgrad-compute (not supported)",
+    "--cpu-offloading-num-layers": "activation CPU offloading is not supported (use "
+                                   "--recompute-granularity)",
+    "--softmax-type": "only the vanilla softmax is implemented by the span attention (no "
+                      "off-by-one or learnable sink)",
+    "--fp32-residual-connection": "an fp32 residual stream is not wired into the span layers",
+    "--apply-residual-connection-post-layernorm": "the post-LN residual variant is not wired "
+                                                  "(pre-LN GPT only)",
+    "--glu-linear-offset": "the offset GLU variant is not wired into the MLP (plain --swiglu)",
+    "--activation-func-clamp-value": "clamped activations are not wired into the MLP",
+    "--attention-output-gate": "gated attention output is not implemented by the span attention",
+    "--multi-latent-attention": "multi-latent attention is not supported by the span attention",
+    "--experimental-attention-variant": "experimental attention variants are not supported",
+    "--embedding-init-method-std": "a separate embedding init std is not wired; "
+                                   "--init-method-std applies to every weight",
+    "--init-model-with-meta-device": "meta-device initialisation is an FSDP feature (FSDP is "
+                                     "not supported)",
+    "--disable-bf16-reduced-precision-matmul": "not wired: torch's default for reduced-precision "
+                                               "bf16 reductions is kept",
+    "--use-fused-weighted-squared-relu": "the weighted squared ReLU is a MoE activation (not "
+                                         "supported)",
+    "--distribute-saved-activations": "recompute's TP-distributed checkpoints are not wired; "
+                                      "use --recompute-granularity without it",
+    "--recompute-modules": "selective recompute of named modules is not wired; use "
+                           "--recompute-granularity selective (core attention) or full",
+    "--config-logger-dir": "megatron-core's per-module config dumps are not wired",
+    "--flash-decode": "an inference kernel (inference is not part of this harness)",
+    "--batch-invariant-mode": "batch-invariant kernels are TE/GPU kernels (not supported)",
+    "--symmetric-ar-type": "symmetric-memory all-reduce needs NCCL/NVLS on GPUs (not wired)",
+    "--mrope-section": "multimodal RoPE is for vision-language models (not supported)",
+    "--disable-mamba-mem-eff-path": "Mamba / hybrid models are not supported",
+    "--mlp-chunks-for-prefill": "an inference option (inference is not part of this harness)",
+    "--fine-grained-activation-offloading": "activation offloading is not supported",
+    "--min-offloaded-tensor-size": "activation offloading is not supported",
+    # network size
+    "--window-size": "sliding-window attention is not implemented by the span attention",
+    "--window-attn-skip-freq": "sliding-window attention is not implemented by the span attention",
+    "--relative-attention-num-buckets": "relative position buckets are T5's (encoder-decoder "
+                                        "is not supported)",
+    "--relative-attention-max-distance": "relative position buckets are T5's (encoder-decoder "
+                                         "is not supported)",
+    "--no-rope-freq": "per-layer NoPE/RoPE mixes are not supported by the span positions",
+    "--openai-gelu": "legacy-model GELU approximation; megatron-core models use torch's GELU",
+    "--squared-relu": "not wired into the MLP: use the default GELU or --swiglu",
+    "--quick-geglu": "not wired into the MLP: use the default GELU or --swiglu",
+    "--onnx-safe": "ONNX export is not part of this harness",
+    "--bert-no-binary-head": "BERT models are not supported (GPT only)",
+    # regularization
+    "--apply-wd-to-qk-layernorm": "QK layernorm is not supported by the span attention",
+    "--no-weight-decay-cond-type": "custom no-weight-decay conditions are not wired (biases and "
+                                   "norms get none, megatron's default)",
+    # training
+    "--decrease-batch-size-if-needed": "the batch size (and with it the pipeline plan) is fixed "
+                                       "for the run",
+    "--check-weight-hash-across-dp-replicas-interval": "the replica weight-hash check is not "
+                                                       "wired (--check-for-nan-in-loss-and-grad "
+                                                       "is)",
+    "--train-sync-interval": "a GPU host-sync throttle; the CPU path has nothing to throttle",
+    "--exit-signal-handler-for-dataloader": "no DataLoader workers here (micro-batches are read "
+                                            "in the training process)",
+    "--iterations-to-skip": "skipping listed iterations is not implemented",
+    "--check-for-large-grads": "megatron's rerun machine is not used (NaN checks stop the run)",
+    "--result-rejected-tracker-filename": "megatron's rerun machine is not used",
+    "--disable-gloo-process-groups": "gloo groups are needed: the CPU path runs on them",
+    "--rope-type": "only megatron-core's rope is wired into the span positions (no YaRN)",
+    "--use-torch-optimizer-for-cpu-offload": "optimizer CPU offload is not supported",
+    "--overlap-cpu-optimizer-d2h-h2d": "optimizer CPU offload is not supported",
+    "--dump-param-to-param-group-map": "not wired (a debugging dump of the optimizer's groups)",
+    # RNG and initialization
+    "--data-parallel-random-init": "every DP rank starts from the same weights (megatron's "
+                                   "default); per-rank initialisation is not wired",
+    "--init-method-xavier-uniform": "not wired: weights are normal(0, --init-method-std)",
+    # learning rate and weight decay
+    "--lr-wsd-decay-style": "the WSD schedule is not wired (--lr-decay-style linear, cosine, "
+                            "inverse-square-root or constant)",
+    "--lr-wsd-decay-iters": "the WSD schedule is not wired",
+    "--lr-wsd-decay-samples": "the WSD schedule is not wired",
+    "--start-weight-decay": "weight-decay increments are not wired: use --weight-decay "
+                            "(constant)",
+    "--end-weight-decay": "weight-decay increments are not wired: use --weight-decay (constant)",
+    "--weight-decay-incr-style": "weight-decay increments are not wired: --weight-decay is "
+                                 "constant",
+    # checkpointing
+    "--save-wgrads-interval": "gradient dumps are not implemented",
+    "--save-dgrads-interval": "gradient dumps are not implemented",
+    "--save-retain-interval": "old checkpoints are kept, none is deleted (checkpoint "
+                              "retention is not implemented)",
+    "--load-main-params-from-ckpt": "the fp32 main parameters are rebuilt from the loaded "
+                                    "weights; loading them separately is not wired",
+    "--ckpt-step": "the tracker's newest checkpoint is loaded; loading a given step is not "
+                   "implemented",
+    "--use-mp-args-from-checkpoint-args": "use --use-checkpoint-args (the model flags); the "
+                                          "parallel layout comes from the flags and reshards",
+    "--no-use-tokenizer-model-from-checkpoint-args": "the tokenizer is always the flags' "
+                                                     "(checkpoint args are not read for it)",
+    "--auto-detect-ckpt-format": "only torch_dist is read (--ckpt-format torch_dist)",
+    "--use-persistent-ckpt-worker": "megatron-core's persistent worker is a spawned process "
+                                    "that needs a CUDA device and is not wired; --async-save "
+                                    "uses its forked writer",
+    "--no-strict-fsdp-dtensor-load": "the fsdp_dtensor format is not supported (FSDP is not)",
+    "--dist-ckpt-strictness": "loads are strict: every key must match (megatron-core's "
+                              "assume_ok_unexpected is not exposed)",
+    "--dist-ckpt-save-pre-mcore-014": "checkpoints are saved in megatron-core 0.16's layout "
+                                      "only",
+    "--distrib-optim-fully-reshardable-mem-efficient": "not wired: "
+                                                       "--dist-ckpt-optim-fully-reshardable "
+                                                       "gathers over DP as megatron's default",
+    "--dist-ckpt-format": "deprecated upstream; use --ckpt-format torch_dist",
+    # mixed precision
+    "--reuse-grad-buf-for-mxfp8-param-ag": _FP8,
+    # distributed
+    "--distributed-timeout-seconds-after-init": "one timeout for the whole run: use "
+                                                "--distributed-timeout-minutes",
+    "--overlap-param-gather-with-optimizer-step": "not wired: --overlap-param-gather overlaps "
+                                                  "the gather with the next forward",
+    "--lazy-mpu-init": "for external callers that set up megatron's groups themselves (not "
+                       "this entry point)",
+    "--use-nccl-ub": "NCCL user buffers (GPU, FSDP) are not wired",
+    "--disable-symmetric-registration": "NCCL symmetric registration (GPU, FSDP) is not wired",
+    "--use-sharp": "SHARP in-network reduction is an NCCL/InfiniBand setting (not wired)",
+    "--sharp-enabled-group": "SHARP in-network reduction is not wired",
+    "--create-all-gather-group": "a separate all-gather group for overlap is not wired",
+    "--data-parallel-sharding-strategy": "an FSDP option (FSDP is not supported; use "
+                                         "--use-distributed-optimizer)",
+    "--outer-dp-sharding-strategy": "an HSDP option (FSDP is not supported)",
+    "--suggested-communication-unit-size": "an FSDP option (FSDP is not supported)",
+    "--keep-fp8-transpose-cache": "an FSDP FP8 option (neither is supported)",
+    "--enable-full-sharding-in-hsdp": "an HSDP option (FSDP is not supported)",
+    "--num-distributed-optimizer-instances": "one distributed optimizer instance over all of DP "
+                                             "(multiple instances are not wired)",
+    "--use-tp-pp-dp-mapping": "ranks are ordered TP-CP-DP-PP, megatron's default (the other "
+                              "order is not wired)",
+    "--fake-process-group": "a benchmarking shortcut without communication; not wired",
+    # validation
+    "--test-mode": "megatron's in-run self-tests are not part of this harness",
+    "--full-validation": "evaluation is --eval-iters global batches (a full pass is not "
+                         "implemented)",
+    "--multiple-validation-sets": "one validation split (from --split) is supported",
+    # data and dataloader
+    "--phase-transition-iterations": "data phases are not implemented (one --data-path blend "
+                                     "for the run)",
+    "--data-args-path": "give the blend with --data-path (reading it from a file is not "
+                        "implemented)",
+    "--per-split-data-args-path": "per-split data paths are not implemented; use --data-path "
+                                  "and --split",
+    "--per-dataset-sequences-path": "not wired: the index files give the sequence counts",
+    "--dataloader-fast-cache-load": "not wired: the dataset cache is built or read as usual",
+    "--dataloader-defer-npy-index-mmap": "not wired: index files are mapped when built",
+    "--sample-rate": "an audio/multimodal data option (not supported)",
+    "--mask-prob": "a BERT/T5 masking option (GPT only)",
+    "--short-seq-prob": "a BERT/T5 data option (GPT only)",
+    "--num-dataset-builder-threads": "datasets are built by one thread per rank (not exposed)",
+    "--object-storage-cache-path": "object storage (the multi-storage client) is not used here",
+    "--mid-level-dataset-surplus": "not wired: megatron-core's blend surplus default is used",
+    "--allow-ambiguous-pad-tokens": "no padding tokens are used (fixed-length GPT samples)",
+    # tokenizer
+    "--vocab-extra-ids": "extra sentinel ids are T5's (GPT only)",
+    "--tokenizer-metadata": "megatron's new tokenizer library is not used; give --tokenizer-type",
+    "--tokenizer-special-tokens": "not wired: the tokenizer's own special tokens are used",
+    "--legacy-tokenizer": "the tokenizers here are the legacy ones already",
+    "--tokenizer-sentencepiece-legacy": "SentencePiece's legacy flag is not wired",
+    "--tokenizer-hf-use-fast": "not wired: HuggingFace's default (fast when available) is used",
+    "--tokenizer-hf-include-special-tokens": "not wired: HuggingFace's default encoding is used",
+    "--trust-remote-code": "remote tokenizer code is never run here",
+    # logging
+    "--log-progress": "progress.txt (job throughput and tokens per checkpoint) is not written",
+    "--log-memory-interval": "not wired: every log line has the peak memory per stage",
+    "--log-device-memory-used": "nvidia-smi readings are not logged (GPU only)",
+    "--log-max-attention-logit": "the span attention does not track its maximum logit",
+    "--wandb-entity": "not wired: W&B uses the logged-in default entity",
+    "--log-energy": "GPU energy readings are not logged",
+    # experimental
+    "--enable-experimental": "megatron-core's experimental features are not enabled here",
+    "--spec": "the layer spec is the span layer spec (seq1f1b.megatron_adapter); custom specs "
+              "are not loaded",
+    "--yaml-cfg": "flags are read from the command line only (YAML configs are not read)",
+    "--use-precision-aware-optimizer": "TE's precision-aware Adam is not available (torch's "
+                                       "Adam or megatron's distributed optimizer)",
+    "--main-grads-dtype": "belongs to --use-precision-aware-optimizer (main grads are fp32)",
+    "--main-params-dtype": "belongs to --use-precision-aware-optimizer (main params are fp32)",
+    "--exp-avg-dtype": "belongs to --use-precision-aware-optimizer (Adam moments are fp32)",
+    "--exp-avg-sq-dtype": "belongs to --use-precision-aware-optimizer (Adam moments are fp32)",
 }
 """Single flags refused, and why."""
 

@@ -265,11 +265,3 @@ def build_tokenizer(args: object) -> AnyTokenizer:
         return NullTokenizer(cfg.vocab_size)
     raise ValueError(f"--tokenizer-type: unknown tokenizer {cfg.tokenizer_type!r}; "
                      f"choose from {', '.join(TOKENIZER_TYPES)}")
-
-
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int,
-                      tensor_model_parallel_size: int) -> int:
-    """Megatron's embedding size: the vocabulary rounded up to a multiple of
-    divisible_by x TP, so each TP shard of the embedding has the same, aligned size."""
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple

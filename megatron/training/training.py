@@ -7,9 +7,11 @@ iterations that calibrate `--seq1f1b-partition fit` or draw `--timeline-path`) o
 finalisation over DP/TP/PP happened inside the schedule; clipping and, with --fp16, loss scaling
 happen in `optimizer.step()`), advance the LR schedule by one global batch. Around it: log
 every --log-interval, evaluate every --eval-interval (forward only, same schedule and spans), save
-every --save-interval and at the end, stop at --exit-interval, on --exit-signal-handler's signal
-or after --exit-duration-in-mins (saving first). The flow follows Megatron-LM's `pretrain()`;
-the user supplies the same three functions a Megatron `pretrain_gpt.py` does.
+every --save-interval and at the end (with --async-save in the background: async_checkpoint),
+stop at --exit-interval, on --exit-signal-handler's signal or after --exit-duration-in-mins
+(saving first). --skip-train loads the checkpoint and only evaluates. The flow follows
+Megatron-LM's `pretrain()`; the user supplies the same three functions a Megatron
+`pretrain_gpt.py` does.
 
 Observability, as in Megatron-LM: the log line (logging_utils) and, after it with
 --timing-log-level 1 or 2, megatron's timers (min/max over ranks, ms per iteration); the same
@@ -35,6 +37,7 @@ from megatron.core.timers import Timers
 from megatron.core.utils import get_model_config
 
 from megatron.training import checkpointing, model_setup, numerics
+from megatron.training.async_checkpoint import AsyncSaves
 from megatron.training.checkpoint_common import starting_point
 from megatron.training.data import MicroBatchIterator, train_valid_test_num_samples
 from megatron.training.exit_conditions import ExitConditions
@@ -44,7 +47,7 @@ from megatron.training.logging_utils import (IntervalReport, PeakMemory, params_
                                              throughput, validation_lines)
 from megatron.training.profiling import Profiler
 from megatron.training.schedule_function import ScheduleFunction
-from megatron.training.writers import ScalarWriters
+from megatron.training.writers import IterationScalars, ScalarWriters
 from seq1f1b import platform
 from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan.actions import virtual_stage
@@ -117,8 +120,8 @@ class _Run:
     """The state one call of `pretrain` carries through its loop."""
 
     def __init__(self, args: argparse.Namespace, forward_step_func: ForwardStep,
-                 model: list, optimizer: MegatronOptimizer,
-                 scheduler: OptimizerParamScheduler,
+                 model: list, optimizer: Optional[MegatronOptimizer],
+                 scheduler: Optional[OptimizerParamScheduler],
                  position: checkpointing.RunPosition, timers: Timers,
                  exits: ExitConditions) -> None:
         self.args = args
@@ -134,6 +137,7 @@ class _Run:
         self.memory = PeakMemory()
         self.timers = timers
         self.writers = ScalarWriters(args, enabled=is_last_rank())
+        self.saves = AsyncSaves() if args.async_save else None
         self.profiler = Profiler(args, dist.get_rank(), is_last_rank())
         self.cost_model = ModelConfig.of_transformer_config(get_model_config(model[0]),
                                                             vocab_size=args.padded_vocab_size)
@@ -197,13 +201,28 @@ class _Run:
 
     # -- reporting ---------------------------------------------------------------------------
     def record(self, record: IterationRecord, seconds: float) -> None:
+        """Keep the iteration; write its scalars every --tensorboard-log-interval and the log
+        line every --log-interval (collective: the params norm, the memory peaks, the timers)."""
+        args = self.args
         self.summary.history.append(record)
         self.summary.iteration = record.iteration
         self._interval.append((record, seconds))
-        if record.iteration % self.args.log_interval == 0:
-            self.log_interval()
+        scalars_due = self.writers.wanted and record.iteration % args.tensorboard_log_interval == 0
+        line_due = record.iteration % args.log_interval == 0
+        params_norm = params_l2_norm(self.model) if args.log_params_norm and (
+            scalars_due or line_due) else None
+        if scalars_due:
+            self.writers.iteration(IterationScalars(
+                record.logged_learning_rate, args.global_batch_size, record.losses,
+                float(self.optimizer.get_loss_scale()) if args.log_loss_scale_to_tensorboard
+                else None, record.grad_norm, record.num_zeros_in_grad, params_norm,
+                args.world_size if args.log_world_size_to_tensorboard else None,
+                torch.cuda.memory_stats() if args.log_memory_to_tensorboard and
+                torch.cuda.is_available() else None), record.iteration)
+        if line_due:
+            self.log_interval(params_norm)
 
-    def log_interval(self) -> None:
+    def log_interval(self, params_norm: Optional[float]) -> None:
         """Emit one log line for the iterations since the last one (collective: gathers the
         per-stage memory peaks)."""
         args = self.args
@@ -221,7 +240,7 @@ class _Run:
             else None,
             loss_scale=float(self.optimizer.get_loss_scale()),
             grad_norm=records[-1].grad_norm, num_zeros_in_grad=records[-1].num_zeros_in_grad,
-            params_norm=params_l2_norm(self.model) if args.log_params_norm else None,
+            params_norm=params_norm,
             skipped_iterations=sum(r.skipped for r in records),
             nan_iterations=sum(r.nan for r in records),
             throughput=throughput(self.cost_model, args.seq_length, args.global_batch_size,
@@ -229,12 +248,15 @@ class _Run:
             peak_memory_mb=[peak / 2**20 for peak in stage_peaks],
             memory_source=self.memory.source, log_throughput=args.log_throughput)
         print_rank_last(report.line())
+        if args.log_timers_to_tensorboard:
+            self.writers.timers(self.timers, LOGGED_TIMERS, self.iteration, len(records),
+                                args.barrier_with_L1_time, bool(args.wandb_project))
         if args.timing_log_level > 0:   # collective: every rank's times, printed on the last
             timing = self.timers.get_all_timers_string(LOGGED_TIMERS, normalizer=len(records),
                                                        barrier=args.barrier_with_L1_time)
             if timing is not None:
                 print_rank_last(timing)
-        self.writers.training(report)
+        self.writers.training(report, args.log_throughput and args.log_timers_to_tensorboard)
         self.profiler.log_interval()
 
     # -- evaluation --------------------------------------------------------------------------
@@ -256,20 +278,40 @@ class _Run:
         if "lm loss" in losses:
             for line in validation_lines(where, losses["lm loss"]):
                 print_rank_last(line)
-            self.writers.evaluation(split, self.iteration, losses["lm loss"])
+            if not self.args.skip_train:     # as Megatron-LM: an evaluation-only run writes none
+                self.writers.evaluation(split, self.iteration, losses["lm loss"],
+                                        self.args.log_validation_ppl_to_tensorboard)
         return losses
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> None:
-        start = time.perf_counter()
+        """Save at this iteration; with --async-save, schedule the write (after publishing the
+        pending one) and go on."""
+        start, iteration = time.perf_counter(), self.iteration
+
+        def published(folder: str) -> None:
+            self.summary.checkpoints.append(folder)
+            if self.saves is not None:
+                print_rank_0(f"  saved checkpoint at iteration {iteration:7d} to {folder} "
+                             f"(written in the background, published at iteration "
+                             f"{self.iteration})")
+
         with model_setup.parameters_gathered(self.model):
             folder = checkpointing.save_checkpoint(
                 self.args.save, self.model, self.optimizer, self.scheduler,
-                checkpointing.RunPosition(self.iteration, self.consumed_train_samples,
-                                          self.consumed_valid_samples), self.args)
-        self.summary.checkpoints.append(folder)
-        print_rank_0(f"  saved checkpoint at iteration {self.iteration:7d} to {folder} "
-                     f"in {time.perf_counter() - start:.2f} s")
+                checkpointing.RunPosition(iteration, self.consumed_train_samples,
+                                          self.consumed_valid_samples), self.args,
+                self.saves, published)
+        seconds = time.perf_counter() - start
+        print_rank_0(f"  saved checkpoint at iteration {iteration:7d} to {folder} in "
+                     f"{seconds:.2f} s" if self.saves is None else
+                     f"  scheduled an async checkpoint save at iteration {iteration:7d} to "
+                     f"{self.args.save} in {seconds:.2f} s")
+
+    def publish_saves(self, blocking: bool) -> None:
+        """--async-save: publish the checkpoints every rank has written (collective)."""
+        if self.saves is not None:
+            self.saves.finalize(blocking)
 
 
 LOGGED_TIMERS = [
@@ -354,6 +396,7 @@ def _train(run: _Run, train_iterators: list, valid_iterators: Optional[list]) ->
     args = run.args
     saved_at = run.iteration       # a resumed run's starting point is saved already
     while run.iteration < args.train_iters:
+        run.publish_saves(blocking=False)
         run.profiler.step()
         start = time.perf_counter()
         record = run.train_step(train_iterators)
@@ -421,8 +464,10 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
               f"({parallel_state.get_tensor_model_parallel_rank()}, "
               f"{parallel_state.get_pipeline_model_parallel_rank()}): "
               f"{sum(p.numel() for chunk in model for p in chunk.parameters())}", flush=True)
-    optimizer = model_setup.build_optimizer(args, config, model)
-    scheduler = model_setup.build_lr_scheduler(args, optimizer)
+    optimizer, scheduler = None, None       # --skip-train builds none, as Megatron-LM
+    if not args.skip_train:
+        optimizer = model_setup.build_optimizer(args, config, model)
+        scheduler = model_setup.build_lr_scheduler(args, optimizer)
 
     position = checkpointing.RunPosition()
     start = starting_point(args)
@@ -434,17 +479,26 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
     elif args.load:
         print_rank_0(f" no checkpoint in --load {args.load}; starting from iteration 0")
 
-    train_ds, valid_ds, test_ds = datasets_provider(train_valid_test_num_samples(
-        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters))
+    samples = train_valid_test_num_samples(args.train_iters, args.global_batch_size,
+                                           args.eval_interval, args.eval_iters)
+    if args.skip_train:      # one evaluation of each split, from its start (Megatron-LM)
+        samples = (samples[0], samples[2], samples[2])
+    train_ds, valid_ds, test_ds = datasets_provider(samples)
     has_train, has_valid, has_test = _splits_present((train_ds, valid_ds, test_ds))
-    if not has_train:
+    if not has_train and not args.skip_train:
         raise RuntimeError("the datasets provider returned no training dataset")
     run = _Run(args, forward_step_func, model, optimizer, scheduler, position, timers, exits)
-    valid_iterators = run.iterators(valid_ds, position.consumed_valid_samples) \
+    valid_iterators = run.iterators(valid_ds, 0 if args.skip_train else
+                                    position.consumed_valid_samples) \
         if has_valid and args.eval_iters else None
     try:
-        finished = _train(run, run.iterators(train_ds, position.consumed_train_samples),
-                          valid_iterators)
+        if args.skip_train:
+            print_rank_0(" skipping training (--skip-train is on) ...")
+            finished = True
+        else:
+            finished = _train(run, run.iterators(train_ds, position.consumed_train_samples),
+                              valid_iterators)
+            run.publish_saves(blocking=True)   # an error leaves the pending one unpublished
     finally:
         run.profiler.stop()
     # Megatron-LM's end-of-training prefixes ("validation loss at iteration N on test set" too)

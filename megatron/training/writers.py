@@ -1,44 +1,88 @@
 """Where a run's scalars go besides the log line: TensorBoard and Weights & Biases.
 
 Both get the same scalars under Megatron's tag names, from the logging rank only (the last one,
-which holds the losses): `training_scalars` of each log line at its iteration, and the
-validation / test loss and perplexity of each evaluation. W&B is an optional dependency: the flags
-are validated before anything is built (`--wandb-project` without the `wandb` package is refused),
-and the package is imported only when a run asks for it. The W&B writer uses wandb's public API
-only (`wandb.init(project, name, dir, config)`, `wandb.log(dict, step)`, `wandb.finish()`), so
-`WANDB_MODE=offline` works as wandb documents it.
+which holds the losses): `IterationScalars` every --tensorboard-log-interval iterations (the
+iteration's loss, learning rate, batch size, loss scale, grad norm, and as the --log-* flags ask
+the number of zeros, the params norm, the world size and the CUDA allocator's memory),
+`interval_scalars` at each log line (iteration time, throughput, peak memory per stage; with
+--log-timers-to-tensorboard megatron's timers), and the validation / test loss (and with
+--log-validation-ppl-to-tensorboard the perplexity) of each evaluation. W&B is an optional
+dependency: the flags are validated before anything is built (`--wandb-project` without the
+`wandb` package is refused), and the package is imported only when a run asks for it. The W&B
+writer uses wandb's public API only (`wandb.init(project, name, dir, config)`, `wandb.log(dict,
+step)`, `wandb.finish()`), so `WANDB_MODE=offline` works as wandb documents it.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from megatron.training.logging_utils import IntervalReport
 
 
-def training_scalars(report: IntervalReport) -> dict[str, float]:
-    """The figures of one log line, by Megatron's TensorBoard tag."""
-    scalars = {"learning-rate": report.learning_rate,
-               "batch-size": report.global_batch_size,
-               "loss-scale": report.loss_scale,
-               "iteration-time": report.seconds_per_iteration,
+@dataclass(frozen=True)
+class IterationScalars:
+    """What Megatron-LM writes every --tensorboard-log-interval iterations: that iteration's
+    figures, by its tag names."""
+
+    learning_rate: float
+    batch_size: int
+    losses: dict[str, float]                # empty off the last stage
+    loss_scale: Optional[float]             # None with --no-log-loss-scale-to-tensorboard
+    grad_norm: Optional[float] = None
+    num_zeros_in_grad: Optional[int] = None     # with --log-num-zeros-in-grad
+    params_norm: Optional[float] = None         # with --log-params-norm
+    world_size: Optional[int] = None            # with --log-world-size-to-tensorboard
+    memory_stats: Optional[dict] = None
+    """`torch.cuda.memory_stats()` with --log-memory-to-tensorboard (GPU only)."""
+
+    def scalars(self) -> dict[str, float]:
+        scalars = {"learning-rate": self.learning_rate, "batch-size": self.batch_size,
+                   **self.losses}
+        optional = {"loss-scale": self.loss_scale, "world-size": self.world_size,
+                    "grad-norm": self.grad_norm, "num-zeros": self.num_zeros_in_grad,
+                    "params-norm": self.params_norm}
+        scalars.update({tag: value for tag, value in optional.items() if value is not None})
+        if self.memory_stats is not None:
+            scalars.update(memory_scalars(self.memory_stats))
+        return scalars
+
+
+MEMORY_TAGS = {"mem-reserved-bytes": "reserved_bytes.all.current",
+               "mem-allocated-bytes": "allocated_bytes.all.current",
+               "mem-max-allocated-bytes": "allocated_bytes.all.peak",
+               "mem-allocated-count": "allocation.all.current"}
+"""--log-memory-to-tensorboard's tags and the CUDA allocator statistics they hold."""
+
+
+def memory_scalars(stats: dict) -> dict[str, float]:
+    return {tag: stats[key] for tag, key in MEMORY_TAGS.items()}
+
+
+def interval_scalars(report: IntervalReport, throughput: bool = False) -> dict[str, float]:
+    """What each log line adds: its timing and the paper's metrics (this harness's tags), and
+    with `throughput` (--log-throughput and --log-timers-to-tensorboard) Megatron-LM's
+    'throughput' (TFLOP/s/GPU)."""
+    scalars = {"iteration-time": report.seconds_per_iteration,
                "tokens-per-second": report.throughput.tokens_per_second,
                "tflops-per-gpu": report.throughput.tflops_per_gpu}
-    if report.lm_loss is not None:
-        scalars["lm loss"] = report.lm_loss
-    if report.grad_norm is not None:
-        scalars["grad-norm"] = report.grad_norm
+    if throughput:
+        scalars["throughput"] = report.throughput.tflops_per_gpu
     for stage, mb in enumerate(report.peak_memory_mb):
         scalars[f"peak-memory-mb/stage-{stage}"] = mb
     return scalars
 
 
-def evaluation_scalars(split: str, lm_loss: float) -> dict[str, float]:
-    """`lm loss validation` / `lm loss test` and their perplexities (Megatron's tags)."""
-    return {f"lm loss {split}": lm_loss,
-            f"lm loss {split} ppl": math.exp(min(20.0, lm_loss))}
+def evaluation_scalars(split: str, lm_loss: float, ppl: bool = True) -> dict[str, float]:
+    """`lm loss validation` / `lm loss test`, and with `ppl` (--log-validation-ppl-to-tensorboard)
+    their perplexities (Megatron's tags)."""
+    scalars = {f"lm loss {split}": lm_loss}
+    if ppl:
+        scalars[f"lm loss {split} ppl"] = math.exp(min(20.0, lm_loss))
+    return scalars
 
 
 class ScalarWriter(Protocol):
@@ -50,16 +94,16 @@ class ScalarWriter(Protocol):
 class TensorBoardWriter:
     """Scalars into an event file in `directory`."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, queue_size: int = 1000) -> None:
         from torch.utils.tensorboard import SummaryWriter
-        self._writer = SummaryWriter(log_dir=directory, max_queue=1000)
+        self.summary = SummaryWriter(log_dir=directory, max_queue=queue_size)
 
     def write(self, scalars: dict[str, float], step: int) -> None:
         for tag, value in scalars.items():
-            self._writer.add_scalar(tag, value, step)
+            self.summary.add_scalar(tag, value, step)
 
     def close(self) -> None:
-        self._writer.close()
+        self.summary.close()
 
 
 class WandbWriter:
@@ -71,34 +115,57 @@ class WandbWriter:
         import wandb
         if directory is not None:
             os.makedirs(directory, exist_ok=True)
-        self._wandb = wandb
+        self.module = wandb
         wandb.init(project=project, name=name, dir=directory, config=config)
 
     def write(self, scalars: dict[str, float], step: int) -> None:
-        self._wandb.log(dict(scalars), step=step)
+        self.module.log(dict(scalars), step=step)
 
     def close(self) -> None:
-        self._wandb.finish()
+        self.module.finish()
 
 
 class ScalarWriters:
     """Every writer the flags ask for; none off the logging rank."""
 
     def __init__(self, args: argparse.Namespace, enabled: bool) -> None:
+        self.wanted = bool(args.tensorboard_dir or args.wandb_project)
+        """Whether the flags ask for a writer (the same answer on every rank)."""
         self._writers: list[ScalarWriter] = []
+        self._tensorboard: Optional[TensorBoardWriter] = None
+        self._wandb = None
         if not enabled:
             return
         if args.tensorboard_dir:
-            self._writers.append(TensorBoardWriter(args.tensorboard_dir))
+            self._tensorboard = TensorBoardWriter(args.tensorboard_dir,
+                                                  getattr(args, "tensorboard_queue_size", 1000))
+            self._writers.append(self._tensorboard)
         if args.wandb_project:
-            self._writers.append(WandbWriter(args.wandb_project, args.wandb_exp_name,
-                                             wandb_save_dir(args), config=vars(args)))
+            writer = WandbWriter(args.wandb_project, args.wandb_exp_name, wandb_save_dir(args),
+                                 config=vars(args))
+            self._wandb = writer.module
+            self._writers.append(writer)
 
-    def training(self, report: IntervalReport) -> None:
-        self.write(training_scalars(report), report.iteration)
+    def training(self, report: IntervalReport, throughput: bool = False) -> None:
+        self.write(interval_scalars(report, throughput), report.iteration)
 
-    def evaluation(self, split: str, iteration: int, lm_loss: float) -> None:
-        self.write(evaluation_scalars(split, lm_loss), iteration)
+    def iteration(self, scalars: IterationScalars, iteration: int) -> None:
+        self.write(scalars.scalars(), iteration)
+
+    def evaluation(self, split: str, iteration: int, lm_loss: float, ppl: bool = True) -> None:
+        self.write(evaluation_scalars(split, lm_loss, ppl), iteration)
+
+    def timers(self, timers, names: list[str], iteration: int, normalizer: float,
+               barrier: bool, wandb_wanted: bool) -> None:
+        """--log-timers-to-tensorboard: megatron's `Timers.write` (`<name>-time`, the maximum
+        over ranks), into TensorBoard and, when `wandb_wanted`, W&B. Collective: every rank
+        calls it alike (the writers live on the logging rank); the timers are not reset, the
+        log's timing block after it reads them too."""
+        timers.write(names, self._tensorboard.summary if self._tensorboard else None,
+                     iteration, normalizer=normalizer, reset=False, barrier=barrier)
+        if wandb_wanted:
+            timers.write(names, self._wandb, iteration, normalizer=normalizer, reset=False,
+                         barrier=barrier)
 
     def write(self, scalars: dict[str, float], step: int) -> None:
         for writer in self._writers:

@@ -108,7 +108,7 @@ def write_release(spec: ModelSpec, mg_tensors: dict[str, torch.Tensor], hf_dir: 
     parallel_state at TP = PP = 1. Staged in a hidden folder, renamed when complete."""
     import torch.distributed as dist
 
-    from megatron.training import checkpoint_layout
+    from seq1f1b import checkpoint_layout
     from seq1f1b.hf.folder import copy_companions
 
     model = whole_model(spec)

@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.training.tokenizer import padded_vocab_size
 from seq1f1b.hf import ConversionError
+from seq1f1b.plan.costs import padded_vocab_size
 
 CONFIG_FILE = "config.json"
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",

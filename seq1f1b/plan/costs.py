@@ -99,6 +99,14 @@ PRESETS: dict[str, ModelConfig] = {
 """The paper's GPT configurations (authors' scripts): FFN 4h, GPT-2 vocabulary, no GQA."""
 
 
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int,
+                      tensor_model_parallel_size: int) -> int:
+    """Megatron's embedding size: the vocabulary rounded up to a multiple of
+    divisible_by x TP, so each TP shard of the embedding has the same, aligned size."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
 def preset(name: str) -> ModelConfig:
     """The paper's model `name` (case-insensitive, e.g. "7b")."""
     try:

@@ -33,16 +33,16 @@ output awaiting its send and a receive posted ahead: tests/unit/test_p2p_held.py
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.budget import MemoryCap, model_budget
 from seq1f1b.plan.context_parallel import all_to_all_bytes, check_heads
 from seq1f1b.plan.costs import (ModelConfig, Recompute, backward_workspace_bytes,
-                                recomputed_activation_bytes, stage_parameters)
+                                padded_vocab_size, recomputed_activation_bytes, stage_parameters)
 from seq1f1b.plan.partition import partition
-from seq1f1b.plan.simulate import SpanCosts, layers_per_stage, model_costs, simulate
+from seq1f1b.plan.simulate import RankReport, SpanCosts, layers_per_stage, model_costs, simulate
 from seq1f1b.plan.stage_layers import StageLayers
 
 GIB = 2 ** 30
@@ -154,8 +154,7 @@ class TrainingSetup:
     @property
     def padded_vocab_size(self) -> int:
         """megatron's padding: a multiple of make_vocab_size_divisible_by x TP."""
-        multiple = self.make_vocab_size_divisible_by * self.tp
-        return -(-self.model.vocab_size // multiple) * multiple
+        return padded_vocab_size(self.model.vocab_size, self.make_vocab_size_divisible_by, self.tp)
 
 
 @dataclass
@@ -252,8 +251,19 @@ class MemoryEstimate:
         return out
 
 
-def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
-    """The per-rank memory of `setup` (see the module docstring for what is counted)."""
+HeldPeaks = Callable[[Schedule, SpanCosts], Sequence[RankReport]]
+"""Each rank's report of what it holds at its peak (rank, held_at_peak, peak_live_spans): the
+simulator's, or the same figures found faster (the layout planner's, seq1f1b/plan/tune/held.py)."""
+
+
+def _simulated_peaks(schedule: Schedule, costs: SpanCosts) -> Sequence[RankReport]:
+    return simulate(schedule, costs).ranks
+
+
+def estimate_memory(setup: TrainingSetup, held_peaks: HeldPeaks = _simulated_peaks,
+                    schedule: Optional[Schedule] = None) -> MemoryEstimate:
+    """The per-rank memory of `setup` (see the module docstring for what is counted);
+    `schedule`: its plan built already (not for a searched schedule, built on its costs)."""
     if setup.seq_length is None:
         raise ScheduleError("--seq-length is required")
     model = replace(setup.model, vocab_size=setup.padded_vocab_size)
@@ -276,14 +286,14 @@ def estimate_memory(setup: TrainingSetup) -> MemoryEstimate:
     cap = MemoryCap.parse(setup.schedule_memory_cap) if setup.schedule_memory_cap else None
     budget = model_budget(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
                           setup.chunks, cap, costs_of)
-    schedule = registry.build(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
-                              setup.chunks, budget=budget)
+    schedule = schedule or registry.build(setup.plan_name, setup.pp, setup.microbatches,
+                                          setup.splits, setup.chunks, budget=budget)
     costs = costs_of(schedule)
-    report = simulate(schedule, costs)
+    ranks = held_peaks(schedule, costs)
     layers = layers_per_stage(model, schedule, setup.stage_layers)
     last = schedule.num_stages - 1
     stages = []
-    for rank in report.ranks:
+    for rank in ranks:
         virtual = [schedule.stage_of(rank.rank, chunk) for chunk in range(schedule.chunks)]
         params = sum(stage_parameters(model, layers[v], first=v == 0, last=v == last,
                                       tp=setup.tp) for v in virtual)

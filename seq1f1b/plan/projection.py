@@ -12,7 +12,8 @@ kernels and per-span stage times on a GPU).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Optional
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule
@@ -100,6 +101,8 @@ class Projection:
     pipeline_s: float          # makespan of the pipeline (forwards, backwards, p2p, TP comm)
     data_parallel_s: float     # reduce-scatter of fp32 grads + all-gather of bf16 params
     report: SimulationReport
+    simulator: "Simulator" = field(default=simulate, repr=False, compare=False)
+    schedule: Optional[Schedule] = field(default=None, repr=False, compare=False)
 
     @property
     def iteration_s(self) -> float:
@@ -125,8 +128,9 @@ class Projection:
         with that term alone costing nothing (fixed cost 0, free links, saturated efficiency).
         Terms interact through the pipeline, so they need not add up to the difference from a
         run without all of them."""
-        return {name: self.pipeline_s - project(self.setup,
-                                                self.device.without(*terms)).pipeline_s
+        return {name: self.pipeline_s - project(self.setup, self.device.without(*terms),
+                                                simulator=self.simulator,
+                                                schedule=self.schedule).pipeline_s
                 for name, terms in TERMS.items()}
 
 
@@ -243,13 +247,26 @@ def _span_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule,
         weight=compute.weight, hop=_hops(setup, device, schedule, model, spans))
 
 
-def project(setup: TrainingSetup, device: DeviceModel = A100) -> Projection:
-    """Replay `setup`'s plan with the device model's durations (bf16 training)."""
+Simulator = Callable[[Schedule, SpanCosts], SimulationReport]
+"""What replays a schedule with costs: `simulate`, or a replay with the same results (the
+layout planner's, seq1f1b/plan/tune/replay.py, compiled once per schedule shape)."""
+
+
+def pipeline_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule) -> SpanCosts:
+    """The per-action seconds `project` replays `schedule` with for `setup` on `device`."""
     model = replace(setup.model, vocab_size=setup.padded_vocab_size)
-    schedule = registry.build(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
-                              setup.chunks)
+    return _span_costs(setup, device, schedule, model, setup.spans(model))
+
+
+def project(setup: TrainingSetup, device: DeviceModel = A100, *,
+            simulator: Simulator = simulate, schedule: Optional[Schedule] = None) -> Projection:
+    """Replay `setup`'s plan with the device model's durations (bf16 training); `schedule`:
+    that plan built already (the registry's for the setup's name, P, m, k, V)."""
+    model = replace(setup.model, vocab_size=setup.padded_vocab_size)
+    schedule = schedule or registry.build(setup.plan_name, setup.pp, setup.microbatches,
+                                          setup.splits, setup.chunks)
     spans = setup.spans(model)
-    report = simulate(schedule, _span_costs(setup, device, schedule, model, spans))
+    report = simulator(schedule, _span_costs(setup, device, schedule, model, spans))
     layers = layers_per_stage(model, schedule, setup.stage_layers)
     params = max(sum(stage_parameters(model, layers[schedule.stage_of(r, c)],
                                       first=schedule.stage_of(r, c) == 0,
@@ -262,4 +279,5 @@ def project(setup: TrainingSetup, device: DeviceModel = A100) -> Projection:
         device.tp_bus_gbps
     dp_seconds = params * (4 + 2) * (replicas - 1) / replicas / (dp_link * 1e9)
     gpus = setup.tp * setup.cp * setup.pp * setup.dp
-    return Projection(setup, device, spans, gpus, report.makespan, dp_seconds, report)
+    return Projection(setup, device, spans, gpus, report.makespan, dp_seconds, report, simulator,
+                      schedule)

@@ -72,19 +72,19 @@ class LayerKV:
         """dK/dV of rows [0, end) from span [start, end)'s attention -> the span's own complete
         dK/dV (its rows plus the later spans' contributions); rows [0, start) are kept for the
         earlier spans."""
-        own_key, own_value = grad_key[start:end], grad_value[start:end]
-        if self.key_grad is not None:   # summed in the accumulator's precision, rounded once
-            own_key = (self.key_grad[start:end] + own_key).to(grad_key.dtype)
-            own_value = (self.value_grad[start:end] + own_value).to(grad_value.dtype)
-        if start > 0:
-            if self.key_grad is None:       # the micro-batch's last span: the first backward
+        if self.key_grad is None:           # the micro-batch's last span: the first backward
+            if start > 0:
                 dtype = torch.promote_types(grad_key.dtype, MIN_ACCUMULATOR_DTYPE)
                 self.key_grad = grad_key[:start].to(dtype, copy=True)
                 self.value_grad = grad_value[:start].to(dtype, copy=True)
-            else:
-                self.key_grad[:start] += grad_key[:start]
-                self.value_grad[:start] += grad_value[:start]
-        return own_key, own_value
+            return grad_key[start:end], grad_value[start:end]
+        # One in-place pass over rows [0, end) (end <= the accumulator's rows: spans run in
+        # reverse), summed in the accumulator's precision. The span's rows are then final and
+        # no later backward touches them, so the span's dK/dV is a view of them, rounded once.
+        self.key_grad[:end] += grad_key
+        self.value_grad[:end] += grad_value
+        return (self.key_grad[start:end].to(grad_key.dtype),
+                self.value_grad[start:end].to(grad_value.dtype))
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.key, self.value, self.key_grad, self.value_grad) if t is not None]

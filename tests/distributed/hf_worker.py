@@ -1,7 +1,7 @@
 """torchrun worker of test_hf.py: Hugging Face parity cases and pretrain_gpt.py training cases in
 one launch (imports and start-up cost ~5 s per process).
 
-A case is {"parity": {ParityCase fields}} (seq1f1b.hf.parity.run_parity; rank 0 holds the result)
+A case is {"parity": {ParityCase fields}} (megatron.training.hf_parity.run_parity; rank 0 holds the result)
 or {"argv": [flags]} (training_worker.run; the last rank holds the result). Every rank writes its
 results to results.json.rank<R>; rank 0 merges them, taking each case's result from the rank that
 has it.
@@ -15,7 +15,7 @@ import warnings
 
 def run_case(case: dict) -> dict:
     if "parity" in case:
-        from seq1f1b.hf.parity import ParityCase, run_parity
+        from megatron.training.hf_parity import ParityCase, run_parity
 
         result = run_parity(ParityCase(**case["parity"]))
         return {} if result is None else {"holder": True, **vars(result)}

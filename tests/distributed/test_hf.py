@@ -2,7 +2,7 @@
 
 - parity: Llama (GQA, Llama 3 RoPE scaling), Mistral and Qwen2 (QKV bias, tied embeddings),
   converted and run at TP2 x PP2 with seq1f1b k=3, give transformers' logits and loss (fp32,
-  seq1f1b.hf.parity's threshold); Llama also with seq1f1b-interleaved at V=2, k=2;
+  megatron.training.hf_parity's threshold); Llama also with seq1f1b-interleaved at V=2, k=2;
 - training: the converter's printed flags resume its release checkpoint in pretrain_gpt.py at
   TP2 x PP2 (bf16, data preprocessed with --tokenizer-model <the HF folder>) as iteration 0 with a
   fresh optimizer; at --lr 0 the checkpoint it saves, exported with megatron-to-hf, holds the

@@ -26,8 +26,13 @@
   --pipeline-schedule-file with the seq1f1b-zbv plan written to a file trains bit for bit as
   that schedule; uneven stages (--decoder-first-pipeline-num-layers 1) resume the even
   checkpoint with its losses, and so does a --pipeline-model-parallel-layout;
-- the TensorBoard scalars of a run are the figures it logged, and W&B (a fake `wandb` module on
-  PYTHONPATH with WANDB_MODE=offline: the package is not installed here) gets the same ones;
+- checkpoints: --async-save publishes each checkpoint only after every rank wrote it (the tracker
+  names the previous one until then) and its resume is exact; --no-save-optim --no-save-rng
+  leave those states out and the load asks for --no-load-optim; --skip-train only evaluates;
+- the TensorBoard scalars of a run are the figures it logged (Megatron-LM's per-iteration tags
+  every --tensorboard-log-interval, timers with --log-timers-to-tensorboard), and W&B (a fake
+  `wandb` module on PYTHONPATH with WANDB_MODE=offline: the package is not installed here) gets
+  the same ones;
 - overlap: --overlap-grad-reduce and --overlap-param-gather (distributed optimizer) at PP2 x DP2
   leave every loss, grad norm and evaluation of 10 iterations bit for bit as without overlap,
   under 1f1b (unaligned gathers), seq1f1b, the split-backward seq1f1b-zb-h1 (gradients of the
@@ -252,6 +257,15 @@ def finish():
 '''
 
 
+TENSORBOARD_INTERVAL = 2
+TENSORBOARD_FLAGS = ["--tensorboard-log-interval", str(TENSORBOARD_INTERVAL),
+                     "--log-timers-to-tensorboard", "--timing-log-level", "1", "--log-throughput",
+                     "--log-validation-ppl-to-tensorboard", "--log-params-norm",
+                     "--log-num-zeros-in-grad", "--log-world-size-to-tensorboard",
+                     "--log-memory-to-tensorboard"]
+"""The 1f1b case's logging flags (Megatron-LM's): what each writes is checked in the event file."""
+
+
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory):
     """The first 300 documents of the quickstart corpus, preprocessed with the byte tokenizer."""
@@ -276,6 +290,7 @@ def results(data_prefix, tmp_path_factory):
         if layout == "dp2_distopt":      # from the checkpoint at N, before the next save
             cases["no_load_optim"] = {"argv": flags + ["--load", checkpoints, "--no-load-optim",
                                                        "--no-load-rng"]}
+            cases.update(_save_cases(flags, root))
         if layout == "cp2_distopt":      # the CP2 checkpoint at N resumed at CP1 (DP2)
             cases["cp2_to_cp1"] = {"argv": _resume_flags(data_prefix, "dp2_distopt") + [
                 "--load", checkpoints]}
@@ -286,7 +301,8 @@ def results(data_prefix, tmp_path_factory):
     cases.update(_preemption_cases(data_prefix, root))
     cases.update({
         "1f1b": {"argv": _schedule_flags(data_prefix, "1f1b", 1) + [
-            "--tensorboard-dir", str(root / "tensorboard"), "--wandb-project", "seq1f1b-tests",
+            "--tensorboard-dir", str(root / "tensorboard"), *TENSORBOARD_FLAGS,
+            "--wandb-project", "seq1f1b-tests",
             "--wandb-exp-name", "1f1b", "--wandb-save-dir", str(root / "wandb"),
             "--profile", "--profile-step-start", "2", "--profile-step-end", "3",
             "--profile-ranks", "0", "3"]},
@@ -320,6 +336,20 @@ def results(data_prefix, tmp_path_factory):
     by_name["checkpoint_root"] = str(root)
     by_name["data_prefix"] = data_prefix
     return by_name
+
+
+def _save_cases(flags: list[str], root) -> dict:
+    """dp2_distopt's first half saved with --async-save at every iteration (rank 0 noting each
+    save and the disk before each publish) and resumed from it; and saved without optimizer and
+    RNG states."""
+    return {
+        "async_save": {"argv": flags + ["--save", str(root / "async"), "--async-save",
+                                        "--save-interval", "1", "--exit-interval", str(N)],
+                       "record_saves": str(root / "async_saves.jsonl")},
+        "after_async_save": {"argv": flags + ["--load", str(root / "async")]},
+        "no_save_optim_rng": {"argv": flags + ["--save", str(root / "no_save"), "--no-save-optim",
+                                               "--no-save-rng", "--exit-interval", str(N)]},
+    }
 
 
 SIGTERM_AT = (1, 2)
@@ -359,6 +389,7 @@ def _preemption_cases(data_prefix: str, root) -> dict:
         "use_checkpoint": {"argv": _extended(flags, 2 * N + 1) + [
             "--load", finished, "--use-checkpoint-opt_param-scheduler", "--eval-iters", "0"]},
         "finetune": {"argv": flags + fine_tune + ["--load", finished, "--finetune"]},
+        "skip_train": {"argv": flags + ["--load", finished, "--skip-train"]},
         "pretrained": {"argv": flags + fine_tune + [
             "--load", str(root / "finetuned"), "--save", str(root / "finetuned"),
             "--pretrained-checkpoint", finished]},
@@ -431,12 +462,32 @@ def test_tensorboard_holds_the_logged_figures(results):
     events = EventAccumulator(f"{results['checkpoint_root']}/tensorboard")
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"lm loss", "learning-rate", "grad-norm", "iteration-time", "tokens-per-second",
-            "tflops-per-gpu", "peak-memory-mb/stage-0", "peak-memory-mb/stage-1",
-            "lm loss validation", "lm loss test"} <= tags
-    logged = [(e.step, e.value) for e in events.Scalars("lm loss")]
-    assert logged == [(r["iteration"], pytest.approx(r["losses"]["lm loss"], rel=1e-6))
-                      for r in results["1f1b"]["history"]]
+    history = results["1f1b"]["history"]
+    every, due = [r["iteration"] for r in history], [r["iteration"] for r in history
+                                                    if r["iteration"] % TENSORBOARD_INTERVAL == 0]
+    # each iteration's figures every --tensorboard-log-interval, as Megatron-LM's training_log
+    per_iteration = {"lm loss", "learning-rate", "batch-size", "loss-scale", "grad-norm",
+                     "params-norm", "num-zeros", "world-size"}
+    # each log line's (every --log-interval): timing, throughput, --log-timers-to-tensorboard
+    per_line = {"iteration-time", "tokens-per-second", "tflops-per-gpu", "throughput",
+                "peak-memory-mb/stage-0", "peak-memory-mb/stage-1", "forward-backward-time",
+                "optimizer-time", "all-grads-sync-time"}
+    assert per_iteration | per_line | {"lm loss validation", "lm loss validation ppl",
+                                       "lm loss test", "lm loss test ppl"} <= tags
+    assert not any(tag.startswith("mem-") for tag in tags)      # no CUDA allocator here
+    assert all([step for step, _ in _scalars(events, tag)] == due for tag in per_iteration)
+    assert all([step for step, _ in _scalars(events, tag)] == every for tag in per_line)
+    assert _scalars(events, "lm loss") == [
+        (r["iteration"], pytest.approx(r["losses"]["lm loss"], rel=1e-6)) for r in history
+        if r["iteration"] in due]
+    assert _scalars(events, "grad-norm") == [
+        (r["iteration"], pytest.approx(r["grad_norm"], rel=1e-6)) for r in history
+        if r["iteration"] in due]
+    assert {value for _, value in _scalars(events, "world-size")} == {WORLD}
+    assert all(value > 0 for _, value in _scalars(events, "forward-backward-time"))
+    ppl = _scalars(events, "lm loss validation ppl")
+    assert [value for _, value in ppl] == pytest.approx(
+        [math.exp(value) for _, value in _scalars(events, "lm loss validation")], rel=1e-5)
 
 
 @pytest.mark.parametrize("other", ["seq1f1b", "megatron-1f1b"])
@@ -826,3 +877,63 @@ def test_finetune_and_pretrained_checkpoint_start_from_the_weights(results):
     fresh = results[("dp2_distopt", "straight")]["history"][0]
     assert finetune["history"][0]["losses"]["lm loss"] < fresh["losses"]["lm loss"]
     assert pretrained["checkpoints"] == [f"{results['checkpoint_root']}/finetuned/iter_0000003"]
+
+
+def test_async_save_publishes_each_write_when_done_and_resumes_exactly(results):
+    """--async-save at every iteration: each save returns before its checkpoint is published,
+    and the pending one is published before the next save; until then the tracker names the
+    previous checkpoint and the new one is a staging folder (what a job killed before the
+    finalization leaves: its --load resumes the previous one). Resuming the last equals the
+    straight run bit for bit."""
+    first, resumed = results["async_save"], results["after_async_save"]
+    straight, root = results[("dp2_distopt", "straight")], results["checkpoint_root"]
+    assert first["checkpoints"] == [f"{root}/async/iter_{i:07d}" for i in range(1, N + 1)]
+    assert resumed["start_iteration"] == N
+    assert first["history"] + resumed["history"] == straight["history"]
+    assert first["validation"] + resumed["validation"] == straight["validation"]
+    events = [json.loads(line) for line in open(f"{root}/async_saves.jsonl")]
+    expected = []
+    for i in range(1, N + 1):
+        expected += [{"scheduled": i}, {"publishing": i, "tracker": i - 1 if i > 1 else None,
+                                        "staged": True, "final": False}]
+    assert events == expected
+
+
+def test_no_save_optim_and_rng_leave_them_out_and_their_load_needs_no_load_optim(results):
+    """As Megatron-LM: the checkpoint holds the weights and the position only; resuming it needs
+    --no-load-optim or --finetune (one line otherwise), and its RNGs are not looked for."""
+    from megatron.training.arguments import ArgumentError, parse_args, validate_args
+    from megatron.training.checkpoint_common import read_common_state
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder = results["no_save_optim_rng"]["checkpoints"][0]
+    assert folder.endswith(f"/no_save/iter_{N:07d}")
+    stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    assert not any(key.startswith(("optimizer", "rng_state")) for key in stored)
+    common = read_common_state(folder)
+    assert "opt_param_scheduler" not in common and common["iteration"] == N
+    assert common["args"].no_save_optim and common["args"].no_save_rng
+    weights = _saved_model_weights(folder)      # the same training as dp2_distopt's first half
+    reference = _saved_model_weights(results[("dp2_distopt", "first_half")]["checkpoints"][0])
+    assert sorted(weights) == sorted(reference)
+    assert all(torch.equal(weights[key], reference[key]) for key in weights)
+    flags = _resume_flags(results["data_prefix"], "dp2_distopt") + [
+        "--load", str(Path(folder).parent)]
+    with pytest.raises(ArgumentError, match=r"^--load \S+/no_save: the checkpoint was saved "
+                                            r"with --no-save-optim .* give --no-load-optim or "
+                                            r"--finetune"):
+        validate_args(parse_args(flags), WORLD)
+    assert validate_args(parse_args(flags + ["--no-load-optim"]), WORLD).no_load_optim
+    assert validate_args(parse_args(flags + ["--finetune"]), WORLD).finetune
+
+
+def test_skip_train_only_evaluates_the_checkpoint(results):
+    """--skip-train loads the finished dp2_distopt checkpoint (at 2N) without its optimizer,
+    trains nothing, saves nothing and evaluates the validation and test splits from their
+    start: the test loss is the one the run that wrote the checkpoint logged at its end."""
+    skipped, straight = results["skip_train"], results[("dp2_distopt", "straight")]
+    assert skipped["start_iteration"] == skipped["iteration"] == 2 * N
+    assert skipped["history"] == [] and skipped["checkpoints"] == []
+    assert [where for where, _ in skipped["validation"]] == ["end/valid", "end/test"]
+    assert skipped["validation"][1] == straight["validation"][-1]

@@ -1,7 +1,8 @@
 """torchrun worker: runs pretrain_gpt.py's training for each case in turn, in one launch.
 
 A case is {"argv": [flags]}, optionally with "sigterm": [rank, iteration]: that rank sends
-itself SIGTERM as that iteration starts (as Slurm or torchrun would, on one rank only). The flags
+itself SIGTERM as that iteration starts (as Slurm or torchrun would, on one rank only), and
+"record_saves": a file where rank 0 notes each save and the disk before each publish. The flags
 are validated for this world and trained with pretrain_gpt.py's own model provider, forward step
 and datasets provider. The last rank (which holds the losses) writes one result per case: the
 per-iteration history, the evaluations, the start and end iteration, why it stopped early, what
@@ -46,7 +47,43 @@ def sigterm_at(rank: int, iteration: int):
         training._Run.train_step = original
 
 
-def run(argv: list, sigterm: list = None) -> dict:
+@contextlib.contextmanager
+def saves_recorded(path: str):
+    """While active, rank 0 appends to `path` (JSON lines) each checkpoint save as it returns
+    ({"scheduled": iteration}) and, just before each is published, what a job killed at that
+    moment would leave on disk: the tracker's iteration and whether the staged and the final
+    folders exist."""
+    import torch.distributed as dist
+
+    from megatron.training import checkpointing
+    from seq1f1b import checkpoint_layout
+
+    save, publish = checkpointing.save_checkpoint, checkpoint_layout.publish
+
+    def note(entry: dict) -> None:
+        with open(path, "a") as stream:
+            stream.write(json.dumps(entry) + "\n")
+
+    def recorded_save(save_dir, model, optimizer, scheduler, position, *args, **kwargs):
+        folder = save(save_dir, model, optimizer, scheduler, position, *args, **kwargs)
+        if dist.get_rank() == 0:
+            note({"scheduled": position.iteration})
+        return folder
+
+    def recorded_publish(root, iteration):
+        note({"publishing": iteration, "tracker": checkpoint_layout.read_tracker(root),
+              "staged": os.path.isdir(checkpoint_layout.staging_dir(root, iteration)),
+              "final": os.path.isdir(checkpoint_layout.iteration_dir(root, iteration))})
+        return publish(root, iteration)
+
+    checkpointing.save_checkpoint, checkpoint_layout.publish = recorded_save, recorded_publish
+    try:
+        yield
+    finally:
+        checkpointing.save_checkpoint, checkpoint_layout.publish = save, publish
+
+
+def run(argv: list, sigterm: list = None, record_saves: str = None) -> dict:
     import torch.distributed as dist
 
     import pretrain_gpt
@@ -54,7 +91,8 @@ def run(argv: list, sigterm: list = None) -> dict:
     from megatron.training.training import pretrain
 
     args = validate_args(parse_args(argv), dist.get_world_size())
-    with sigterm_at(*sigterm) if sigterm else contextlib.nullcontext():
+    with sigterm_at(*sigterm) if sigterm else contextlib.nullcontext(), \
+            saves_recorded(record_saves) if record_saves else contextlib.nullcontext():
         summary = pretrain(args, pretrain_gpt.train_valid_test_datasets_provider,
                            pretrain_gpt.model_provider, pretrain_gpt.forward_step)
     return {"start_iteration": summary.start_iteration, "iteration": summary.iteration,
@@ -111,7 +149,7 @@ def main(cases_path: str, results_path: str) -> None:
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
-                result = run(case["argv"], case.get("sigterm"))
+                result = run(case["argv"], case.get("sigterm"), case.get("record_saves"))
         except Exception as err:  # reported per case; the other cases still run
             result = {"error": f"{type(err).__name__}: {err}",
                       "traceback": traceback.format_exc()[-3000:]}

@@ -1,4 +1,4 @@
-"""tests/slurm/cluster.py: when Slurm cannot be installed, and the up/down recipe of README."""
+"""tests/slurm/cluster.py: when Slurm cannot be installed, and the up/down recipe of docs/slurm.md."""
 from __future__ import annotations
 
 import shutil
@@ -26,9 +26,9 @@ def test_no_slurm_and_no_way_to_install_it(monkeypatch, euid, apt_get, reason):
 
 
 def test_cli_up_then_down_leaves_nothing(slurm_cluster):
-    """README's by-hand recipe: `up` prints the SLURM_CONF to export, a job runs on two nodes,
+    """docs/slurm.md's by-hand recipe: `up` prints the SLURM_CONF to export, a job runs on two nodes,
     `down` stops every daemon (a second cluster beside the session's: own ports, own hosts line).
-    The folder is made as README's /tmp/slurm-ci would be (pytest's tmp_path is private to root,
+    The folder is made as docs/slurm.md's /tmp/slurm-ci would be (pytest's tmp_path is private to root,
     and munged, as the munge user, must reach its socket)."""
     root = Path(tempfile.mkdtemp(prefix="seq1f1b-slurm-cli-"))
     try:

@@ -1,7 +1,7 @@
 """The sbatch scripts of examples/slurm, submitted for real to the session's Slurm cluster.
 
 Every job is a paper script with a tiny model on CPU (gloo), set through the environment
-variables and sbatch options a user of a real cluster sets; README ("Launch on Slurm") shows the
+variables and sbatch options a user of a real cluster sets; docs/slurm.md shows the
 same commands, rendered from the constants below (test_readme_shows_what_ci_runs). All jobs are
 submitted at once (`sbatch --wait`, one process each) so they overlap; each test waits for its
 own. Every job keeps `--time`, a p2p/gloo timeout (P2P_TIMEOUT) and an outer timeout here (the
@@ -49,7 +49,7 @@ class Launch:
     sbatch: tuple[str, ...]
 
     def command(self) -> str:
-        """The shell line (README shows it after `export` of TINY_MODEL)."""
+        """The shell line (docs/slurm.md shows it after `export` of TINY_MODEL)."""
         return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in self.env.items()), "sbatch",
                          "--wait", TIME_LIMIT, *self.sbatch, f"examples/slurm/{self.script}"])
 
@@ -70,7 +70,7 @@ SWEEP_GRID = {"SCHEDULES": "seq1f1b", "SPLITS": "2", "SEQ_LENGTHS": "64 16384",
 
 
 def sweep_command(out: Optional[Path] = None) -> str:
-    """The sweep under the memory limit (README shows it without --out)."""
+    """The sweep under the memory limit (docs/slurm.md shows it without --out)."""
     grid = " ".join(f"{k}={shlex.quote(v)}" for k, v in SWEEP_GRID.items())
     return (f"ulimit -v {CPU_MEMORY_KB} && {grid} examples/slurm/sweep.sh "
             + (f"--out {out} " if out else "") + f"--wait {TIME_LIMIT} "
@@ -167,10 +167,10 @@ def test_paper_scripts_are_accepted_as_written(slurm_cluster, script):
 
 
 def test_readme_shows_what_ci_runs():
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "slurm.md").read_text()
     export = "export " + " ".join(f"{k}={v}" for k, v in TINY_MODEL.items())
     for line in (export, SRUN.command(), TORCHRUN.command(), sweep_command()):
-        assert line in readme, f"README's Slurm section lacks: {line}"
+        assert line in readme, f"docs/slurm.md lacks: {line}"
 
 
 def _loss_lines(text: str) -> list[str]:

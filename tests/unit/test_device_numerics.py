@@ -1,12 +1,8 @@
 """The numerics part of device_check --suite gpu can fail: a span path that loses part of its
 cached prefix, or rounds worse than bf16 allows, is out of bounds."""
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import device_numerics  # noqa: E402
+from seq1f1b.device_checks import numerics as device_numerics
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 

@@ -15,7 +15,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from hf_models import make_model  # noqa: E402
 from megatron_world import init_megatron  # noqa: E402
 
-from seq1f1b.hf import ConversionError, parity  # noqa: E402
+from megatron.training import hf_parity as parity  # noqa: E402
+from seq1f1b.hf import ConversionError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 

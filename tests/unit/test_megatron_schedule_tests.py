@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from seq1f1b.megatron_suite import rank_report, results, slots as checked_slots
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -18,7 +20,6 @@ def _load(name: str):
 
 
 launcher = _load("megatron_schedule_tests")
-worker = _load("megatron_schedule_worker")
 
 
 @pytest.mark.parametrize("ours,theirs,same", [
@@ -32,11 +33,11 @@ worker = _load("megatron_schedule_worker")
     ({"lm loss": torch.tensor(3.0)}, {"lm loss": 3.0}, False),
 ])
 def test_same_result(ours, theirs, same):
-    assert worker.same_result(ours, theirs) is same
+    assert checked_slots.same_result(ours, theirs) is same
 
 
 def _slot(ours, theirs):
-    return worker.CheckedSlot("slot", ours, theirs)
+    return checked_slots.CheckedSlot("slot", ours, theirs)
 
 
 def test_a_forward_only_call_runs_both_from_the_same_rng_state_and_returns_ours():
@@ -97,7 +98,7 @@ def test_install_slots_fills_both_slots_with_checked_functions():
 
     schedules = types.SimpleNamespace(forward_backward_pipelining_without_interleaving=without,
                                       forward_backward_pipelining_with_interleaving=interleaved)
-    slots = worker.install_slots(schedules)
+    slots = checked_slots.install_slots(schedules)
     assert [s.theirs for s in slots] == [without, interleaved]
     assert schedules.forward_backward_pipelining_without_interleaving is slots[0]
     assert slots[0].ours.__name__ == "forward_backward_seq1f1b"
@@ -112,7 +113,7 @@ def _fake_report(when, outcome, longrepr=None, nodeid="t.py::test_a"):
 
 def test_rank_report_keeps_the_worst_phase_and_the_calls_compared(tmp_path):
     slot = _slot(lambda **kw: [], lambda **kw: [])
-    report = worker.RankReport(tmp_path / "rank0.json", 0, [slot])
+    report = rank_report.RankReport(tmp_path / "rank0.json", 0, [slot])
     crash = types.SimpleNamespace(reprcrash=types.SimpleNamespace(message="ValueError: boom\nmore"))
     report.pytest_runtest_logreport(_fake_report("setup", "passed"))
     slot(forward_only=True)
@@ -136,22 +137,22 @@ def test_merge_fails_a_test_that_fails_on_one_rank_or_whose_rank_is_silent():
     reports = {0: _rank(a=("passed", ""), b=("passed", ""), c=("skipped", "no CUDA")),
                1: _rank(a=("passed", ""), b=("failed", "AssertionError: x"),
                         c=("skipped", "no CUDA"))}
-    merged = launcher.merge_reports(reports, 2)
+    merged = results.merge_reports(reports, 2)
     assert merged["a"] == {"outcome": "passed", "failed_ranks": [], "detail": "", "compared": 2}
     assert merged["b"]["outcome"] == "failed" and merged["b"]["failed_ranks"] == [1]
     assert merged["b"]["detail"] == "AssertionError: x"
     assert merged["c"]["outcome"] == "skipped"
-    assert launcher.summary_line(merged) == "1 passed, 1 failed, 1 skipped"
-    silent = launcher.merge_reports({0: reports[0], 1: None}, 2)
+    assert results.summary_line(merged) == "1 passed, 1 failed, 1 skipped"
+    silent = results.merge_reports({0: reports[0], 1: None}, 2)
     assert silent["a"]["outcome"] == "failed" and silent["a"]["failed_ranks"] == [1]
     assert silent["a"]["detail"] == "rank 1 has no result for this test"
 
 
 def test_render_lists_failures_with_their_ranks_and_groups_skips():
-    merged = launcher.merge_reports(
+    merged = results.merge_reports(
         {0: _rank(**{"f::test_b": ("failed", "E: x"), "f::test_c[1]": ("skipped", "no CUDA"),
                      "f::test_c[2]": ("skipped", "no CUDA")})}, 1)
-    text = launcher.render(merged, "ours")
+    text = results.render(merged, "ours")
     assert "FAILED  test_b  (1 calls on all ranks checked against megatron's)" in text
     assert "ranks [0]: E: x" in text
     assert "SKIPPED test_c x2: no CUDA" in text
@@ -166,9 +167,9 @@ def test_without_a_checkout_one_line_names_the_flag(tmp_path, capsys):
 
 
 def test_missing_test_dependencies_are_named(tmp_path, monkeypatch):
-    (tmp_path / launcher.TEST_FILE).parent.mkdir(parents=True)
-    (tmp_path / launcher.TEST_FILE).write_text("")
-    monkeypatch.setattr(launcher, "TEST_DEPENDENCIES", {"no-such-package": "no_such_module_x"})
-    assert launcher.check_setup(tmp_path) == (
+    (tmp_path / results.TEST_FILE).parent.mkdir(parents=True)
+    (tmp_path / results.TEST_FILE).write_text("")
+    monkeypatch.setattr(results, "TEST_DEPENDENCIES", {"no-such-package": "no_such_module_x"})
+    assert results.check_setup(tmp_path) == (
         "no-such-package not installed: Megatron-LM's test_schedules.py needs them "
         "(pip install no-such-package)")

@@ -27,6 +27,14 @@ def test_activate_is_idempotent():
     assert platform.activate() and platform.activate() and platform.is_active()
 
 
+def test_denormals_flush_to_zero_as_a_gpu_costs_them():
+    # A GPU computes with fp32 denormals at full speed; the CPU layer flushes them, or the CPU
+    # times microcode assists (10x in the attention backward of a small-init model).
+    assert platform.activate()
+    tiny = torch.tensor([3e-39, 1e-30])
+    assert (tiny * 1.0).tolist() == [0.0, pytest.approx(1e-30)]
+
+
 def test_cuda_placements_land_on_cpu():
     t = torch.ones(3, device="cuda")
     placed = [t, t.cuda(), t.to("cuda:0"), t.to(0), t.to(device=torch.device("cuda")),

@@ -256,11 +256,11 @@ def test_shipped_script_defaults_give_way_to_the_environment(tmp_path):
 def test_every_script_is_a_panel_and_readme_shows_the_panels():
     scripts = {p.name for p in (REPO / "examples" / "slurm").glob("pretrain_gpt_*.sbatch")}
     assert scripts == {Path(panel.script).name for panel in rp.PANELS}
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "slurm.md").read_text()
     for panel in rp.PANELS:
         row = re.search(rf"^\| `{re.escape(Path(panel.script).name)}` \| [^|]+ \| (\d+) \| "
                         rf"(\d+) x (\d+) \| \d+ \| (\d+) \|$", readme, re.M)
-        assert row, f"README's table lacks {panel.script}"
+        assert row, f"docs/slurm.md's table lacks {panel.script}"
         assert tuple(map(int, row.groups())) == (panel.gpus, panel.tp, panel.pp,
                                                  panel.microbatches)
 
@@ -268,7 +268,7 @@ def test_every_script_is_a_panel_and_readme_shows_the_panels():
 def test_readme_counts_the_sweep():
     plan = rp.sweeps()
     counts = f"({len(plan)} calls, {sum(sweep.jobs for sweep in plan)} jobs)"
-    assert counts in (REPO / "README.md").read_text()
+    assert counts in (REPO / "docs" / "slurm.md").read_text()
 
 
 def _expected_cells() -> set[tuple]:

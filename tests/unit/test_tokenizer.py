@@ -8,7 +8,8 @@ import pytest
 
 from megatron.training.tokenizer import (
     NO_PAD, ByteLevelTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer, TokenizerConfig,
-    build_tokenizer, padded_vocab_size)
+    build_tokenizer)
+from seq1f1b.plan.costs import padded_vocab_size
 
 TEXTS = ["the red fox sees a small cat.", "héllo wörld, naïve café ☃ 日本語 🙂", "", "a\nb\tc  "]
 

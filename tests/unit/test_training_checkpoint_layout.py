@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from megatron.training import checkpoint_layout as layout
+from seq1f1b import checkpoint_layout as layout
 
 
 def _stage(root, iteration, payload="weights"):

@@ -9,7 +9,7 @@ import types
 import pytest
 
 from megatron.training.logging_utils import IntervalReport, Throughput
-from megatron.training.writers import (ScalarWriters, evaluation_scalars, training_scalars,
+from megatron.training.writers import (ScalarWriters, evaluation_scalars, interval_scalars,
                                        wandb_save_dir)
 
 
@@ -50,8 +50,8 @@ def test_wandb_run_is_named_configured_and_gets_the_scalars(tmp_path, fake_wandb
     assert init == ("init", {"project": "proj", "name": "run", "dir": str(tmp_path / "ckpt/wandb"),
                              "config": vars(_args(tmp_path))})
     assert (tmp_path / "ckpt" / "wandb").is_dir()
-    assert train == ("log", training_scalars(_report()), 20)
-    assert train[1]["lm loss"] == 4.25 and train[1]["peak-memory-mb/stage-1"] == 9.75
+    assert train == ("log", interval_scalars(_report()), 20)
+    assert train[1]["iteration-time"] == 0.5 and train[1]["peak-memory-mb/stage-1"] == 9.75
     assert evaluation == ("log", evaluation_scalars("validation", 4.0), 20)
     assert finish == ("finish",)
 
@@ -70,6 +70,25 @@ def test_wandb_folder_follows_megatron(tmp_path, save_dir, save, expected):
 
 
 def test_scalars_without_a_value_are_left_out():
-    scalars = training_scalars(_report(lm_loss=None, grad_norm=None))
+    from megatron.training.writers import IterationScalars
+
+    scalars = IterationScalars(1e-3, 8, {}, loss_scale=1.0).scalars()
     assert "lm loss" not in scalars and "grad-norm" not in scalars
     assert evaluation_scalars("test", 2.0)["lm loss test ppl"] == pytest.approx(7.389056, 1e-6)
+
+
+def test_iteration_scalars_carry_megatrons_tags_as_the_flags_ask():
+    from megatron.training.writers import MEMORY_TAGS, IterationScalars
+
+    plain = IterationScalars(3e-4, 32, {"lm loss": 4.25}, loss_scale=1.0, grad_norm=1.5)
+    assert plain.scalars() == {"learning-rate": 3e-4, "batch-size": 32, "lm loss": 4.25,
+                               "loss-scale": 1.0, "grad-norm": 1.5}
+    stats = {key: float(i) for i, key in enumerate(MEMORY_TAGS.values())}
+    full = IterationScalars(3e-4, 32, {}, loss_scale=None, num_zeros_in_grad=7,
+                            params_norm=12.5, world_size=4, memory_stats=stats).scalars()
+    assert "loss-scale" not in full and (full["num-zeros"], full["params-norm"],
+                                         full["world-size"]) == (7, 12.5, 4)
+    assert [full[tag] for tag in MEMORY_TAGS] == [0.0, 1.0, 2.0, 3.0]
+    assert interval_scalars(_report(), throughput=True)["throughput"] == 0.0123
+    assert "throughput" not in interval_scalars(_report())
+    assert evaluation_scalars("validation", 4.0, ppl=False) == {"lm loss validation": 4.0}

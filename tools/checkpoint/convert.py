@@ -84,7 +84,7 @@ def _tokenizer_vocab(hf_dir: str):
 
 def hf_to_megatron(args: argparse.Namespace) -> str:
     """Validate everything, write the release checkpoint; returns the text to print."""
-    from megatron.training import checkpoint_layout
+    from seq1f1b import checkpoint_layout
     from seq1f1b.hf import config as hf_config
     from seq1f1b.hf.folder import read_hf_weights
 
@@ -123,7 +123,7 @@ def hf_to_megatron(args: argparse.Namespace) -> str:
 
 
 def _template_dir(args: argparse.Namespace) -> str:
-    from megatron.training import checkpoint_layout
+    from seq1f1b import checkpoint_layout
 
     if args.hf_dir is not None:
         return args.hf_dir
@@ -189,7 +189,7 @@ def _record_training(raw: dict, template_spec, trained, args: argparse.Namespace
 
 def megatron_to_hf(args: argparse.Namespace) -> str:
     """Validate everything, write the Hugging Face folder; returns the text to print."""
-    from megatron.training import checkpoint_layout
+    from seq1f1b import checkpoint_layout
     from seq1f1b.hf import config as hf_config
     from seq1f1b.hf.folder import check_new_folder
 

@@ -13,6 +13,9 @@ differences of order 1e-6 relative to the logits' scale in small models and grow
 and width. `passed` asks for max |logit difference| <= 1e-4 x max(1, max |logit|) and the same
 relative bound on the loss: far above fp32 rounding, far below what a misplaced head, a wrong
 RoPE frequency or a swapped projection does (differences of the logits' own size).
+
+It lives with the trainer, not in seq1f1b.hf: what it checks is that the trainer's loader
+(checkpointing.load_model_weights) puts the converted weights where transformers has them.
 """
 from __future__ import annotations
 

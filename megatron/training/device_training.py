@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BF16_LOSS_TOLERANCE = 0.02
 """2% relative: five times bf16's unit roundoff (2^-8), for losses that are means over the
 batch's tokens after up to 20 updates whose gradients were rounded differently."""

@@ -1,0 +1,207 @@
+"""The layout planner (seq1f1b/plan/tune, plan.py tune): its compiled replays agree with the
+simulator, its winner is the best of an exhaustive evaluation, its memory verdicts are plan.py
+memory's, and its flags pass the trainer's validation."""
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from megatron.training.arguments import parse_args, validate_args
+from seq1f1b.plan import registry
+from seq1f1b.plan.actions import ScheduleError
+from seq1f1b.plan.costs import ModelConfig
+from seq1f1b.plan.memory import TrainingSetup, estimate_memory
+from seq1f1b.plan.projection import A100, project, pipeline_costs
+from seq1f1b.plan.simulate import simulate
+from seq1f1b.plan.tune.devices import resolve_gpu
+from seq1f1b.plan.tune.held import HeldProfile
+from seq1f1b.plan.tune.launch import pretrain_flags, sbatch_script
+from seq1f1b.plan.tune.replay import CompiledSchedule
+from seq1f1b.plan.tune.search import layout_name, tune
+from seq1f1b.plan.tune.space import Query, candidates, default_schedules
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "plan.py"
+sys.path.insert(0, str(TOOL.parent))
+import plan  # noqa: E402
+
+TINY = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, num_query_groups=4,
+                   ffn_hidden_size=512, vocab_size=1000, swiglu=True, normalization="RMSNorm",
+                   add_bias_linear=False)
+TINY_FLAGS = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
+              "--num-query-groups", "4", "--ffn-hidden-size", "512", "--vocab-size", "1000",
+              "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear"]
+QUERY = Query(TINY, seq_length=8192, gpus=8, gpus_per_node=4, global_batch_size=8,
+              max_splits=4, min_span=1024, chunks=(2,))
+SMALL = replace(QUERY, gpus=4, global_batch_size=8, max_splits=2, partitions=("compute",))
+"""The exhaustive evaluation's case: 4 GPUs, every schedule, k <= 2, all recomputes."""
+
+
+@pytest.mark.parametrize("name", default_schedules())
+def test_compiled_replay_and_held_profile_are_the_simulators(name):
+    info = registry.get(name)
+    setup = TrainingSetup(model=TINY, seq_length=8192, schedule=name, pp=4, microbatches=8,
+                          splits=4 if name.startswith("seq1f1b") else 1,
+                          chunks=2 if info.chunked else 1, tp=2, dp=1, cp=2,
+                          sequence_parallel=True, distributed_optimizer=True,
+                          partition="compute" if name.startswith("seq1f1b") else "even",
+                          recompute_granularity="selective")
+    schedule = registry.build(name, setup.pp, setup.microbatches, setup.splits, setup.chunks)
+    costs = pipeline_costs(setup, A100, schedule)
+    reference = simulate(schedule, costs)
+    fast = CompiledSchedule.of(schedule).simulate(costs)
+    assert fast.makespan == reference.makespan
+    assert fast.bubble_ratio == pytest.approx(reference.bubble_ratio, rel=1e-12, abs=1e-15)
+    exact = estimate_memory(setup)
+    held = HeldProfile.of(schedule)
+    quick = estimate_memory(setup, held_peaks=lambda _, costs: held.peaks(costs),
+                            schedule=schedule)
+    for a, b in zip(exact.stages, quick.stages):
+        assert b.total_bytes == pytest.approx(a.total_bytes, rel=1e-12)
+        assert b.peak_live_spans == a.peak_live_spans
+
+
+def _exhaustive(query, gpu):
+    """Every candidate judged and projected the plain way: (iteration s, layout) that fit."""
+    fitting = []
+    for setup in candidates(query):
+        try:
+            estimate = estimate_memory(setup)
+        except ScheduleError:       # refused by its schedule: the planner skips it too
+            continue
+        if estimate.fits(gpu.memory_gib):
+            fitting.append((project(setup, gpu.device).iteration_s, layout_name(setup)))
+    return sorted(fitting)
+
+
+def test_winner_is_the_best_of_an_exhaustive_evaluation():
+    gpu = resolve_gpu("a100", gpus_per_node=SMALL.gpus_per_node)
+    # a memory limit just under the fastest layout's peak: pruning by memory decides the winner
+    fastest = min(candidates(SMALL), key=lambda s: project(s, gpu.device).iteration_s)
+    limit = replace(gpu, memory_gib=0.999 * estimate_memory(fastest).peak_bytes / 2 ** 30)
+    expected = _exhaustive(SMALL, limit)
+    result = tune(SMALL, limit, top=5)
+    assert result.counts.oom > 0 and result.counts.projected < len(expected)
+    assert [r.projection.iteration_s for r in result.ranked] == pytest.approx(
+        [seconds for seconds, _ in expected[:5]], rel=1e-12)
+    if expected[1][0] > expected[0][0] * (1 + 1e-9):        # no tie for first place
+        assert result.ranked[0].name == expected[0][1]
+
+
+def _memory_argv(setup, gpu_memory):
+    argv = ["memory", *TINY_FLAGS, "--schedule", setup.schedule, "--pp", str(setup.pp),
+            "--microbatches", str(setup.microbatches), "--splits", str(setup.splits),
+            "--chunks", str(setup.chunks), "--tp", str(setup.tp), "--cp", str(setup.cp),
+            "--dp", str(setup.dp), "--seq-length", str(setup.seq_length),
+            "--partition", setup.partition, "--distributed-optimizer",
+            "--gpu-memory", str(gpu_memory), "--json"]
+    if setup.sequence_parallel:
+        argv.append("--sequence-parallel")
+    if setup.recompute_granularity:
+        argv += ["--recompute-granularity", setup.recompute_granularity]
+    if setup.decoder_first_pipeline_num_layers:
+        argv += ["--decoder-first-pipeline-num-layers",
+                 str(setup.decoder_first_pipeline_num_layers)]
+    if setup.decoder_last_pipeline_num_layers:
+        argv += ["--decoder-last-pipeline-num-layers",
+                 str(setup.decoder_last_pipeline_num_layers)]
+    return argv
+
+
+def test_memory_verdicts_are_plan_memory_s(capsys):
+    gpu = resolve_gpu("a100", 3.0, gpus_per_node=4)
+    result = tune(QUERY, gpu, top=3)
+    rows = result.ranked + [r for r in tune(replace(QUERY, recomputes=("full",)), gpu, 2).ranked]
+    assert rows
+    for row in rows:
+        assert plan.main(_memory_argv(row.setup, gpu.memory_gib)) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["peak_bytes"] == pytest.approx(row.estimate.peak_bytes, rel=1e-12)
+        assert [s["total_bytes"] for s in shown["stages"]] == pytest.approx(
+            [s.total_bytes for s in row.estimate.stages], rel=1e-12)
+        assert shown["oom"] is False
+
+
+WINNERS = [
+    QUERY,
+    replace(QUERY, schedules=("seq1f1b-interleaved",), recomputes=("full",)),
+    replace(QUERY, schedules=("seq1f1b-zbv",), recomputes=("selective",)),
+]
+
+
+@pytest.mark.parametrize("query", WINNERS, ids=["any", "interleaved-full", "zbv-selective"])
+def test_winner_flags_pass_the_trainers_validation(query, tmp_path):
+    result = tune(query, resolve_gpu("a100", gpus_per_node=4), top=1)
+    setup = result.ranked[0].setup
+    args = validate_args(parse_args(pretrain_flags(setup, query.global_batch_size)),
+                         query.gpus)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.context_parallel_size, args.data_parallel_size) == (
+        setup.tp, setup.pp, setup.cp, setup.dp)
+    assert args.num_micro_batches == setup.microbatches
+    assert args.pipeline_schedule == setup.schedule and args.seq1f1b_splits == setup.splits
+    script = tmp_path / "run.sbatch"
+    script.write_text(sbatch_script(setup, query.global_batch_size, query.gpus,
+                                    query.gpus_per_node, "test"))
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+
+
+def test_uneven_stages_and_cp_reach_the_flags():
+    found = {(s.cp > 1, s.stage_layers.uneven) for s in candidates(QUERY)}
+    assert (True, True) in found
+    setup = next(s for s in candidates(QUERY) if s.cp > 1 and s.stage_layers.uneven
+                 and s.chunks == 1)
+    args = validate_args(parse_args(pretrain_flags(setup, QUERY.global_batch_size)), 8)
+    assert args.context_parallel_size == setup.cp
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (
+        setup.decoder_first_pipeline_num_layers, setup.decoder_last_pipeline_num_layers)
+
+
+TUNE = ["tune", *TINY_FLAGS, "--seq-length", "8192", "--gpus", "8", "--gpus-per-node", "4",
+        "--global-batch-size", "8", "--max-splits", "4"]
+
+
+def test_cli_json_top_and_sbatch(tmp_path, capsys):
+    out = tmp_path / "tuned.sbatch"
+    assert plan.main(TUNE + ["--top", "2", "--json", "--emit-sbatch", str(out),
+                             "--gpu-memory", "80GiB"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert len(shown["layouts"]) == 2 and shown["gpu"]["memory_gib"] == 80
+    assert shown["winner_flags"][:2] == ["--num-layers", "8"]
+    assert "launch_pretrain.sh" in out.read_text()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--gpus", "0"], "--gpus"),
+    (["--gpu-memory", "lots"], "--gpu-memory"),
+    (["--gpu", "nowhere.json"], "--gpu"),
+    (["--schedules", "bogus"], "--schedule"),
+    (["--partitions", "odd"], "--partitions"),
+    (["--recompute", "half"], "--recompute"),
+    (["--top", "0"], "--top"),
+    (["--gpus", "6"], "--gpus"),
+    (["--emit-sbatch", "/nonexistent/dir/x.sbatch"], "--emit-sbatch"),
+])
+def test_bad_input_is_one_line_and_exit_2(extra, message, capsys):
+    assert plan.main(TUNE + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_bad_input_without_a_model_exits_2(capsys):
+    assert plan.main(["tune", "--seq-length", "8192", "--gpus", "8"]) == 2
+    assert "model" in capsys.readouterr().err
+
+
+def test_gpu_from_a_device_check_judges_reserved_bytes(tmp_path):
+    from test_calibration import _device_check, _spans
+    path = _device_check(tmp_path, _spans(0.5, 0.3), ratios=(1.05, 1.2, 1.1))
+    gpu = resolve_gpu(str(path), 80.0, gpus_per_node=4)
+    assert gpu.reserve_ratio == pytest.approx(1.2)
+    assert gpu.device.peak_tflops == 989.0 and gpu.device.gemm.saturated == pytest.approx(0.5)
+    result = tune(QUERY, gpu, top=1)
+    row = result.ranked[0]
+    assert row.estimate.reserved_peak_bytes(1.2) <= 80.0 * 2 ** 30
+    assert row.projection.device == gpu.device
