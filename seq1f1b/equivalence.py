@@ -97,6 +97,7 @@ class EquivalenceCase:
     pipeline_schedule_file: Optional[str] = None   # the schedule from this file (schedule_file)
     decoder_first_pipeline_num_layers: Optional[int] = None   # uneven first stage (stage_layers)
     decoder_last_pipeline_num_layers: Optional[int] = None    # uneven last stage
+    pipeline_model_parallel_layout: Optional[str] = None      # every stage's layers (a layout)
     gradient_accumulation_fusion: bool = True      # weight-gradient GEMMs add into main_grad
 
 
@@ -129,6 +130,9 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
     add("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N",
         help="uneven last stage: its decoder layers (a loop: pipeline rank P-1's; a V: virtual "
              "stage 2P-1's, the output layer's, on rank 0)")
+    add("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+        help="every virtual stage's decoder layers, megatron's string form in stage order, "
+             "e.g. 'Et|t*2|t|tL' (seq1f1b/plan/stage_layers.py)")
     add("--vocab-size", type=int, default=96)
     add("--micro-batch-size", type=int, default=2)
     add("--num-microbatches", type=int, default=4)
@@ -184,9 +188,8 @@ def cost_model(flags) -> ModelConfig:
 
 
 def stage_layers(case: "EquivalenceCase") -> StageLayers:
-    """The case's uneven first / last stages (both None: even)."""
-    return StageLayers(case.decoder_first_pipeline_num_layers,
-                       case.decoder_last_pipeline_num_layers)
+    """The case's uneven first / last stages or layout (all None: even)."""
+    return StageLayers.of_flags(case)
 
 
 def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
@@ -424,6 +427,7 @@ def _whole_model(case: EquivalenceCase) -> torch.nn.Module:
     config = _config(replace(case, recompute_granularity=None, hidden_dropout=0.0,
                              attention_dropout=0.0, decoder_first_pipeline_num_layers=None,
                              decoder_last_pipeline_num_layers=None,
+                             pipeline_model_parallel_layout=None,
                              gradient_accumulation_fusion=False), 1, 1, 1, False)
     return _build(case, config, pre_process=True, post_process=True, vp_stage=None)
 

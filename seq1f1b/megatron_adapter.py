@@ -97,6 +97,13 @@ class Architecture:
                     rope_scaling_factor=self.rope_scaling_factor)
 
 
+def layout_entries(counts: tuple[int, ...]) -> list[list[str]]:
+    """What each virtual stage holds, in stage order, in megatron's layout names: the embedding
+    opens the first, `counts[v]` decoder layers, the loss closes the last."""
+    return [["embedding"] * (index == 0) + ["decoder"] * count
+            + ["loss"] * (index == len(counts) - 1) for index, count in enumerate(counts)]
+
+
 class VShapeLayerLayout(PipelineParallelLayerLayout):
     """megatron-core's pipeline layout for two chunks per rank in a V (the `vshape` placement of
     zbv, seq1f1b-zbv, seq1f1b-zb-auto): chunk 0 of rank r is virtual stage r, chunk 1 is stage
@@ -118,16 +125,11 @@ class VShapeLayerLayout(PipelineParallelLayerLayout):
         if not split.uneven and num_layers % (2 * pp):
             raise ValueError(f"--num-layers {num_layers}: a V of two chunks on {pp} pipeline "
                              f"ranks needs a multiple of {2 * pp} layers")
-        counts = layers_per_virtual_stage(num_layers, pp, 2, "vshape", split)
-
-        def stage(index: int) -> list[str]:
-            return (["embedding"] * (index == 0) + ["decoder"] * counts[index]
-                    + ["loss"] * (index == 2 * pp - 1))
-
+        stages = layout_entries(layers_per_virtual_stage(num_layers, pp, 2, "vshape", split))
         # megatron's flat order: entry c*P + r is chunk c of rank r.
-        super().__init__([stage(virtual_stage("vshape", pp, rank, chunk))
+        super().__init__([stages[virtual_stage("vshape", pp, rank, chunk)]
                           for chunk in range(2) for rank in range(pp)], pp)
-        self.flatten_layout = [LayerType[name] for index in range(2 * pp) for name in stage(index)]
+        self.flatten_layout = [LayerType[name] for stage in stages for name in stage]
 
     def get_layer_offset(self, layer_type: LayerType = LayerType.decoder,
                          vp_stage: Optional[int] = None, pp_rank: Optional[int] = None) -> int:
@@ -290,8 +292,9 @@ def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_
     (`deallocate_pipeline_outputs`, which Megatron-LM's training always turns on; the dataclass
     default keeps every in-flight output). `architecture` gives the layer's shape (GQA, SwiGLU,
     norm, biases); `placement` "vshape" lays the chunks out in a V (VShapeLayerLayout);
-    `stage_layers`: uneven first / last stages (stage_layers.py), megatron's
-    num_layers_in_first/last_pipeline_stage on a loop, the V's layout on a V;
+    `stage_layers`: uneven first / last stages or a layout (stage_layers.py), megatron's
+    num_layers_in_first/last_pipeline_stage or pipeline_model_parallel_layout on a loop, the V's
+    layout on a V;
     `overrides` go to TransformerConfig unchanged.
     """
     dtype = torch.float32 if fp32 else torch.bfloat16
@@ -309,10 +312,14 @@ def make_transformer_config(*, num_layers: int, hidden_size: int, num_attention_
         fields["pipeline_model_parallel_layout"] = VShapeLayerLayout(
             pipeline_model_parallel_size, num_layers, stage_layers)
     elif stage_layers.uneven:
-        layers_per_virtual_stage(num_layers, pipeline_model_parallel_size,    # checked, in words
-                                 virtual_pipeline_model_parallel_size or 1, placement,
-                                 stage_layers)
-        fields.update(num_layers_in_first_pipeline_stage=stage_layers.first,
-                      num_layers_in_last_pipeline_stage=stage_layers.last)
+        counts = layers_per_virtual_stage(    # checked, in words
+            num_layers, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1,
+            placement, stage_layers)
+        if stage_layers.counts is not None:   # a loop's stage order is megatron's flat order
+            fields["pipeline_model_parallel_layout"] = PipelineParallelLayerLayout(
+                layout_entries(counts), pipeline_model_parallel_size)
+        else:
+            fields.update(num_layers_in_first_pipeline_stage=stage_layers.first,
+                          num_layers_in_last_pipeline_stage=stage_layers.last)
     fields.update(overrides)
     return TransformerConfig(**fields)

@@ -159,7 +159,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
     if args.noise_threshold < 0:
         raise UsageError("--noise-threshold must be >= 0")
     uneven = (args.decoder_first_pipeline_num_layers is not None
-              or args.decoder_last_pipeline_num_layers is not None)
+              or args.decoder_last_pipeline_num_layers is not None
+              or args.pipeline_model_parallel_layout is not None)
     if args.num_layers % args.pp and not uneven:
         raise UsageError(f"--num-layers {args.num_layers} is not divisible by --pp {args.pp}")
     runs = []
@@ -241,7 +242,8 @@ def _file_run(args: argparse.Namespace) -> Run:
     except ValueError as err:           # ScheduleError too
         raise UsageError(str(err)) from None
     if args.num_layers % (args.pp * schedule.chunks) and not (
-            args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers):
+            args.decoder_first_pipeline_num_layers or args.decoder_last_pipeline_num_layers
+            or args.pipeline_model_parallel_layout):
         raise UsageError(f"--num-layers {args.num_layers}: --pipeline-schedule-file "
                          f"{args.pipeline_schedule_file} needs a multiple of P x V = "
                          f"{args.pp * schedule.chunks}")
@@ -485,7 +487,8 @@ def _memory_estimate(args: argparse.Namespace, run: Run, dp: int, lengths: tuple
         recompute_num_layers=args.recompute_num_layers,
         schedule_memory_cap=args.schedule_memory_cap if is_searched(run.schedule) else None,
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
-        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers)
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout)
     return estimate_memory(setup)
 
 

@@ -48,7 +48,9 @@ from seq1f1b.plan.nccl import MODES, validate_modes  # noqa: E402
 from seq1f1b.plan.partition import imbalance, partition, span_bounds, span_flops  # noqa: E402
 from seq1f1b.plan.span_fit import SpanTimeFit, fit_span_times, read_span_timings  # noqa: E402
 from seq1f1b.plan.projection import A100  # noqa: E402
-from seq1f1b.plan.stage_layers import FIRST_FLAG, LAST_FLAG, StageLayers  # noqa: E402
+from seq1f1b.plan.stage_layers import (FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG,  # noqa: E402
+                                       StageLayers)
+from seq1f1b.plan.layout_search import choose_layout  # noqa: E402
 from seq1f1b.plan.simulate import (SimulationReport, SpanCosts, model_costs,  # noqa: E402
                                    simulate, uniform_costs)
 from seq1f1b.plan.schedules.greedy import Problem, unit_costs  # noqa: E402
@@ -121,10 +123,17 @@ def _add_stage_layer_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(LAST_FLAG, type=int, metavar="N", dest="last_stage_layers",
                        help="decoder layers of the last stage (a loop: of pipeline rank P-1; a "
                             "V: of virtual stage 2P-1, the output layer's, on rank 0)")
+    group.add_argument(LAYOUT_FLAG, metavar="LAYOUT", dest="layout",
+                       help="every virtual stage's layers, megatron's string form in stage "
+                            "order (a V: stage 2P-1 is rank 0's chunk 1), e.g. "
+                            "'Et*3|t*5|t*5|t*3L'")
 
 
 def _stage_layers(args: argparse.Namespace) -> StageLayers:
-    return StageLayers(args.first_stage_layers, args.last_stage_layers)
+    return StageLayers.of_flags(argparse.Namespace(
+        decoder_first_pipeline_num_layers=args.first_stage_layers,
+        decoder_last_pipeline_num_layers=args.last_stage_layers,
+        pipeline_model_parallel_layout=args.layout))
 
 
 def _add_span_args(parser: argparse.ArgumentParser, method_flag: str) -> None:
@@ -296,13 +305,15 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         spans = [args.seq_length] if whole else _spans(args, model, schedule.splits)
         return model_costs(schedule, model, spans, flops_per_second=args.device_tflops * 1e12,
                            tp=args.tp, sequence_parallel=args.sequence_parallel,
-                           stage_layers=_stage_layers(args), cp=args.cp)
+                           stage_layers=_stage_layers(args).for_reference() if whole
+                           else _stage_layers(args), cp=args.cp)
 
     if args.uniform_cost is not None and len(args.uniform_cost) not in (2, 3):
         raise UsageError("--uniform-cost takes two or three numbers: F B [W]")
     schedule = _schedule(args, costs_of if model is not None else None, args.uniform_cost)
     if model is None and _stage_layers(args).uneven:
-        raise UsageError(f"{FIRST_FLAG} / {LAST_FLAG} need a model (--model or its dimensions)")
+        raise UsageError(f"{FIRST_FLAG} / {LAST_FLAG} / {LAYOUT_FLAG} need a model (--model or "
+                         "its dimensions)")
     if args.uniform_cost is not None:
         costs = uniform_costs(schedule, *args.uniform_cost)
         unit, microseconds = "", 1.0
@@ -365,7 +376,8 @@ def cmd_memory(args: argparse.Namespace) -> None:
         recompute_num_layers=args.recompute_num_layers,
         schedule_memory_cap=args.schedule_memory_cap,
         decoder_first_pipeline_num_layers=args.first_stage_layers,
-        decoder_last_pipeline_num_layers=args.last_stage_layers)
+        decoder_last_pipeline_num_layers=args.last_stage_layers,
+        pipeline_model_parallel_layout=args.layout)
     calibration = read_device_check(args.device_check) if args.device_check else None
     reserve = calibration.reserve_ratio if calibration and calibration.reserve_ratio else 1.0
     estimate = estimate_memory(setup)
@@ -438,8 +450,9 @@ def cmd_comm(args: argparse.Namespace) -> int:
     return 0 if all(v.ok for v in verdicts.values()) else 1
 
 
-def _run_costs(args: argparse.Namespace):
-    """(model costs_of or None, --uniform-cost or None) of a search or comparison."""
+def _run_costs(args: argparse.Namespace, split: StageLayers | None = None):
+    """(model costs_of or None, --uniform-cost or None) of a search or comparison; the model's
+    costs with `split`'s layers (None: the command line's)."""
     model = _model(args)
     if model is not None and args.uniform_cost is not None:
         raise UsageError("--uniform-cost and a model (--model or its dimensions): give one")
@@ -452,17 +465,57 @@ def _run_costs(args: argparse.Namespace):
 
     def costs_of(schedule, whole: bool):
         spans = [args.seq_length] if whole else _spans(args, model, schedule.splits)
+        layers = split if split is not None else _stage_layers(args)
         return model_costs(schedule, model, spans, flops_per_second=args.device_tflops * 1e12,
-                           tp=args.tp, sequence_parallel=args.sequence_parallel)
+                           tp=args.tp, sequence_parallel=args.sequence_parallel,
+                           stage_layers=layers.for_reference() if whole else layers)
     return costs_of, None
+
+
+def _searched_layout(args: argparse.Namespace, budget: ScheduleBudget) -> StageLayers:
+    """--search-layout: every stage's layers chosen with the schedule (layout_search.py), each
+    candidate searched under `budget`'s cap; the choice goes to stderr as a layout string."""
+    shape = registry.build("seq1f1b-zbv", args.pp, args.microbatches, args.splits, args.chunks)
+    cap = budget.cap if budget.cap is not None else default_cap(
+        Problem(args.pp, args.microbatches, args.splits, args.chunks, shape.placement),
+        budget.costs)
+
+    def costs(split: StageLayers) -> SpanCosts:
+        return _run_costs(args, split)[0](shape, False)
+
+    def search(split: StageLayers):
+        on = costs(split)
+        schedule = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
+                                  args.chunks, budget=ScheduleBudget(on, cap))
+        return schedule, simulate(schedule, on).makespan
+
+    choice = choose_layout(_model(args).num_layers, shape.num_stages,
+                           lambda split: lower_bound(shape, costs(split)), search)
+    print(f"plan.py: --search-layout chose {LAYOUT_FLAG} '{choice.stage_layers.layout}': "
+          f"makespan {choice.makespan:.6g} against {choice.start_makespan:.6g} for the even "
+          f"split ({choice.tried} layouts searched)", file=sys.stderr)
+    return choice.stage_layers
 
 
 def cmd_search(args: argparse.Namespace) -> None:
     if args.time_limit <= 0:
         raise UsageError("--time-limit must be positive (seconds)")
     args.schedule = "seq1f1b-zb-auto"
+    if args.search_layout and _model(args) is None:
+        raise UsageError("--search-layout needs a model (--model or its dimensions)")
+    if args.search_layout and _stage_layers(args).uneven:
+        raise UsageError(f"--search-layout chooses every stage's layers: drop {FIRST_FLAG} / "
+                         f"{LAST_FLAG} / {LAYOUT_FLAG}")
     costs_of, uniform = _run_costs(args)
     budget = _search_budget(args, costs_of, uniform)
+    layout = None
+    if args.search_layout:
+        split = _searched_layout(args, budget)
+        layout = split.layout
+        costs_of = _run_costs(args, split)[0]
+        shape = registry.build("seq1f1b-zbv", args.pp, args.microbatches, args.splits,
+                               args.chunks)
+        budget = ScheduleBudget(costs_of(shape, False), budget.cap)
     schedule = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
                               args.chunks, budget=budget)
     costs = budget.costs
@@ -471,7 +524,7 @@ def cmd_search(args: argparse.Namespace) -> None:
     report = simulate(schedule, costs)
     out = {"makespan": report.makespan, "bubble": report.bubble_ratio, "cap": cap,
            "peak": max(r.peak_held_bytes for r in report.ranks),
-           "lower_bound": lower_bound(schedule, costs)}
+           "lower_bound": lower_bound(schedule, costs), "layout": layout}
     out["lower_bound_gap"] = out["makespan"] / out["lower_bound"] - 1
     if args.exact:
         found = solve(schedule, costs, cap, args.time_limit, hint=schedule)
@@ -483,6 +536,8 @@ def cmd_search(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(out))
         return
+    if layout is not None:
+        print(f"layout {layout}")
     print(f"seq1f1b-zb-auto P={args.pp} m={args.microbatches} k={args.splits}: makespan "
           f"{out['makespan']:.6g}, bubble {out['bubble']:.1%}, peak {out['peak']:.6g} of cap "
           f"{cap:.6g}; lower bound {out['lower_bound']:.6g} (gap {out['lower_bound_gap']:.2%})")
@@ -723,6 +778,10 @@ def build_parser() -> Parser:
     _add_problem_args(search, "F B W per action")
     search.add_argument("--chunks", type=int, default=2, help="model chunks per rank V (2)")
     _add_cap_arg(search)
+    _add_stage_layer_args(search)
+    search.add_argument("--search-layout", action="store_true",
+                        help="also choose every virtual stage's layers (with a model): the "
+                             "layout is printed, for --pipeline-model-parallel-layout")
     search.add_argument("--exact", action="store_true",
                         help="also solve the same problem exactly (CP-SAT) within --time-limit")
     search.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS")

@@ -300,6 +300,11 @@ def _add_distributed_args(parser: ArgumentParser) -> None:
                    help="uneven last stage: its decoder layers (megatron-core's "
                         "num_layers_in_last_pipeline_stage: of the last pipeline rank; on a V, "
                         "of virtual stage 2P-1, the output layer's chunk of rank 0)")
+    g.add_argument("--pipeline-model-parallel-layout", metavar="LAYOUT",
+                   help="every virtual stage's layers in megatron's string form, stages in the "
+                        "order data flows (a V: stage 2P-1 is rank 0's chunk 1), e.g. "
+                        "'Et*3|t*5|t*5|t*3L'; its stage count gives the chunks per rank "
+                        "(seq1f1b/plan/stage_layers.py)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
                    help="layers per model chunk; chunks per rank V = layers / (PP x this)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -678,7 +683,8 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
         _fail(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
               f"--tensor-model-parallel-size {tp}")
     uneven = (args.decoder_first_pipeline_num_layers is not None
-              or args.decoder_last_pipeline_num_layers is not None)
+              or args.decoder_last_pipeline_num_layers is not None
+              or args.pipeline_model_parallel_layout is not None)
     if args.num_layers % pp and not uneven:
         _fail(f"--num-layers {args.num_layers} is not divisible by "
               f"--pipeline-model-parallel-size {pp}")
@@ -693,6 +699,7 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
             _fail(f"--num-layers-per-virtual-pipeline-stage {per_chunk} must divide the "
                   f"{per_stage} layers of each pipeline stage into >= 2 chunks")
         args.virtual_pipeline_model_parallel_size = per_stage // per_chunk
+    _layout_chunks(args)
     chunk_layers = per_chunk or args.num_layers // pp
     if args.recompute_method == "uniform" and chunk_layers % args.recompute_num_layers \
             and not uneven:     # uneven: every chunk's count checked with the placement
@@ -789,12 +796,14 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         _fail(f"--pipeline-schedule: unknown schedule {name!r}; choose from "
               f"{', '.join(catalog)}")
     chunked = catalog[name]
+    chunks_flag = ("--num-layers-per-virtual-pipeline-stage"
+                   if args.pipeline_model_parallel_layout is None
+                   else "--pipeline-model-parallel-layout (V x P stages)")
     if chunked and args.virtual_pipeline_model_parallel_size is None:
-        _fail(f"--pipeline-schedule {name} interleaves model chunks and needs "
-              f"--num-layers-per-virtual-pipeline-stage")
+        _fail(f"--pipeline-schedule {name} interleaves model chunks and needs {chunks_flag}")
     if not chunked and args.virtual_pipeline_model_parallel_size is not None:
-        _fail(f"--num-layers-per-virtual-pipeline-stage: --pipeline-schedule {name} runs one "
-              f"model chunk per rank; use an interleaved schedule")
+        _fail(f"{chunks_flag}: --pipeline-schedule {name} runs one model chunk per rank "
+              "(a stage per pipeline rank); use an interleaved schedule")
     if name not in MEGATRON_SCHEDULES and _placement(name) == "vshape":
         _validate_v_placement(args)
     _validate_memory_cap(args)
@@ -883,6 +892,29 @@ def _validate_v_placement(args: argparse.Namespace) -> None:
               f"--untie-embeddings-and-output-weights")
 
 
+def _layout_chunks(args: argparse.Namespace) -> None:
+    """--pipeline-model-parallel-layout: its stage count sets the chunks per rank (as in
+    Megatron-LM), so it replaces --num-layers-per-virtual-pipeline-stage."""
+    if args.pipeline_model_parallel_layout is None:
+        return
+    from seq1f1b.plan.actions import ScheduleError
+    from seq1f1b.plan.stage_layers import LAYOUT_FLAG, StageLayers
+
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        _fail(f"{LAYOUT_FLAG} gives every chunk's layers: drop "
+              "--num-layers-per-virtual-pipeline-stage")
+    try:
+        stages = len(StageLayers.of_flags(args).counts)
+    except ScheduleError as err:
+        _fail(str(err))
+    pp = args.pipeline_model_parallel_size
+    if stages % pp:
+        _fail(f"{LAYOUT_FLAG} lists {stages} stages, not a multiple of "
+              f"--pipeline-model-parallel-size {pp}")
+    if stages > pp:
+        args.virtual_pipeline_model_parallel_size = stages // pp
+
+
 def _validate_stage_layers(args: argparse.Namespace) -> None:
     """Uneven first / last stages (seq1f1b/plan/stage_layers.py, which says how they apply to a
     loop and to a V): the other stages must share the rest evenly, >= 1 layer each; with
@@ -890,8 +922,7 @@ def _validate_stage_layers(args: argparse.Namespace) -> None:
     from seq1f1b.plan.actions import ScheduleError
     from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
 
-    split = StageLayers(args.decoder_first_pipeline_num_layers,
-                        args.decoder_last_pipeline_num_layers)
+    split = StageLayers.of_flags(args)     # a layout parsed by _layout_chunks already
     if not split.uneven:
         return
     name = args.pipeline_schedule

@@ -127,9 +127,10 @@ REFUSED: dict[str, str] = {
                            "(or kept from the checkpoint), as Megatron-LM derives it",
     "--microbatch-group-size-per-virtual-pipeline-stage": "the interleaved plans group "
                                                           "micro-batches by the pipeline size",
-    "--pipeline-model-parallel-layout": "layers are split evenly over the pipeline stages",
-    "--account-for-embedding-in-pipeline-split": "layers are split evenly over the stages",
-    "--account-for-loss-in-pipeline-split": "layers are split evenly over the stages",
+    "--account-for-embedding-in-pipeline-split": "give every stage's layers with "
+                                                 "--pipeline-model-parallel-layout",
+    "--account-for-loss-in-pipeline-split": "give every stage's layers with "
+                                            "--pipeline-model-parallel-layout",
     "--num-virtual-stages-per-pipeline-rank": "use --num-layers-per-virtual-pipeline-stage",
     "--apply-query-key-layer-scaling": "fp16 attention scaling of megatron's fused softmax is "
                                        "not used (the span softmax runs in fp32)",

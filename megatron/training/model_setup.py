@@ -59,8 +59,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         fp16=args.fp16, bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
         calculate_per_token_loss=args.calculate_per_token_loss,
         placement=placement_of(args.pipeline_schedule),
-        stage_layers=StageLayers(args.decoder_first_pipeline_num_layers,
-                                 args.decoder_last_pipeline_num_layers),
+        stage_layers=StageLayers.of_flags(args),
         gradient_accumulation_fusion=wgrad_fusion.resolve(args.gradient_accumulation_fusion),
         **_recompute_fields(args))
 

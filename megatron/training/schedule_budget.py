@@ -48,8 +48,7 @@ def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]]
                      recompute=Recompute.from_flags(args.recompute_granularity,
                                                     args.recompute_method,
                                                     args.recompute_num_layers),
-                     stage_layers=StageLayers(args.decoder_first_pipeline_num_layers,
-                                              args.decoder_last_pipeline_num_layers))
+                     stage_layers=StageLayers.of_flags(args))
     return run_budget(args.pipeline_schedule, args.pipeline_model_parallel_size,
                       args.num_micro_batches, args.virtual_pipeline_model_parallel_size or 1,
                       MemoryCap.parse(args.schedule_memory_cap)

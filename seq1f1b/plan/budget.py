@@ -136,7 +136,8 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
                             sequence_parallel=shape.sequence_parallel,
                             batch=shape.micro_batch_size,
                             bytes_per_element=shape.bytes_per_element, recompute=shape.recompute,
-                            stage_layers=shape.stage_layers)
+                            stage_layers=shape.stage_layers.for_reference() if whole
+                            else shape.stage_layers)
         if fit is None or whole:
             return costs
         return _scaled_to_fit(costs, fit, span_bounds(list(shape.span_lengths)))

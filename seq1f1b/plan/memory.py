@@ -101,6 +101,7 @@ class TrainingSetup:
     schedule_memory_cap: Optional[str] = None       # searched schedules: "0.5x" or bytes
     decoder_first_pipeline_num_layers: Optional[int] = None   # uneven first stage
     decoder_last_pipeline_num_layers: Optional[int] = None    # uneven last stage
+    pipeline_model_parallel_layout: Optional[str] = None      # every stage's layers (a layout)
 
     def __post_init__(self) -> None:
         recompute = self.recompute      # validates; full's defaults (uniform, 1) written back
@@ -143,9 +144,8 @@ class TrainingSetup:
 
     @property
     def stage_layers(self) -> StageLayers:
-        """The uneven first / last stages (stage_layers.py; both None: even)."""
-        return StageLayers(self.decoder_first_pipeline_num_layers,
-                           self.decoder_last_pipeline_num_layers)
+        """The uneven first / last stages or the layout (stage_layers.py; all None: even)."""
+        return StageLayers.of_flags(self)
 
     @property
     def plan_name(self) -> str:

@@ -14,7 +14,8 @@ masking and reset positions over the packing `document_lengths`, the reference m
 documents crossing one and several span boundaries, starting exactly at one, shorter than a span,
 and one document per sample, across PP 1-4 (middle stages), TP with SP, k, V=2, GQA, the
 zero-bubble schedule and both recomputes. A schedule written to a --pipeline-schedule-file and
-read back from it runs exactly too, and so do uneven first / last stages on a loop and a V.
+read back from it runs exactly too, and so do uneven first / last stages on a loop and a V, and
+a --pipeline-model-parallel-layout (any count per stage) on a loop, interleaved and a V.
 Context parallelism (CP, the all-to-all around the span attention,
 runtime/context_parallel.py) at CP 2 and 4: with PP 2, TP 2 with SP, DP 2, V 2
 interleaved, the zero-bubble schedule, GQA with 2 K/V groups and 1 (replicated to every CP rank),
@@ -116,6 +117,13 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b-zb-h1", "cp": 2, "splits": 2},
         {"schedule": "seq1f1b-zb-h1", "tp": 2, "splits": 2, "sequence_parallel": True,
          **UNFUSED},
+        # --pipeline-model-parallel-layout: any count per stage, on a loop (megatron's own
+        # layout), interleaved, and a V whose output-layer stage sheds layers to the middle
+        {"schedule": "seq1f1b", "pp": 2, "splits": 2, "pipeline_model_parallel_layout": "Et*3|tL"},
+        {"schedule": "seq1f1b-interleaved", "pp": 2, "chunks": 2, "splits": 2, "num_layers": 6,
+         "pipeline_model_parallel_layout": "Et|t*2|t*2|tL"},
+        {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2, "num_layers": 6,
+         "pipeline_model_parallel_layout": "Et*2|t*2|t|tL", "untie_embeddings": True},
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},

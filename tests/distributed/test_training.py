@@ -25,7 +25,7 @@
   bit for bit, and its checkpoint resumes in the loop with the V's losses;
   --pipeline-schedule-file with the seq1f1b-zbv plan written to a file trains bit for bit as
   that schedule; uneven stages (--decoder-first-pipeline-num-layers 1) resume the even
-  checkpoint with its losses;
+  checkpoint with its losses, and so does a --pipeline-model-parallel-layout;
 - checkpoints: --async-save publishes each checkpoint only after every rank wrote it (the tracker
   names the previous one until then) and its resume is exact; --no-save-optim --no-save-rng
   leave those states out and the load asks for --no-load-optim; --skip-train only evaluates;
@@ -175,6 +175,8 @@ def _v_cases(data_prefix: str, root) -> dict:
         str(root / V_RESHARD_FROM)]
     cases[("uneven", "from_loop")] = flags + saving + [
         "--decoder-first-pipeline-num-layers", "1", "--load", str(root / V_RESHARD_FROM)]
+    cases[("layout", "from_loop")] = flags + saving + [
+        "--pipeline-model-parallel-layout", "Et*3|tL", "--load", str(root / V_RESHARD_FROM)]
     own, evaluated = str(root / "zbv"), ["--eval-interval", "2", "--eval-iters", "1"]
     cases[("v", "zbv", "straight")] = flags + V_SCHEDULES["zbv"] + evaluated
     cases[("v", "zbv", "first_half")] = flags + V_SCHEDULES["zbv"] + evaluated + [
@@ -717,6 +719,17 @@ def test_uneven_stages_resume_an_even_checkpoint_with_its_losses(results):
     assert [r["iteration"] for r in uneven["history"]] == [N + 1, N + 2]
     assert _losses(uneven) == pytest.approx(_losses(same), rel=1e-6, abs=0)
     assert [r["grad_norm"] for r in uneven["history"]] == \
+        pytest.approx([r["grad_norm"] for r in same["history"]], rel=1e-5)
+
+
+def test_a_layout_resumes_an_even_checkpoint_with_its_losses(results):
+    """--pipeline-model-parallel-layout 'Et*3|tL' at TP2 x PP2 (megatron-core's own layout on a
+    loop: three layers on rank 0, one with the output layer on rank 1): the even checkpoint's
+    layers move by their global numbers and train on alike."""
+    same, layout = results[(V_RESHARD_FROM, "same_layout")], results[("layout", "from_loop")]
+    assert [r["iteration"] for r in layout["history"]] == [N + 1, N + 2]
+    assert _losses(layout) == pytest.approx(_losses(same), rel=1e-6, abs=0)
+    assert [r["grad_norm"] for r in layout["history"]] == \
         pytest.approx([r["grad_norm"] for r in same["history"]], rel=1e-5)
 
 

@@ -135,6 +135,13 @@ BAD_INPUTS = [
      "--mode"),
     (["comm", "--schedule", "seq1f1b-interleaved", "--pp", "2", "--microbatches", "2"],
      "--chunks"),
+    (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--model", "7b",
+      "--seq-length", "4096", "--pipeline-model-parallel-layout", "Et*16|t*15L"],
+     "--pipeline-model-parallel-layout holds 31"),
+    (["search", "--pp", "2", "--microbatches", "2", "--model", "7b", "--seq-length", "4096",
+      "--search-layout", "--pipeline-model-parallel-layout", "Et*8|t*8|t*8|t*8L"],
+     "--search-layout"),
+    (["search", "--pp", "2", "--microbatches", "2", "--search-layout"], "--search-layout"),
 ]
 
 
@@ -152,3 +159,25 @@ def test_bad_input_from_a_shell_exits_2_with_one_line():
         assert done.returncode == 2, done.stderr
         assert len(done.stderr.splitlines()) == 1 and flag in done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_search_layout_says_the_layout_it_chose_and_simulate_runs_it(capsys):
+    """plan.py search --search-layout (7B/64K, P=4, m=8, k=2, cap 0.5x): the layout chosen is
+    printed (JSON and stderr), no slower than the even split it started from, and the schedule
+    simulated with that layout given back as --pipeline-model-parallel-layout finds the search's
+    costs: its lower bound is the search's."""
+    shape = ["--pp", "4", "--microbatches", "8", "--splits", "2", "--model", "7b", "--tp", "8",
+             "--sequence-parallel", "--seq-length", "65536", "--partition", "compute"]
+    code, out, err = run(capsys, "search", *shape, "--schedule-memory-cap", "0.5x",
+                         "--search-layout", "--json")
+    assert code == 0, err
+    found = json.loads(out)
+    line = next(x for x in err.splitlines() if "--search-layout chose" in x)
+    assert f"'{found['layout']}'" in line
+    chosen, even = (float(x) for x in line.split("makespan ")[1].split(" for the")[0]
+                    .split(" against "))
+    assert found["makespan"] == pytest.approx(chosen) and chosen <= even
+    again = run_json(capsys, "search", *shape, "--schedule-memory-cap", "0.5x",
+                     "--pipeline-model-parallel-layout", found["layout"])
+    assert again["lower_bound"] == pytest.approx(found["lower_bound"])
+    assert again["makespan"] == pytest.approx(found["makespan"])

@@ -82,3 +82,17 @@ def test_exact_solver_starts_from_the_search_and_bounds_it():
     assert exact.bound <= exact.makespan * (1 + 1e-4)   # the bound of the problem in ticks
     if exact.optimal:
         assert exact.makespan == pytest.approx(found.makespan, rel=1e-9)
+
+
+def test_the_lower_bound_waits_for_the_v_to_turn_and_holds_for_every_schedule():
+    """P=8, m=8, k=1, skewed costs (per chunk F 0.5, B 0.75, W 0.25): rank 7 holds stages 7 and
+    8, so its first backward waits for micro-batch 0 to go down all 16 stages (16 x 0.5) and
+    back up stages 15..9 (7 x 0.75); all 16 of its B and W (16 x 1.0) come after. No schedule,
+    ours or the peers', beats that, and the search is within 6% of it."""
+    costs = COSTS["skewed"]
+    bound = 16 * 0.5 + 7 * 0.75 + 16 * 1.0
+    rows = [row(s, costs) for s in ours(8, 8, 1)] + peer_rows(8, 8, costs)
+    found = searched(8, 8, 1, costs)
+    assert found.lower_bound == pytest.approx(bound)
+    assert all(r.makespan >= bound * (1 - 1e-9) for r in rows + [found])
+    assert found.makespan <= bound * 1.06
