@@ -8,17 +8,13 @@ move the rendezvous ports of those jobs.
 """
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+from seq1f1b.plan import paper
+
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("reproduce_paper",
-                                               REPO / "tools" / "reproduce_paper.py")
-rp = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = rp
-_spec.loader.exec_module(rp)
 
 
 def _jobs(cluster) -> dict[str, dict[str, str]]:
@@ -39,10 +35,10 @@ def test_the_paper_sweep_is_submitted_as_the_shipped_scripts(slurm_cluster, tmp_
                if line.startswith("submitted ")}
     try:
         assert result.returncode == 0, result.stderr
-        assert len(printed) == sum(sweep.jobs for sweep in rp.sweeps())
+        assert len(printed) == sum(sweep.jobs for sweep in paper.sweeps())
         jobs = _jobs(slurm_cluster)
         for job_id, model in printed.items():
-            panel = next(panel for panel in rp.PANELS if panel.model == model)
+            panel = next(panel for panel in paper.PANELS if panel.model == model)
             job = jobs[job_id]
             assert (job["JobState"], job["Reason"]) == ("PENDING", "BeginTime"), job
             assert Path(job["WorkDir"]) == REPO

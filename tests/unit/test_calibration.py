@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from seq1f1b.plan import paper
 from seq1f1b.plan.calibration import (CalibrationError, fit_efficiencies, peak_tflops,
                                       read_device_check)
 from seq1f1b.plan.costs import layer_flops, logits_flops, preset
@@ -141,8 +142,8 @@ def _reproduce_paper(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)      # its dataclasses look it up
     spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "PANELS", (module.Panel("7b", 32, tp=8, pp=4, microbatches=8,
-                                                        seq_lengths=(65536,), why="test"),))
+    monkeypatch.setattr(paper, "PANELS", (paper.Panel("7b", 32, tp=8, pp=4, microbatches=8,
+                                                      seq_lengths=(65536,), why="test"),))
     return module
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from megatron.training.logging_utils import IntervalReport, Throughput
-from seq1f1b.plan import registry
+from seq1f1b.plan import paper, registry
 from seq1f1b.plan.calibration import Calibration
 from seq1f1b.plan.costs import preset
+from seq1f1b.plan.memory import estimate_memory
 from seq1f1b.plan.projection import TERMS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,14 +33,14 @@ _spec.loader.exec_module(rp)
 
 @pytest.fixture(scope="module")
 def memory():
-    return rp.memory_rows(rp.Models())
+    return paper.memory_rows(paper.Models())
 
 
 @pytest.fixture
 def small_panels(monkeypatch):
     """One panel, one length: the projections replay big plans, keep the test short."""
-    monkeypatch.setattr(rp, "PANELS", (rp.Panel("7b", 32, tp=8, pp=4, microbatches=8,
-                                                seq_lengths=(65536,), why="test"),))
+    monkeypatch.setattr(paper, "PANELS", (paper.Panel("7b", 32, tp=8, pp=4, microbatches=8,
+                                                      seq_lengths=(65536,), why="test"),))
 
 
 def _paper_cells(rows):
@@ -57,8 +58,8 @@ a device run measures that reserve (tools/device_check.py, then reproduce_paper.
 
 def test_every_paper_cell_has_a_row(memory):
     cells = _paper_cells(memory)
-    assert len(cells) == 4 * len(rp.PAPER_MEMORY_GB) == 24
-    assert {s for _, _, s in cells} == {name for _, name in rp.SCHEDULES}
+    assert len(cells) == 4 * len(paper.PAPER_MEMORY_GB) == 24
+    assert {s for _, _, s in cells} == {name for _, name in paper.SCHEDULES}
 
 
 def test_oom_verdicts_match_the_paper_except_the_one_known_cell(memory):
@@ -72,14 +73,14 @@ def test_oom_verdicts_match_the_paper_except_the_one_known_cell(memory):
 def test_a_measured_reserve_inside_the_agreeing_window_makes_every_verdict_agree(memory):
     """The window reproduce_paper prints is what the verdicts do: a calibration with a
     reserve inside it agrees with all 24 marks, one just above its top does not."""
-    low, high = rp.agreeing_reserves(memory)
+    low, high = paper.agreeing_reserves(memory)
     assert 1.0 <= low < high
 
     def differing(ratio: float) -> set:
         calibration = Calibration(source="test", device="H200", peak_tflops=989.0,
                                   gemm_efficiency=0.6, attention_efficiency=0.5,
                                   worst_fit_error=0.0, reserve_ratio=ratio)
-        cells = _paper_cells(rp.memory_rows(rp.Models(calibration=calibration)))
+        cells = _paper_cells(paper.memory_rows(paper.Models(calibration=calibration)))
         return {cell for cell, row in cells.items() if row["oom"] != row["paper_oom"]}
 
     assert differing((low + high) / 2) == set()
@@ -115,13 +116,13 @@ def test_json_schema(capsys, small_panels):
 
 
 def test_projections_favour_seq1f1b_and_the_balanced_partition(small_panels):
-    rows = {r["schedule"]: r for r in rp.throughput_rows(rp.Models())}
+    rows = {r["schedule"]: r for r in paper.throughput_rows(paper.Models())}
     assert rows["seq1f1b"]["tflops_per_gpu"] > rows["1f1b"]["tflops_per_gpu"]
     assert rows["seq1f1b-interleaved"]["tflops_per_gpu"] > \
         rows["interleaved-1f1b"]["tflops_per_gpu"]
     for row in rows.values():
         assert row["tokens_per_s"] == pytest.approx(8 * 65536 / row["iteration_s"])
-    ablation = {r["schedule"]: r for r in rp.ablation_rows(rp.Models())}
+    ablation = {r["schedule"]: r for r in paper.ablation_rows(paper.Models())}
     assert ablation["seq1f1b"]["even_spans"] == [16384] * 4
     assert ablation["seq1f1b"]["compute_spans"][0] > ablation["seq1f1b"]["compute_spans"][-1]
     assert ablation["seq1f1b"]["gain"] > 0
@@ -130,39 +131,39 @@ def test_projections_favour_seq1f1b_and_the_balanced_partition(small_panels):
 def test_context_reach_keeps_the_gpus_and_finds_the_longest_fitting_length(small_panels):
     """7B on 32 GPUs at CP 1, 2, 4, 8 (DP 1): TP x CP x PP = 32 with heads C can shard, each
     schedule's reach the longest length that fits and the next one that does not."""
-    rows = rp.reach_rows(rp.Models())
+    rows = paper.reach_rows(paper.Models())
     assert [(r["cp"], r["schedule"]) for r in rows] == [
-        (cp, name) for cp in rp.CP_SIZES for name in ("1f1b", "seq1f1b")]
+        (cp, name) for cp in paper.CP_SIZES for name in ("1f1b", "seq1f1b")]
     for row in rows:
         assert row["tp"] * row["cp"] * row["pp"] == 32
         assert 32 // row["tp"] % row["cp"] == 0          # 32 heads per TP rank over C
-        assert row["seq_length"] in rp.REACH_LENGTHS and row["tflops_per_gpu"] > 0
-        panel = rp.PANELS[0]
-        fitted = rp._reach_setup(panel, (row["tp"], row["pp"]), row["cp"], row["schedule"],
+        assert row["seq_length"] in paper.REACH_LENGTHS and row["tflops_per_gpu"] > 0
+        panel = paper.PANELS[0]
+        fitted = paper.reach_setup(panel, (row["tp"], row["pp"]), row["cp"], row["schedule"],
                                  row["seq_length"], row["recompute"])
-        assert rp.Models().fits(rp.estimate_memory(fitted))
+        assert paper.Models().fits(estimate_memory(fitted))
         longer = row["seq_length"] * 2
-        if longer <= rp.REACH_LENGTHS[-1]:
-            assert not any(rp.Models().fits(rp.estimate_memory(rp._reach_setup(
+        if longer <= paper.REACH_LENGTHS[-1]:
+            assert not any(paper.Models().fits(estimate_memory(paper.reach_setup(
                 panel, (row["tp"], row["pp"]), row["cp"], row["schedule"], longer, recompute)))
-                for recompute in rp.RECOMPUTES)
-    assert rp.cp_layout(rp.Panel("13b", 32, tp=8, pp=4, microbatches=8, seq_lengths=(),
+                for recompute in paper.RECOMPUTES)
+    assert paper.cp_layout(paper.Panel("13b", 32, tp=8, pp=4, microbatches=8, seq_lengths=(),
                                  why=""), 2) == (4, 4)     # 40 heads: TP 8 leaves 5 per rank
 
 
 def test_the_7b_table_has_every_microbatch_count_with_its_bubble_and_terms(small_panels):
     """8, 16 and 32 micro-batches for every schedule, each with a finite bubble and a finite,
     non-negative price for each k-dependent term; more micro-batches, less bubble."""
-    rows = rp.microbatch_rows(rp.Models())
+    rows = paper.microbatch_rows(paper.Models())
     assert {(r["microbatches"], r["schedule"]) for r in rows} == {
-        (m, name) for m in rp.MICROBATCH_COUNTS for _, name in rp.SCHEDULES}
-    assert rp.MICROBATCH_COUNTS == (8, 16, 32)
+        (m, name) for m in paper.MICROBATCH_COUNTS for _, name in paper.SCHEDULES}
+    assert paper.MICROBATCH_COUNTS == (8, 16, 32)
     for row in rows:
-        assert (row["model"], row["gpus"]) == rp.SWEPT_PANEL
+        assert (row["model"], row["gpus"]) == paper.SWEPT_PANEL
         assert 0 < row["bubble_ratio"] < 1 and row["paper_tflops"] is None
         assert set(row["overheads_s"]) == set(TERMS)
         assert all(0 <= seconds < row["iteration_s"] for seconds in row["overheads_s"].values())
-    for _, name in rp.SCHEDULES:
+    for _, name in paper.SCHEDULES:
         bubbles = [r["bubble_ratio"] for r in sorted(rows, key=lambda r: r["microbatches"])
                    if r["schedule"] == name]
         assert bubbles == sorted(bubbles, reverse=True)
@@ -229,7 +230,7 @@ CLEAN_ENV = {"PATH": os.environ["PATH"]}
 """No TP, PP, ... from the shell running the tests: the scripts' own defaults."""
 
 
-@pytest.mark.parametrize("panel", rp.PANELS, ids=lambda panel: panel.model)
+@pytest.mark.parametrize("panel", paper.PANELS, ids=lambda panel: panel.model)
 def test_shipped_script_defaults_are_the_panels_layout(tmp_path, panel):
     args = _trainer_args(tmp_path, panel.script, CLEAN_ENV, panel.gpus)
     model = preset(panel.model)
@@ -246,7 +247,7 @@ def test_shipped_script_defaults_are_the_panels_layout(tmp_path, panel):
 
 
 def test_shipped_script_defaults_give_way_to_the_environment(tmp_path):
-    panel = rp.PANELS[0]
+    panel = paper.PANELS[0]
     args = _trainer_args(tmp_path, panel.script, {**CLEAN_ENV, "TP": "2", "PP": "2",
                                                   "MICRO_BATCHES": "4"}, panel.gpus)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -255,9 +256,9 @@ def test_shipped_script_defaults_give_way_to_the_environment(tmp_path):
 
 def test_every_script_is_a_panel_and_readme_shows_the_panels():
     scripts = {p.name for p in (REPO / "examples" / "slurm").glob("pretrain_gpt_*.sbatch")}
-    assert scripts == {Path(panel.script).name for panel in rp.PANELS}
+    assert scripts == {Path(panel.script).name for panel in paper.PANELS}
     readme = (REPO / "docs" / "slurm.md").read_text()
-    for panel in rp.PANELS:
+    for panel in paper.PANELS:
         row = re.search(rf"^\| `{re.escape(Path(panel.script).name)}` \| [^|]+ \| (\d+) \| "
                         rf"(\d+) x (\d+) \| \d+ \| (\d+) \|$", readme, re.M)
         assert row, f"docs/slurm.md's table lacks {panel.script}"
@@ -266,7 +267,7 @@ def test_every_script_is_a_panel_and_readme_shows_the_panels():
 
 
 def test_readme_counts_the_sweep():
-    plan = rp.sweeps()
+    plan = paper.sweeps()
     counts = f"({len(plan)} calls, {sum(sweep.jobs for sweep in plan)} jobs)"
     assert counts in (REPO / "docs" / "slurm.md").read_text()
 
@@ -275,7 +276,7 @@ def _expected_cells() -> set[tuple]:
     """Every (script, L, schedule, partition) the sweep must submit: the tables' cells with
     balanced spans, and the Seq1F1B ones again with even spans (the ablation)."""
     return {(panel.script, length, name, partition)
-            for panel in rp.PANELS for length in panel.seq_lengths for _, name in rp.SCHEDULES
+            for panel in paper.PANELS for length in panel.seq_lengths for _, name in paper.SCHEDULES
             for partition in ("compute", "even")
             if partition == "compute" or name.startswith("seq1f1b")}
 
@@ -298,8 +299,8 @@ def submitted(tmp_path_factory):
     return work / "launch", _records(record), out.getvalue()
 
 
-def _panel(script: str) -> "rp.Panel":
-    return next(panel for panel in rp.PANELS if panel.script == script)
+def _panel(script: str) -> "paper.Panel":
+    return next(panel for panel in paper.PANELS if panel.script == script)
 
 
 def test_launch_submits_the_shipped_scripts_with_each_cell_in_the_environment(submitted):
@@ -333,13 +334,13 @@ def test_submit_prints_every_job_id(submitted):
     assert "--collect" in out.splitlines()[-1]
 
 
-@pytest.mark.parametrize("pick", range(len(rp.PANELS)))
+@pytest.mark.parametrize("pick", range(len(paper.PANELS)))
 def test_a_submitted_job_trains_its_cell(submitted, tmp_path, pick):
     """One job per panel, each a different schedule and partition: the shipped script run with
     the environment sbatch received gives the trainer exactly the cell."""
     schedule, partition = [("1f1b", "compute"), ("seq1f1b-interleaved", "even"),
                            ("interleaved-1f1b", "compute"), ("seq1f1b", "even")][pick]
-    panel = rp.PANELS[pick]
+    panel = paper.PANELS[pick]
     length = panel.seq_lengths[-1]
     call = next(c for c in submitted[1] if c["argv"][-1] == panel.script
                 and (c["env"]["SCHEDULE"], c["env"]["PARTITION_METHOD"], c["env"]["SEQ_LENGTH"])
@@ -350,9 +351,9 @@ def test_a_submitted_job_trains_its_cell(submitted, tmp_path, pick):
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
             args.num_micro_batches, args.train_iters) == (panel.tp, panel.pp,
                                                            panel.microbatches, 5)
-    assert args.seq1f1b_splits == (rp.SPLITS if schedule.startswith("seq1f1b") else 1)
+    assert args.seq1f1b_splits == (paper.SPLITS if schedule.startswith("seq1f1b") else 1)
     assert (args.virtual_pipeline_model_parallel_size or 1) == \
-        (rp.CHUNKS if "interleaved" in schedule else 1)
+        (paper.CHUNKS if "interleaved" in schedule else 1)
 
 
 def test_launch_without_submit_writes_the_sweep_file(tmp_path, capsys):
@@ -361,8 +362,8 @@ def test_launch_without_submit_writes_the_sweep_file(tmp_path, capsys):
     script = tmp_path / "l" / rp.SWEEP_FILE
     text = script.read_text()
     assert f"bash {script}" in out
-    assert text.count(f"examples/slurm/sweep.sh --out {tmp_path / 'l'}/") == len(rp.sweeps())
-    for panel in rp.PANELS:
+    assert text.count(f"examples/slurm/sweep.sh --out {tmp_path / 'l'}/") == len(paper.sweeps())
+    for panel in paper.PANELS:
         assert f'"$@" {panel.script}\n' in text
     assert not list((tmp_path / "l").glob("*/jobs.tsv"))          # nothing submitted
 
@@ -421,8 +422,8 @@ def _row(rows: list[dict], model: str, length: int, schedule: str) -> dict:
 
 def test_collect_gives_a_row_per_job_oom_included(collected):
     _, data = collected
-    cells = {(panel.model, length, name) for panel in rp.PANELS
-             for length in panel.seq_lengths for _, name in rp.SCHEDULES}
+    cells = {(panel.model, length, name) for panel in paper.PANELS
+             for length in panel.seq_lengths for _, name in paper.SCHEDULES}
     for table in ("memory", "throughput"):
         assert {(r["model"], r["seq_length"], r["schedule"]) for r in data[table]} == cells
     ok = _row(data["memory"], "7b", 32768, "seq1f1b")
@@ -445,7 +446,7 @@ def test_collect_gives_a_row_per_job_oom_included(collected):
 
 def test_collect_pairs_even_and_balanced_spans_for_the_ablation(collected):
     _, data = collected
-    assert len(data["ablation"]) == 2 * sum(len(p.seq_lengths) for p in rp.PANELS)
+    assert len(data["ablation"]) == 2 * sum(len(p.seq_lengths) for p in paper.PANELS)
     row = _row(data["ablation"], "7b", 32768, "seq1f1b")
     assert (row["tflops_even"], row["tflops_compute"]) == (120.0, 150.0)
     assert row["gain"] == pytest.approx(0.25)
