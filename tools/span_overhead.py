@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What the runtime's Python costs per span: μs per executor action, μs per torch call of the
-CPU platform layer (seq1f1b/runtime/overhead.py). One process, no model compute:
+CPU platform layer (seq1f1b/runtime_overhead.py). One process, no model compute:
 
     python tools/span_overhead.py                      # seq1f1b, m=8, k=8
     python tools/span_overhead.py --schedule gpipe --splits 4
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
 
     import torch
     from seq1f1b.distributed import join_gloo_world
-    from seq1f1b.runtime import overhead
+    from seq1f1b import runtime_overhead as overhead
 
     torch.set_num_threads(1)
     join_gloo_world()          # the CPU platform layer too, on a machine without CUDA

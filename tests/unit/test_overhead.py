@@ -1,4 +1,4 @@
-"""The per-span Python micro-benchmark (seq1f1b/runtime/overhead.py, tools/span_overhead.py):
+"""The per-span Python micro-benchmark (seq1f1b/runtime_overhead.py, tools/span_overhead.py):
 it runs and reports what it says; its times are printed, never asserted."""
 import subprocess
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from seq1f1b.runtime import overhead
+from seq1f1b import runtime_overhead as overhead
 
 ROOT = Path(__file__).resolve().parents[2]
 
