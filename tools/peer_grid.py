@@ -9,6 +9,10 @@ interleaved zero bubble (k = 1) and our fixed schedules at k (the loop ones only
 skewed costs: on a model the V's rank 0 also runs the output layer, so a loop-placed rival ahead
 is reported apart, issue 26 item 5). One line per case: the violations, the default search's and the worst capped search's gap to the lower bound, and
 seconds; a summary line at the end. Exit 1 when any case is violated.
+
+`--exact SECONDS` also solves each case of at most `--exact-actions` actions exactly (CP-SAT,
+plan/exact.py, under the default search's cap, started from its order) and prints how far the
+default search is from the proven optimum; the summary gives the worst such gap.
 """
 from __future__ import annotations
 
@@ -19,7 +23,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from seq1f1b.plan.budget import ScheduleBudget  # noqa: E402
 from seq1f1b.plan.costs import preset  # noqa: E402
+from seq1f1b.plan.exact import solve  # noqa: E402
+from seq1f1b.plan.registry import build  # noqa: E402
+from seq1f1b.plan.schedules.greedy import Problem  # noqa: E402
+from seq1f1b.plan.schedules.zero_bubble_v import default_cap  # noqa: E402
+from seq1f1b.plan.simulate import simulate  # noqa: E402
 from seq1f1b.schedule_compare import (SKEWED, UNIT, CostModel, ours, peer_rows,  # noqa: E402
                                       peer_violations, row, searched)
 
@@ -33,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches-per-rank", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--costs", nargs="+", choices=list(COSTS), default=list(COSTS))
+    parser.add_argument("--exact", type=float, metavar="SECONDS",
+                        help="also solve small cases exactly, each within SECONDS")
+    parser.add_argument("--exact-actions", type=int, default=400,
+                        help="largest case (F, B and W actions in all) solved exactly")
     args = parser.parse_args(argv)
-    failed, lost, worst = 0, 0, (0.0, "")
+    failed, lost, worst, worst_exact = 0, 0, (0.0, ""), (-1.0, "none proven")
     for kind in args.costs:
         costs = COSTS[kind]
         for pp in args.pp:
@@ -63,14 +77,37 @@ def main(argv: list[str] | None = None) -> int:
                         worst = (gap, f"{kind} P={pp} m={m} k={k}")
                     failed += bool(violations)
                     lost += bool(losses)
+                    exact = ""
+                    if args.exact is not None and 3 * 2 * pp * m * k <= args.exact_actions:
+                        optimum = optimum_gap(pp, m, k, costs, args.exact)
+                        exact = f"; {optimum[1]}"
+                        if optimum[0] is not None and optimum[0] > worst_exact[0]:
+                            worst_exact = (optimum[0], f"{kind} P={pp} m={m} k={k}")
                     print(f"{kind:6} P={pp:<2} m={m:<3} k={k}: {len(violations)} violations"
                           f"{' ' + '; '.join(violations) if violations else ''}"
                           f"{'; loop-placed rivals ahead: ' + '; '.join(losses) if losses else ''}"
-                          f"; default gap {default.gap:.2%}, worst capped gap {gap:.2%}, "
+                          f"; default gap {default.gap:.2%}, worst capped gap {gap:.2%}{exact}, "
                           f"{time.monotonic() - began:.1f} s", flush=True)
     print(f"{failed} violated cases, {lost} with a loop-placed rival ahead on a model; worst "
-          f"lower-bound gap {worst[0]:.2%} ({worst[1]})")
+          f"lower-bound gap {worst[0]:.2%} ({worst[1]})"
+          + (f"; worst gap to a proven optimum {max(worst_exact[0], 0.0):.2%} ({worst_exact[1]})"
+             if args.exact is not None else ""))
     return 1 if failed else 0
+
+
+def optimum_gap(pp: int, m: int, k: int, costs: CostModel, seconds: float
+                ) -> tuple[float | None, str]:
+    """(the default search's gap to CP-SAT's proven optimum or None, the words to print)."""
+    shape = build("seq1f1b-zbv", pp, m, k, 2)
+    span_costs = costs.costs(shape)
+    auto = build("seq1f1b-zb-auto", pp, m, k, 2, budget=ScheduleBudget(span_costs, None))
+    found = solve(shape, span_costs, default_cap(Problem(pp, m, k, 2, "vshape"), span_costs),
+                  seconds, hint=auto)
+    ours_ = simulate(auto, span_costs).makespan
+    if not found.optimal:
+        return None, f"exact {found.status.lower()} in {seconds:g} s"
+    gap = ours_ / found.makespan - 1.0
+    return gap, f"search {gap:+.2%} over the optimum"
 
 
 if __name__ == "__main__":

@@ -14,12 +14,14 @@ so memory is even across ranks.
 - `seq1f1b-zb-auto`: searched against `ScheduleBudget` (per-action costs and a memory cap, see
   budget.py; no cap: seq1f1b-zbv's peak on those costs). Candidates: the constructions (ZB-V
   over spans and over micro-batches, DualPipeV over micro-batches) and greedy replays
-  (greedy.py: eight policies, forward or backward first, which chunk's ready forwards and
-  backwards go first, then a local search over per-rank caps on the spans in flight between F
-  and B); the shortest simulated makespan among those within the cap is kept, so it never loses
-  to a construction that fits. Lower bound and exact optimum: bounds.py, exact.py. Without a
-  budget (the registry's plain (P, m, k, V) call, as in the grid tests): unit costs, the
-  constructions and the eight policies, no local search.
+  (greedy.py: sixteen policies, forward or backward first, which chunk's ready forwards and
+  backwards go first, whether a forward waits for a backward due before it would end, then a
+  local search over per-rank caps on the spans in flight between F and B); the shortest
+  simulated makespan among those within the cap is kept, so it never loses to a construction
+  that fits, and is then improved by moves on its critical path (refine.py). Lower bound and
+  exact optimum: bounds.py, exact.py. Without a budget (the registry's plain (P, m, k, V) call,
+  as in the grid tests): unit costs, the constructions and the sixteen policies, no local
+  search.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from seq1f1b.plan.actions import Action, Schedule, ScheduleError, split_full_bac
 from seq1f1b.plan.budget import ScheduleBudget
 from seq1f1b.plan.registry import register
 from seq1f1b.plan.schedules.greedy import Placed, Placer, Policy, Problem, unit_costs
+from seq1f1b.plan.schedules.refine import refine
 from seq1f1b.plan.schedules.zbv_construction import dualpipev_programs, zbv_programs
 from seq1f1b.plan.simulate import SpanCosts, simulate
 
@@ -113,8 +116,10 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
            ) -> Placed:
     """The shortest makespan under `cap` among: the fixed constructions (`constructions`), the
     greedy replays of every policy (forward or backward first, which chunk's ready forwards
-    and backwards go first), and `rounds` passes of a local search that moves one rank's depth
-    (the spans it may hold between F and B) by one span at a time while the makespan improves."""
+    and backwards go first, whether a forward waits for a backward due before it ends), and
+    `rounds` passes of a local search that moves one rank's depth (the spans it may hold
+    between F and B) by one span at a time while the makespan improves; with `rounds`, the
+    best is then refined on its critical path (refine.py)."""
     placer = Placer(problem, costs)
 
     def evaluate(policy: Policy) -> Optional[tuple[Placed, Policy]]:
@@ -123,8 +128,8 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
         except ScheduleError:
             return None
 
-    policies = [Policy(first, None, later_f, later_b) for first, later_f, later_b in
-                itertools.product((True, False), repeat=3)]
+    policies = [Policy(first, None, later_f, later_b, wait) for first, later_f, later_b, wait in
+                itertools.product((True, False), repeat=4)]
     found = [f for f in map(evaluate, policies) if f is not None]
     fixed = []
     for programs in constructions(problem).values():
@@ -155,7 +160,14 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
             if not improved:
                 break
         fixed.append(best)
-    return min(fixed, key=lambda placed: placed.makespan)
+    best = min(fixed, key=lambda placed: placed.makespan)
+    if rounds:
+        refined = refine(placer, best, cap)
+        if refined is not best:
+            makespan, peak = _replayed(problem, refined.programs, costs)
+            if makespan < best.makespan and peak <= cap * (1 + 1e-9):
+                best = Placed(refined.programs, makespan)
+    return best
 
 
 def _depths(programs: list[list[Action]]) -> list[int]:

@@ -1,0 +1,160 @@
+"""Local search on a placed order: the last step of `seq1f1b-zb-auto`'s search.
+
+A greedy replay (greedy.py) decides one action at a time and never takes a decision back; small
+instances showed what that costs: under 7B costs at m = P (P = 2 and 4, k = 1) its best order was
+9-10% longer than CP-SAT's optimum (exact.py), because a rank ran a W or a forward just before
+the backward the rest of the pipeline was waiting for. This takes the best order found and
+improves it by moves on its critical path:
+
+- time every action (an action starts when its rank is free and its dependencies have ended:
+  the replay's and the simulator's timing), and walk back from the action that ends last along
+  what made each action start when it did, its rank's previous action or a dependency;
+- where an action waited for its rank (the previous action on the rank ended exactly when it
+  started), try moving it 1..`REACH` places earlier, or the action it waited for 1..`REACH`
+  places later; a move is kept when the rank's held bytes stay within the cap (the held bytes of
+  a rank depend only on its program order, simulate.held_change), every rank can still run (no
+  deadlock, no action before its same-rank dependency), and it shortens the makespan, or keeps
+  it and ends the actions sooner in sum (which lets a run of equally long critical paths be
+  shortened one at a time);
+- repeat from the new order until no move helps or the evaluation budget is spent.
+
+The search is deterministic (no clock, no random numbers), so every rank of a run builds the
+same order. Its moves reorder micro-batches freely, as an exact solver does; the order it returns
+is checked by the validator like any other.
+"""
+from __future__ import annotations
+
+from seq1f1b.plan.actions import Action
+from seq1f1b.plan.schedules.greedy import Placed, Placer
+
+REACH = 8
+"""How many places a move shifts an action at most."""
+
+TIMED_ACTIONS = 2_000_000
+"""Budget of the local search in actions timed (each evaluation times every action once): about
+a second of Python, whatever the problem's size (evaluations = budget / actions, at least 20)."""
+
+_TIE = 1e-12
+
+
+class _Orders:
+    """Per-rank programs as the placer's step ids, timed with the placer's durations."""
+
+    def __init__(self, placer: Placer) -> None:
+        self.plan = placer.plan
+        self.size = len(self.plan.duration)
+
+    def steps(self, programs: list[list[Action]]) -> list[list[int]]:
+        plan = self.plan
+        return [[plan.step(rank, a.chunk, a.op, a.span, a.microbatch) for a in program]
+                for rank, program in enumerate(programs)]
+
+    def timing(self, orders: list[list[int]]) -> tuple[list[float], list[float]] | None:
+        """(start, end) of every step, or None when the orders deadlock."""
+        needs, duration = self.plan.needs, self.plan.duration
+        start, end = [0.0] * self.size, [-1.0] * self.size
+        cursor, free = [0] * len(orders), [0.0] * len(orders)
+        waiting: dict[int, list[int]] = {}
+        pending, timed = list(range(len(orders))), 0
+        while pending:
+            rank = pending.pop()
+            order, at, clock = orders[rank], cursor[rank], free[rank]
+            while at < len(order):
+                step = order[at]
+                begin, blocked = clock, -1
+                for need in needs[step]:
+                    finish = end[need]
+                    if finish < 0:
+                        blocked = need
+                        break
+                    begin = max(begin, finish)
+                if blocked >= 0:
+                    waiting.setdefault(blocked, []).append(rank)
+                    break
+                start[step] = begin
+                clock = end[step] = begin + duration[step]
+                timed += 1
+                pending.extend(waiting.pop(step, ()))
+                at += 1
+            cursor[rank], free[rank] = at, clock
+        return (start, end) if timed == self.size else None
+
+    def peak(self, order: list[int]) -> float:
+        """The most bytes the rank running `order` holds (allocated at a start, released after
+        the end, in program order)."""
+        alloc, release = self.plan.alloc, self.plan.release
+        held = peak = 0.0
+        for step in order:
+            held += alloc[step]
+            peak = max(peak, held)
+            held -= release[step]
+        return peak
+
+    def waits_for_rank(self, orders: list[list[int]], start: list[float], end: list[float]
+                       ) -> list[tuple[int, int]]:
+        """(rank, place) of each action on a critical path that started when its rank's
+        previous action ended, from the last action back."""
+        where = {step: (rank, place) for rank, order in enumerate(orders)
+                 for place, step in enumerate(order)}
+        step = max(range(self.size), key=end.__getitem__)
+        found = []
+        while start[step] > _TIE:
+            rank, place = where[step]
+            tied = _TIE * max(1.0, start[step])
+            need = next((n for n in self.plan.needs[step] if abs(end[n] - start[step]) <= tied),
+                        None)
+            previous = orders[rank][place - 1] if place > 0 else None
+            if previous is not None and abs(end[previous] - start[step]) <= tied:
+                found.append((rank, place))
+                if need is None:
+                    step = previous
+                    continue
+            if need is None:
+                break
+            step = need
+        return found
+
+
+def refine(placer: Placer, placed: Placed, cap: float,
+           timed_actions: int = TIMED_ACTIONS) -> Placed:
+    """`placed` improved by moves on its critical path (module docstring) with every rank's held
+    bytes at most `cap`; never longer than `placed`."""
+    orders_of = _Orders(placer)
+    orders = orders_of.steps(placed.programs)
+    timing = orders_of.timing(orders)
+    if timing is None:
+        return placed
+    score = (max(timing[1]), sum(timing[1]))
+    budget = max(20, timed_actions // max(1, orders_of.size))
+    while budget > 0:
+        moved = None
+        for rank, place in orders_of.waits_for_rank(orders, *timing):
+            order = orders[rank]
+            moves = [(place, place - d) for d in range(1, REACH + 1) if place - d >= 0]
+            moves += [(place - 1, place - 1 + d) for d in range(1, REACH + 1)
+                      if place - 1 + d < len(order)]
+            for source, target in moves:
+                trial = list(order)
+                trial.insert(target, trial.pop(source))
+                if orders_of.peak(trial) > cap * (1 + 1e-9):
+                    continue
+                candidate = orders[:rank] + [trial] + orders[rank + 1:]
+                budget -= 1
+                timed = orders_of.timing(candidate)
+                if timed is not None:
+                    new = (max(timed[1]), sum(timed[1]))
+                    if new[0] < score[0] * (1 - _TIE) or \
+                            (new[0] <= score[0] and new[1] < score[1] * (1 - _TIE)):
+                        moved = candidate, timed, new
+                        break
+                if budget <= 0:
+                    break
+            if moved is not None or budget <= 0:
+                break
+        if moved is None:
+            break
+        orders, timing, score = moved
+    if score[0] >= placed.makespan:
+        return placed
+    plan = orders_of.plan
+    return Placed([[plan.action(step) for step in order] for order in orders], score[0])
