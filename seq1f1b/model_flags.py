@@ -91,6 +91,34 @@ def add_model_shape_args(group, names: tuple[str, ...] = SHAPE_FLAGS,
         group.add_argument(flag, **kwargs)
 
 
+def shape_flags(*, num_layers: int, hidden_size: int, num_attention_heads: int,
+                ffn_hidden_size: int, num_query_groups: int, swiglu: bool, normalization: str,
+                add_bias_linear: bool, add_qkv_bias: bool) -> list[str]:
+    """pretrain_gpt.py's flags for a model of this shape, in one spelling for every writer of a
+    command line (the planner's launch, the HF importer's): the three sizes first (Slurm's
+    launch_pretrain.sh takes those as variables), then the FFN width, grouped-query attention
+    where the K/V heads are fewer, SwiGLU, the normalization other than LayerNorm and the
+    biases."""
+    flags = ["--num-layers", str(num_layers), "--hidden-size", str(hidden_size),
+             "--num-attention-heads", str(num_attention_heads),
+             "--ffn-hidden-size", str(ffn_hidden_size)]
+    if num_query_groups != num_attention_heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(num_query_groups)]
+    if swiglu:
+        flags.append("--swiglu")
+    if normalization != "LayerNorm":
+        flags += ["--normalization", normalization]
+    if not add_bias_linear:
+        flags.append("--disable-bias-linear")
+    if add_qkv_bias:
+        flags.append("--add-qkv-bias")
+    return flags
+
+
+SIZE_FLAG_TOKENS = 6
+"""How many leading entries of `shape_flags` the three sizes take (flag and value each)."""
+
+
 def query_groups_error(args: argparse.Namespace) -> Optional[str]:
     """The one-line error of Megatron-LM's grouped-query flags (None: they are consistent):
     --group-query-attention needs --num-query-groups, which must divide the attention heads.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from seq1f1b.hf import ConversionError
+from seq1f1b.model_flags import shape_flags
 from seq1f1b.plan.costs import padded_vocab_size
 
 CONFIG_FILE = "config.json"
@@ -74,16 +75,13 @@ class ModelSpec:
 
     def model_flags(self) -> list[str]:
         """pretrain_gpt.py's flags for this model (Megatron-LM's names)."""
-        flags = ["--num-layers", str(self.num_layers), "--hidden-size", str(self.hidden_size),
-                 "--ffn-hidden-size", str(self.ffn_hidden_size),
-                 "--num-attention-heads", str(self.num_attention_heads)]
-        if self.num_query_groups != self.num_attention_heads:
-            flags += ["--group-query-attention", "--num-query-groups",
-                      str(self.num_query_groups)]
-        flags += ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon",
-                  repr(self.norm_epsilon), "--disable-bias-linear"]
-        if self.qkv_bias:
-            flags.append("--add-qkv-bias")
+        flags = shape_flags(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                            num_attention_heads=self.num_attention_heads,
+                            ffn_hidden_size=self.ffn_hidden_size,
+                            num_query_groups=self.num_query_groups, swiglu=True,
+                            normalization="RMSNorm", add_bias_linear=False,
+                            add_qkv_bias=self.qkv_bias)
+        flags += ["--norm-epsilon", repr(self.norm_epsilon)]
         flags += ["--position-embedding-type", "rope", "--rotary-base", str(self.rotary_base)]
         if self.rope_scaling_factor is not None:
             flags += ["--use-rope-scaling", "--rope-scaling-factor",

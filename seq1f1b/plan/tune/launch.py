@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shlex
 
+from seq1f1b.model_flags import SIZE_FLAG_TOKENS, shape_flags
 from seq1f1b.plan.memory import TrainingSetup
 
 RUN_FLAGS = ("--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
@@ -22,22 +23,14 @@ estimator counts it, no dropout as the paper); replace --mock-data with your --d
 
 
 def model_flags(setup: TrainingSetup) -> list[str]:
+    """The model's shape flags (seq1f1b.model_flags.shape_flags)."""
     model = setup.model
-    flags = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
-             "--num-attention-heads", str(model.num_attention_heads),
-             "--ffn-hidden-size", str(model.ffn_hidden_size)]
-    if model.num_query_groups != model.num_attention_heads:
-        flags += ["--group-query-attention", "--num-query-groups",
-                  str(model.num_query_groups)]
-    if model.swiglu:
-        flags.append("--swiglu")
-    if model.normalization != "LayerNorm":
-        flags += ["--normalization", model.normalization]
-    if not model.add_bias_linear:
-        flags.append("--disable-bias-linear")
-    if model.add_qkv_bias:
-        flags.append("--add-qkv-bias")
-    return flags
+    return shape_flags(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                       num_attention_heads=model.num_attention_heads,
+                       ffn_hidden_size=model.ffn_hidden_size,
+                       num_query_groups=model.num_query_groups, swiglu=model.swiglu,
+                       normalization=model.normalization, add_bias_linear=model.add_bias_linear,
+                       add_qkv_bias=model.add_qkv_bias)
 
 
 def layout_flags(setup: TrainingSetup, global_batch_size: int) -> list[str]:
@@ -97,7 +90,7 @@ def sbatch_script(setup: TrainingSetup, gpus: int,
     per_node = min(gpus, gpus_per_node)
     model = setup.model
     # launch_pretrain.sh passes the first three model dimensions; the rest go as EXTRA_ARGS
-    extra = model_flags(setup)[6:] + _script_gaps(setup)
+    extra = model_flags(setup)[SIZE_FLAG_TOKENS:] + _script_gaps(setup)
     defaults = {"NUM_LAYERS": model.num_layers, "HIDDEN_SIZE": model.hidden_size,
                 "NUM_ATTENTION_HEADS": model.num_attention_heads, "TP": setup.tp,
                 "PP": setup.pp, "CP": setup.cp, "SEQ_LENGTH": setup.seq_length,
