@@ -208,7 +208,7 @@ def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
                      recompute=Recompute.from_flags(case.recompute_granularity,
                                                     case.recompute_method,
                                                     case.recompute_num_layers),
-                     stage_layers=stage_layers(case))
+                     stage_layers=stage_layers(case), cp=case.cp)
     return run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
                       MemoryCap.parse(case.schedule_memory_cap)
                       if case.schedule_memory_cap else None, shape)

@@ -48,7 +48,8 @@ def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]]
                      recompute=Recompute.from_flags(args.recompute_granularity,
                                                     args.recompute_method,
                                                     args.recompute_num_layers),
-                     stage_layers=StageLayers.of_flags(args))
+                     stage_layers=StageLayers.of_flags(args),
+                     cp=getattr(args, "context_parallel_size", 1) or 1)
     return run_budget(args.pipeline_schedule, args.pipeline_model_parallel_size,
                       args.num_micro_batches, args.virtual_pipeline_model_parallel_size or 1,
                       MemoryCap.parse(args.schedule_memory_cap)

@@ -104,7 +104,8 @@ def model_budget(name: str, pp: int, microbatches: int, splits: int, chunks: int
 @dataclass(frozen=True)
 class RunShape:
     """What a searched schedule's costs depend on in a run (trainer, benchmark): the model, how
-    its sequence is cut and sharded, and the bytes of one activation element."""
+    its sequence is cut and sharded (TP with SP, and CP: a cap in bytes is per GPU), and the
+    bytes of one activation element."""
 
     model: ModelConfig
     seq_length: int
@@ -115,6 +116,7 @@ class RunShape:
     bytes_per_element: int = 2
     recompute: Optional[Recompute] = None
     stage_layers: StageLayers = EVEN
+    cp: int = 1                 # context-parallel ranks per span: each holds 1/C of the bytes
 
 
 NOMINAL_FLOPS_PER_SECOND = 1e12
@@ -137,7 +139,7 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
                             batch=shape.micro_batch_size,
                             bytes_per_element=shape.bytes_per_element, recompute=shape.recompute,
                             stage_layers=shape.stage_layers.for_reference() if whole
-                            else shape.stage_layers)
+                            else shape.stage_layers, cp=shape.cp)
         if fit is None or whole:
             return costs
         return _scaled_to_fit(costs, fit, span_bounds(list(shape.span_lengths)))

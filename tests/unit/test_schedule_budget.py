@@ -21,7 +21,7 @@ FIT = SpanTimeFit(OpFit(2e-5, 3e-8), OpFit(7e-5, 1e-7), 0.05, 8)
 """A measured fit whose backward costs 3.5x the forward (a CPU's proportions, not a GPU's)."""
 
 
-def _args(pp: int, microbatches: int, splits: int, cap: str):
+def _args(pp: int, microbatches: int, splits: int, cap: str, cp: int = 1):
     layers = 2 * pp
     return validate_args(parse_args([
         "--num-layers", str(layers), "--hidden-size", "64", "--num-attention-heads", "4",
@@ -29,7 +29,8 @@ def _args(pp: int, microbatches: int, splits: int, cap: str):
         str(microbatches), "--train-iters", "10", "--lr", "1e-3", "--mock-data",
         "--pipeline-model-parallel-size", str(pp), "--num-layers-per-virtual-pipeline-stage",
         "1", "--untie-embeddings-and-output-weights", "--pipeline-schedule", "seq1f1b-zb-auto",
-        "--seq1f1b-splits", str(splits), "--schedule-memory-cap", cap]), pp)
+        "--seq1f1b-splits", str(splits), "--schedule-memory-cap", cap,
+        "--context-parallel-size", str(cp)]), pp * cp)
 
 
 @pytest.mark.parametrize("pp, m, k, cap, fitted", [
@@ -76,3 +77,11 @@ def test_without_a_cap_the_search_still_takes_the_models_costs():
     assert budget.costs == capped.costs
     args.pipeline_schedule = "seq1f1b"
     assert schedule_budget(args) is None          # not searched: nothing to place
+
+
+def test_under_context_parallelism_the_budget_counts_one_gpus_bytes():
+    """A cap in bytes is per GPU, and under CP 2 a GPU holds half of every span's activations:
+    the trainer's budget counts that share, not the whole span's."""
+    alone, shared = schedule_budget(_args(2, 4, 2, "1x")), schedule_budget(_args(2, 4, 2, "1x", 2))
+    assert shared.costs.activation_bytes[0][0] == pytest.approx(
+        alone.costs.activation_bytes[0][0] / 2)
