@@ -136,7 +136,7 @@ class Executor:
         self.caches: dict[tuple[int, int], MicrobatchKVCache] = {}
         self.saved: dict[tuple[int, int, int], tuple[Optional[torch.Tensor], Any]] = {}
         self.losses: dict[int, MicrobatchLoss] = {}
-        self.forward_data_store: list = []
+        self.forward_data_store: dict[int, Any] = {}   # by micro-batch: returned in its order
         self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         self.grad_sync = GradSync(program, inputs.model_chunks, config)
         self.deallocate = bool(config.deallocate_pipeline_outputs)
@@ -215,7 +215,7 @@ class Executor:
             record.reduced[j] = value
             if len(record.reduced) == len(lengths):
                 spans = [record.reduced[s] for s in range(len(lengths))]
-                self.forward_data_store.append(spans[0] if len(spans) == 1 else spans)
+                self.forward_data_store[i] = spans[0] if len(spans) == 1 else spans
                 del self.losses[i]
             return output
         record = self.losses.setdefault(i, MicrobatchLoss(lengths))
@@ -226,7 +226,7 @@ class Executor:
             record.reduce_tokens(self.inp.cp_group)
         if record.complete:
             self.total_num_tokens += record.total_tokens().to(self.device)
-            self.forward_data_store.append(record.combined_reduced())
+            self.forward_data_store[i] = record.combined_reduced()
             if self.inp.forward_only:
                 del self.losses[i]
         return record.losses[j]
@@ -311,7 +311,9 @@ class Executor:
             raise RuntimeError(f"pipeline rank {self.inp.rank}: {len(self.saved)} activations, "
                                f"{len(self.caches)} KV caches and {len(self.wgrad.pending())} "
                                "deferred weight gradients left after the iteration")
-        return self.forward_data_store if self._holds_last_stage() else []
+        if not self._holds_last_stage():
+            return []
+        return [self.forward_data_store[i] for i in sorted(self.forward_data_store)]
 
     def held_tensors(self) -> list[torch.Tensor]:
         """What the executor holds outside autograd's saved tensors: stage outputs, output grads

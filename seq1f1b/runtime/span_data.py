@@ -51,7 +51,8 @@ def slice_span(item: Any, seq_length: int, start: int, end: int, cp_rank: int = 
 
 
 class SpanDataSource:
-    """Pulls micro-batches from one chunk's data iterator in order and serves them span by span."""
+    """Pulls micro-batches from one chunk's data iterator in order (Megatron's iterators know no
+    other) and serves them span by span, in whatever order the schedule asks for them."""
 
     def __init__(self, iterator: Optional[Iterator], seq_length: int, cp_rank: int = 0,
                  cp_size: int = 1) -> None:
@@ -67,19 +68,22 @@ class SpanDataSource:
         """A one-item iterator over micro-batch `microbatch` cut to [start, end).
 
         Micro-batch i is pulled from the wrapped iterator at its first span and dropped after its
-        last span; forwards of a chunk reach micro-batches in increasing order in every schedule.
+        last span. A schedule may start a later micro-batch first (a searched order, a file):
+        the ones before it are pulled then and held (their tokens only) until their turn.
         """
         if self.iterator is None:
             return None
         if microbatch not in self._held:
-            if microbatch != self._next_microbatch:
-                raise RuntimeError(f"micro-batch {microbatch} requested before micro-batch "
-                                   f"{self._next_microbatch}: data must be read in order")
-            self._held[microbatch] = next(self.iterator)
-            self._next_microbatch += 1
-            ids = _host_document_ids(self._held[microbatch])
-            if ids is not None:
-                self._host_ids[microbatch] = ids
+            if microbatch < self._next_microbatch:
+                raise RuntimeError(f"micro-batch {microbatch} requested again after its last "
+                                   "span: a chunk reads each micro-batch once")
+            while self._next_microbatch <= microbatch:
+                pulled = next(self.iterator)
+                self._held[self._next_microbatch] = pulled
+                ids = _host_document_ids(pulled)
+                if ids is not None:
+                    self._host_ids[self._next_microbatch] = ids
+                self._next_microbatch += 1
         item = self._held[microbatch]
         if last_span:
             del self._held[microbatch]

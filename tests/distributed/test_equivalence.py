@@ -14,7 +14,7 @@ masking and reset positions over the packing `document_lengths`, the reference m
 documents crossing one and several span boundaries, starting exactly at one, shorter than a span,
 and one document per sample, across PP 1-4 (middle stages), TP with SP, k, V=2, GQA, the
 zero-bubble schedule and both recomputes. A schedule written to a --pipeline-schedule-file and
-read back from it runs exactly too, and so do uneven first / last stages on a loop and a V, and
+read back from it runs exactly too (one that starts every rank with micro-batch 1), and so do uneven first / last stages on a loop and a V, and
 a --pipeline-model-parallel-layout (any count per stage) on a loop, interleaved and a V.
 Context parallelism (CP, the all-to-all around the span attention,
 runtime/context_parallel.py) at CP 2 and 4: with PP 2, TP 2 with SP, DP 2, V 2
@@ -23,10 +23,13 @@ packed documents, full and selective recompute, the eager and sdpa kernels, k 2-
 Weight gradients accumulate into main_grad inside the GEMM (gradient accumulation fusion, the
 default) in every case but the `UNFUSED` ones.
 """
+from dataclasses import replace
+
 import pytest
 
 from launch import run_cases
 from seq1f1b.plan import registry, schedule_file
+from seq1f1b.plan.actions import Action, Schedule
 
 L8 = {"num_layers": 8}
 FULL = {"recompute_granularity": "full"}
@@ -212,14 +215,24 @@ def _case_id(param):
 
 FILE_PLAN = ("seq1f1b-interleaved", 2, 4, 2, 2)
 """The schedule written to a --pipeline-schedule-file and run from it, at world 2 (an extra case
-after CASES[2]'s)."""
+after CASES[2]'s), with micro-batches 0 and 1 swapped: every rank starts with micro-batch 1, as
+a searched order or a hand-written file may (the data is still read in order)."""
+
+
+def _swapped(schedule: Schedule) -> Schedule:
+    """`schedule` with micro-batches 0 and 1 trading places (a valid schedule: the rules treat
+    every micro-batch alike)."""
+    swap = {0: 1, 1: 0}
+    return replace(schedule, programs=tuple(
+        tuple(Action(a.op, swap.get(a.microbatch, a.microbatch), a.span, a.chunk)
+              for a in program) for program in schedule.programs))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     name, pp, m, k, v = FILE_PLAN
     path = tmp_path_factory.mktemp("schedule_file") / f"{name}.csv"
-    path.write_text(schedule_file.write(registry.build(name, pp, m, k, v)))
+    path.write_text(schedule_file.write(_swapped(registry.build(name, pp, m, k, v))))
     file_case = {"pipeline_schedule_file": str(path), "pp": pp, "num_microbatches": m,
                  "splits": k, "chunks": v}
     out = {world: run_cases(world, "equivalence_worker.py",

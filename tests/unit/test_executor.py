@@ -113,3 +113,24 @@ def test_forward_only_spans_report_the_training_losses():
         reported[forward_only] = [x["lm loss"] for x in executor.run()]
     for train, evaluate in zip(reported[False], reported[True]):
         assert torch.equal(train, evaluate)
+
+
+def test_micro_batches_out_of_order_give_the_in_order_losses_and_gradients():
+    """A schedule may run micro-batch 2 first (the search reorders them as an exact solver does):
+    each still gets its own data, the losses come back in micro-batch order and the gradients
+    are the in-order run's (up to the order they are summed in)."""
+    from seq1f1b.plan.actions import Schedule, parse_action
+    results = []
+    for order in ("F0.0 B0.0 F1.0 B1.0 F2.0 B2.0", "F2.0 F0.0 B2.0 F1.0 B0.0 B1.0"):
+        inputs, seen = _inputs("seq1f1b", 1)
+        inputs.schedule = Schedule("ordered", 1, M, 1, 1,
+                                   (tuple(parse_action(a) for a in order.split()),))
+        executor = Executor(inputs)
+        seen[:] = [executor]
+        losses = [x["lm loss"] for x in executor.run()]
+        grads = [p.grad.clone() for p in inputs.model_chunks[0].parameters()]
+        results.append((losses, grads))
+    (losses, grads), (reordered, regrads) = results
+    assert all(torch.equal(a, b) for a, b in zip(losses, reordered))
+    assert len(set(float(x[0]) for x in losses)) == M     # three different micro-batches
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(grads, regrads))

@@ -1,5 +1,6 @@
 """Pure pieces of the runtime: span slicing of batches, exact span-loss normalisation and the
 saved-tensor meter."""
+import pytest
 import torch
 
 from seq1f1b.runtime.loss import MicrobatchLoss
@@ -22,6 +23,16 @@ def test_span_source_pulls_each_microbatch_once_in_order():
     spans = [next(source.span_iterator(i, s, e, e == 4)).tolist()
              for i in range(2) for s, e in [(0, 1), (1, 4)]]
     assert spans == [[[0]], [[1, 2, 3]], [[4]], [[5, 6, 7]]]
+
+
+def test_span_source_serves_a_later_microbatch_first_and_holds_the_earlier_ones():
+    """A searched order or a schedule file may start micro-batch 2 before 0 and 1: Megatron's
+    iterator is still read in order, once each, and every micro-batch gets its own data."""
+    source = SpanDataSource(iter([torch.full((1, 2), n) for n in range(3)]), 2)
+    served = {i: next(source.span_iterator(i, 0, 2, True)).tolist() for i in (2, 0, 1)}
+    assert served == {0: [[0, 0]], 1: [[1, 1]], 2: [[2, 2]]}
+    with pytest.raises(RuntimeError, match="micro-batch 1 requested again"):
+        source.span_iterator(1, 0, 2, True)
 
 
 def _mean_of_token_losses(lengths, token_losses, mask):
