@@ -34,10 +34,6 @@ TIMED_ACTIONS = 2_000_000
 """Budget of the local search in actions timed (each evaluation times every action once): about
 a second of Python, whatever the problem's size (evaluations = budget / actions, at least 20)."""
 
-EVALUATIONS = 2000
-"""At most this many evaluations on a small problem (P = 4, m = 4, k = 1 reaches CP-SAT's optimum
-after about 1400)."""
-
 _TIE = 1e-12
 
 
@@ -129,7 +125,7 @@ def refine(placer: Placer, placed: Placed, cap: float,
     if timing is None:
         return placed
     score = (max(timing[1]), sum(timing[1]))
-    budget = min(EVALUATIONS, max(20, timed_actions // max(1, orders_of.size)))
+    budget = max(20, timed_actions // max(1, orders_of.size))
     while budget > 0:
         moved = None
         for rank, place in orders_of.waits_for_rank(orders, *timing):
