@@ -209,9 +209,18 @@ def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
                                                     case.recompute_method,
                                                     case.recompute_num_layers),
                      stage_layers=stage_layers(case), cp=case.cp)
-    return run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
-                      MemoryCap.parse(case.schedule_memory_cap)
-                      if case.schedule_memory_cap else None, shape)
+    budget = run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
+                        MemoryCap.parse(case.schedule_memory_cap)
+                        if case.schedule_memory_cap else None, shape)
+    if case.chunks == 2 and not case.untie_embeddings:
+        return budget.pinned("loop")     # a V cannot tie them (as the trainer's schedule_budget)
+    return budget
+
+
+def case_placement(case: "EquivalenceCase") -> str:
+    """How the case's chunks are laid out: its schedule's placement, a searched one's choice."""
+    return placement_of(case.schedule, case.pp, case.num_microbatches, case.splits, case.chunks,
+                        case_budget(case))
 
 
 def check_stage_layers(case: "EquivalenceCase") -> None:
@@ -220,7 +229,7 @@ def check_stage_layers(case: "EquivalenceCase") -> None:
     split = stage_layers(case)
     if split.uneven:
         layers_per_virtual_stage(case.num_layers, case.pp, case.chunks,
-                                 placement_of(case.schedule), split)
+                                 case_placement(case), split)
 
 
 def check_budget(case: "EquivalenceCase") -> None:
@@ -244,7 +253,7 @@ def check_placement(schedule: str, untie_embeddings: bool) -> None:
     """A V placement with tied embeddings, refused before any work (ValueError, one line):
     megatron_adapter would refuse it only when the model is built."""
     if schedule not in MEGATRON_SCHEDULES and not untie_embeddings \
-            and registry.get(schedule).placement == "vshape":
+            and not registry.get(schedule).searched and registry.get(schedule).placement == "vshape":
         raise ValueError(f"{schedule} places the embedding and the output layer in two chunks of "
                          "pipeline rank 0, which megatron cannot tie: add "
                          "--untie-embeddings-and-output-weights")
@@ -495,7 +504,7 @@ class ParallelLayout:
             case.tp, case.pp, virtual_pipeline_model_parallel_size=case.chunks if chunked else None,
             context_parallel_size=case.cp)
         tensor_parallel.model_parallel_cuda_manual_seed(case.seed)
-        placement = placement_of(case.schedule)
+        placement = case_placement(case)
         config = _config(case, case.tp, case.pp, case.chunks, case.sequence_parallel, placement,
                          case.cp)
         rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -579,9 +588,10 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
         raise ValueError(f"world size {world} is not divisible by --tp {case.tp} x --pp {case.pp}"
                          f" x --cp {case.cp}")
     dp = world // (case.tp * case.pp * case.cp)
-    chunked = is_chunked(case.schedule)
-    if chunked != (case.chunks > 1) or (case.against and is_chunked(case.against) != chunked):
-        raise ValueError(f"--chunks {case.chunks} does not fit schedule {case.schedule!r}")
+    chunked = case.chunks > 1
+    for name in filter(None, (case.schedule, case.against)):
+        if is_chunked(name) not in (None, chunked):
+            raise ValueError(f"--chunks {case.chunks} does not fit schedule {name!r}")
     if (case.hidden_dropout or case.attention_dropout) and not (case.against or
                                                                 case.against_no_recompute):
         raise ValueError("--hidden-dropout/--attention-dropout > 0 draw other masks than the "
@@ -593,7 +603,7 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
         base = replace(case, schedule=case.against or case.schedule,
                        recompute_granularity=None if case.against_no_recompute
                        else case.recompute_granularity)
-        ref_loss, baseline = ParallelLayout(base, is_chunked(base.schedule), ref_weights).run(
+        ref_loss, baseline = ParallelLayout(base, chunked, ref_weights).run(
             base.schedule, batches)
         reference = {_identity(sharded): grad for _, sharded, grad in baseline}
         release_model_parallel()
@@ -613,7 +623,10 @@ def _identity(sharded: ShardedTensor) -> tuple:
     return sharded.key, tuple(sharded.global_offset)
 
 
-def is_chunked(schedule: str) -> bool:
+def is_chunked(schedule: str) -> Optional[bool]:
+    """Whether `schedule` interleaves V >= 2 chunks per rank; None when it runs on one or two
+    (seq1f1b-zb-auto: as the case lays the model out)."""
     if schedule in MEGATRON_SCHEDULES:
         return schedule == "megatron-interleaved-1f1b"
-    return registry.get(schedule).chunked
+    info = registry.get(schedule)
+    return None if info.any_chunks else info.chunked

@@ -41,9 +41,10 @@ timed iterations run the cut balanced in that measured time, which the output re
 traced entry's JSON carries its measured spans (`spans`: start, end, forward_s, backward_s), so
 the output is itself a calibration file for `plan.py partition --method fit --calibration`.
 megatron-core's own schedules (megatron-*) run without a trace: they are timed as a whole.
-V-shaped schedules (zbv, seq1f1b-zbv, seq1f1b-zb-auto) need --untie-embeddings-and-output-weights
-and --chunks 2. The searched seq1f1b-zb-auto is placed with its default budget, or under
---schedule-memory-cap with this model's FLOP and byte costs.
+V-shaped schedules (zbv, seq1f1b-zbv) need --untie-embeddings-and-output-weights and --chunks 2.
+The searched seq1f1b-zb-auto runs on --chunks 1 or 2 and chooses a V (untied embeddings only) or
+a loop, placed with its default budget or under --schedule-memory-cap, with this model's FLOP and
+byte costs.
 Output: a markdown table on rank 0; --json prints JSON instead; --output FILE also writes it.
 """
 from __future__ import annotations
@@ -79,16 +80,15 @@ class Run:
     splits: int
     chunks: int
     partition: str = "even"        # even | compute | explicit (--span-lengths) | fit
+    placement: Optional[str] = None   # a searched schedule's choice, once placed (parse_args)
 
     @property
     def group(self) -> tuple[int, str]:
         """Runs of one group share model chunks: the same count, placed the same way (a V
         puts the last stage on rank 0)."""
-        from seq1f1b.plan import registry
-        from seq1f1b.runtime.forward_backward import MEGATRON_SCHEDULES
+        from seq1f1b.runtime.forward_backward import placement_of
 
-        loop = self.schedule in MEGATRON_SCHEDULES
-        return self.chunks, "loop" if loop else registry.get(self.schedule).placement
+        return self.chunks, self.placement or placement_of(self.schedule)
 
     @property
     def label(self) -> str:
@@ -194,7 +194,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
         if k == 1 and cut == "fit":
             raise UsageError(f"--schedules {entry}: one span per micro-batch has no boundary to "
                              "fit; @fit needs k >= 2")
-        chunks = args.chunks if is_chunked(name) else 1
+        chunks = args.chunks if is_chunked(name) is not False else 1
         if is_chunked(name) and (chunks < 2 or (args.num_layers % (args.pp * chunks)
                                                 and not uneven)):
             raise UsageError(f"--chunks {chunks}: {name} needs >= 2 chunks that divide the "
@@ -218,10 +218,13 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
                                                           for run in runs):
         raise UsageError("--schedule-memory-cap: no searched schedule (seq1f1b-zb-auto) in "
                          "--schedules")
-    for run in runs:
+    for n, run in enumerate(runs):
         if is_searched(run.schedule):
+            if run.chunks > 2:
+                raise UsageError(f"--chunks {run.chunks}: {run.schedule} runs one or two chunks "
+                                 "per rank")
             try:            # placed here: a cap no order fits is refused before any work
-                _plan(args, run)
+                runs[n] = replace(run, placement=_plan(args, run).placement)
             except ScheduleError as err:
                 raise UsageError(f"--schedules {run.label}: {err}") from None
     if any(run.partition == "fit" for run in runs) and args.warmup < 1:

@@ -37,7 +37,7 @@ from seq1f1b.model_flags import COST_FLAGS, add_model_shape_args, model_of_flags
 from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
 from seq1f1b.plan.budget import (MemoryCap, ScheduleBudget, model_budget,  # noqa: E402
-                                 resolve_budget)
+                                 resolve_budget, searched_placements)
 from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
 from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
                                 ModelConfig)
@@ -54,7 +54,7 @@ from seq1f1b.plan.layout_search import choose_layout  # noqa: E402
 from seq1f1b.plan.simulate import (SimulationReport, SpanCosts, model_costs,  # noqa: E402
                                    simulate, uniform_costs)
 from seq1f1b.plan.schedules.greedy import Problem, unit_costs  # noqa: E402
-from seq1f1b.plan.schedules.zero_bubble_v import default_cap  # noqa: E402
+from seq1f1b.plan.schedules.zero_bubble_v import default_cap, searched_cap  # noqa: E402
 from seq1f1b.plan.bounds import lower_bound  # noqa: E402
 from seq1f1b.plan.exact import solve  # noqa: E402
 from seq1f1b.schedule_compare import UNIT, CostModel, compare  # noqa: E402
@@ -218,15 +218,21 @@ def _search_budget(args: argparse.Namespace, costs_of, uniform) -> ScheduleBudge
                                    args.chunks)
             budget = ScheduleBudget(_uniform_with_bytes(shape, uniform), budget.cap)
             source = "the --uniform-cost costs"
-    limit = ("seq1f1b-zbv's peak on them" if budget.cap is None
+    own = "seq1f1b-zbv's" if args.chunks == 2 else "seq1f1b's"
+    limit = (f"{own} peak on them" if budget.cap is None
              else f"{budget.cap / GIB:.2f} GiB" if costs_of is not None
              else f"{budget.cap:g} units")
-    print(f"plan.py: {args.schedule} searched on {source}, memory cap {limit}", file=sys.stderr)
+    print(f"plan.py: {args.schedule} searched on {source}, memory cap {limit}, on "
+          f"{' or '.join(searched_placements(args.schedule, args.chunks))}", file=sys.stderr)
     if budget.costs is None:
         shape = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
                                args.chunks)
         budget = ScheduleBudget(unit_costs(Problem(shape.pp, shape.microbatches, shape.splits,
                                                    shape.chunks, shape.placement)), budget.cap)
+    if costs_of is None:     # unit and uniform costs are alike on every stage, so any placement
+        budget = replace(budget, alternatives=tuple(
+            (placement, budget.costs) for placement in
+            searched_placements(args.schedule, args.chunks)[1:]))
     return budget
 
 
@@ -515,14 +521,16 @@ def cmd_search(args: argparse.Namespace) -> None:
         costs_of = _run_costs(args, split)[0]
         shape = registry.build("seq1f1b-zbv", args.pp, args.microbatches, args.splits,
                                args.chunks)
-        budget = ScheduleBudget(costs_of(shape, False), budget.cap)
+        # the layout's counts are per stage in stage order: a loop of the same stages too
+        budget = ScheduleBudget(costs_of(shape, False), budget.cap, "vshape",
+                                (("loop", costs_of(replace(shape, placement="loop"), False)),))
     schedule = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
                               args.chunks, budget=budget)
-    costs = budget.costs
-    cap = budget.cap if budget.cap is not None else default_cap(
-        Problem(args.pp, args.microbatches, args.splits, args.chunks, schedule.placement), costs)
+    costs = budget.costs_for(schedule.placement)
+    cap = searched_cap(args.pp, args.microbatches, args.splits, args.chunks, budget)
     report = simulate(schedule, costs)
-    out = {"makespan": report.makespan, "bubble": report.bubble_ratio, "cap": cap,
+    out = {"placement": schedule.placement, "chunks": schedule.chunks,
+           "makespan": report.makespan, "bubble": report.bubble_ratio, "cap": cap,
            "peak": max(r.peak_held_bytes for r in report.ranks),
            "lower_bound": lower_bound(schedule, costs), "layout": layout}
     out["lower_bound_gap"] = out["makespan"] / out["lower_bound"] - 1
@@ -530,7 +538,8 @@ def cmd_search(args: argparse.Namespace) -> None:
         found = solve(schedule, costs, cap, args.time_limit, hint=schedule)
         out["exact"] = {"status": found.status, "optimal": found.optimal,
                         "makespan": found.makespan, "peak": found.peak, "bound": found.bound,
-                        "search_over_exact": out["makespan"] / found.makespan - 1,
+                        "search_over_exact": out["makespan"] / found.makespan - 1
+                        if math.isfinite(found.makespan) else None,
                         "search_over_bound": out["makespan"] / found.bound - 1
                         if found.bound > 0 else None}
     if args.json:
@@ -538,15 +547,17 @@ def cmd_search(args: argparse.Namespace) -> None:
         return
     if layout is not None:
         print(f"layout {layout}")
-    print(f"seq1f1b-zb-auto P={args.pp} m={args.microbatches} k={args.splits}: makespan "
+    print(f"seq1f1b-zb-auto P={args.pp} m={args.microbatches} k={args.splits} V={args.chunks} "
+          f"on {'a V' if schedule.placement == 'vshape' else 'a loop'}: makespan "
           f"{out['makespan']:.6g}, bubble {out['bubble']:.1%}, peak {out['peak']:.6g} of cap "
           f"{cap:.6g}; lower bound {out['lower_bound']:.6g} (gap {out['lower_bound_gap']:.2%})")
     if args.exact:
         exact = out["exact"]
         bound = (f"{exact['bound']:.6g} (search {exact['search_over_bound']:+.2%})"
                  if exact["search_over_bound"] is not None else "none")
-        print(f"exact (CP-SAT, {args.time_limit:g} s): {exact['status']}, makespan "
-              f"{exact['makespan']:.6g} (search {exact['search_over_exact']:+.2%}), proven "
+        found = (f"makespan {exact['makespan']:.6g} (search {exact['search_over_exact']:+.2%})"
+                 if exact["search_over_exact"] is not None else "no order found in the time")
+        print(f"exact (CP-SAT, {args.time_limit:g} s): {exact['status']}, {found}, proven "
               f"bound {bound}")
 
 
@@ -565,7 +576,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     rows = compare(args.pp, args.microbatches, args.splits, costs)
     if args.json:
         print(json.dumps([{"name": r.name, "splits": r.splits, "chunks": r.chunks,
-                           "makespan": r.makespan, "bubble": r.bubble, "peaks": list(r.peaks),
+                           "placement": r.placement, "makespan": r.makespan, "bubble": r.bubble, "peaks": list(r.peaks),
                            "lower_bound": r.lower_bound, "gap": r.gap} for r in rows]))
         return
     unit, scale = ("GiB", GIB) if model is not None else ("units", 1.0)
@@ -575,8 +586,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
     width = max(len(r.name) for r in rows)
     for r in rows:
         peaks = " ".join(f"{p / scale:6.2f}" for p in r.peaks)
-        print(f"{r.name:<{width}} k={r.splits} V={r.chunks} {r.makespan:9.4g} {r.bubble:6.1%} "
-              f"{r.gap:6.1%}  {peaks}")
+        print(f"{r.name:<{width}} k={r.splits} V={r.chunks} {r.placement:<6} {r.makespan:9.4g} "
+              f"{r.bubble:6.1%} {r.gap:6.1%}  {peaks}")
 
 
 def _gpu_memory(text: str) -> float:
@@ -776,7 +787,7 @@ def build_parser() -> Parser:
     search = commands.add_parser("search", help="seq1f1b-zb-auto's search, its lower-bound gap "
                                                 "and (--exact) the CP-SAT optimum")
     _add_problem_args(search, "F B W per action")
-    search.add_argument("--chunks", type=int, default=2, help="model chunks per rank V (2)")
+    search.add_argument("--chunks", type=int, default=2, help="model chunks per rank V: 2 (a V or a loop, the search chooses) or 1 (a loop)")
     _add_cap_arg(search)
     _add_stage_layer_args(search)
     search.add_argument("--search-layout", action="store_true",

@@ -66,31 +66,45 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def schedule_catalog() -> dict[str, bool]:
-    """Every accepted --pipeline-schedule: name -> whether it interleaves V >= 2 chunks per rank.
+def schedule_catalog() -> dict[str, Optional[bool]]:
+    """Every accepted --pipeline-schedule: name -> whether it interleaves V >= 2 chunks per rank
+    (None: it runs on one chunk per rank or two, as the flags lay the model out).
 
     Read at call time, so schedules registered after this module was imported are included; when
     the registry is missing or empty, megatron-core's own schedules remain.
     """
-    catalog: dict[str, bool] = {}
+    catalog: dict[str, Optional[bool]] = {}
     try:
         from seq1f1b.plan import registry
     except ImportError:
         registry = None
     if registry is not None:
-        catalog.update((name, registry.get(name).chunked) for name in registry.names())
+        catalog.update((name, None if registry.get(name).any_chunks else registry.get(name).chunked)
+                       for name in registry.names())
     for name, chunked in MEGATRON_SCHEDULES.items():
         catalog.setdefault(name, chunked)
     return catalog
 
 
-def _placement(name: str) -> str:
-    """How schedule `name` maps (rank, chunk) to virtual stages ("loop" without the registry)."""
+def _placement(name: str, chunks: Optional[int] = None) -> str:
+    """How schedule `name` maps (rank, chunk) to virtual stages ("loop" without the registry);
+    a searched one's own placement at V = `chunks` (it may choose another: _choose_placement)."""
     try:
         from seq1f1b.plan import registry
     except ImportError:
         return "loop"
-    return registry.get(name).placement
+    info = registry.get(name)
+    if info.searched and (chunks or 1) == 1:
+        return "loop"
+    return info.placement
+
+
+def _searched(name: str) -> bool:
+    if name in MEGATRON_SCHEDULES:
+        return False
+    from seq1f1b.plan import registry
+
+    return registry.get(name).searched
 
 
 EXIT_SIGNALS = tuple(sorted(s.name for s in signal.valid_signals()
@@ -799,12 +813,15 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     chunks_flag = ("--num-layers-per-virtual-pipeline-stage"
                    if args.pipeline_model_parallel_layout is None
                    else "--pipeline-model-parallel-layout (V x P stages)")
-    if chunked and args.virtual_pipeline_model_parallel_size is None:
+    if chunked is True and args.virtual_pipeline_model_parallel_size is None:
         _fail(f"--pipeline-schedule {name} interleaves model chunks and needs {chunks_flag}")
-    if not chunked and args.virtual_pipeline_model_parallel_size is not None:
+    if chunked is False and args.virtual_pipeline_model_parallel_size is not None:
         _fail(f"{chunks_flag}: --pipeline-schedule {name} runs one model chunk per rank "
               "(a stage per pipeline rank); use an interleaved schedule")
-    if name not in MEGATRON_SCHEDULES and _placement(name) == "vshape":
+    if chunked is None and (args.virtual_pipeline_model_parallel_size or 1) > 2:
+        _fail(f"{chunks_flag}: --pipeline-schedule {name} runs one or two model chunks per rank, "
+              f"got {args.virtual_pipeline_model_parallel_size}")
+    if name not in MEGATRON_SCHEDULES and not _searched(name) and _placement(name) == "vshape":
         _validate_v_placement(args)
     _validate_memory_cap(args)
     _validate_stage_layers(args)
@@ -915,10 +932,11 @@ def _layout_chunks(args: argparse.Namespace) -> None:
         args.virtual_pipeline_model_parallel_size = stages // pp
 
 
-def _validate_stage_layers(args: argparse.Namespace) -> None:
+def _validate_stage_layers(args: argparse.Namespace, placement: Optional[str] = None) -> None:
     """Uneven first / last stages (seq1f1b/plan/stage_layers.py, which says how they apply to a
     loop and to a V): the other stages must share the rest evenly, >= 1 layer each; with
-    uniform full recompute every chunk's count is a multiple of --recompute-num-layers."""
+    uniform full recompute every chunk's count is a multiple of --recompute-num-layers.
+    `placement`: the one to check (default: the schedule's, a searched one's own)."""
     from seq1f1b.plan.actions import ScheduleError
     from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
 
@@ -926,7 +944,9 @@ def _validate_stage_layers(args: argparse.Namespace) -> None:
     if not split.uneven:
         return
     name = args.pipeline_schedule
-    placement = "loop" if name in MEGATRON_SCHEDULES else _placement(name)
+    if placement is None:
+        placement = "loop" if name in MEGATRON_SCHEDULES else \
+            _placement(name, args.virtual_pipeline_model_parallel_size)
     try:
         counts = layers_per_virtual_stage(args.num_layers, args.pipeline_model_parallel_size,
                                           args.virtual_pipeline_model_parallel_size or 1,
@@ -1210,22 +1230,44 @@ def _validate_timeline(args: argparse.Namespace) -> None:
               f"--train-iters {args.train_iters}")
 
 
-def _validate_schedule_budget(args: argparse.Namespace) -> None:
-    """A searched schedule under --schedule-memory-cap is placed now, with the model's costs
-    (the padded vocabulary known): a cap that no order fits is refused before any work."""
-    if args.schedule_memory_cap is None:
+def _place_schedule(args: argparse.Namespace) -> None:
+    """Sets args.pipeline_placement, how the model chunks are laid out on the pipeline ranks
+    (actions.PLACEMENTS). A searched schedule is placed now, with the model's costs (the padded
+    vocabulary known): it chooses a V or a loop of its two chunks per rank (a loop on one), a
+    cap that no order fits is refused before any work, and the last rank (the one that logs the
+    losses) says what it chose.
+    The registry keeps the search, so the run's schedule function gets the same one without
+    searching again (schedule_budget.py pins the placement when the fit partition re-places
+    it)."""
+    name = args.pipeline_schedule
+    if not _searched(name):
+        args.pipeline_placement = "loop" if name in MEGATRON_SCHEDULES else _placement(name)
         return
-    from megatron.training.schedule_budget import schedule_budget
+    from megatron.training.schedule_budget import placement_report, schedule_budget
     from seq1f1b.plan import registry
     from seq1f1b.plan.actions import ScheduleError
 
+    chunks = args.virtual_pipeline_model_parallel_size or 1
+    says = os.environ.get("RANK", "0") == str(args.world_size - 1)
     try:
-        registry.build(args.pipeline_schedule, args.pipeline_model_parallel_size,
-                       args.num_micro_batches, args.seq1f1b_splits,
-                       args.virtual_pipeline_model_parallel_size or 1,
-                       budget=schedule_budget(args))
+        budget = schedule_budget(args)
+        if says:
+            where = " and ".join("a V" if placement == "vshape" else "a loop"
+                                 for placement, _ in budget.options())
+            print(f" {name}: searching orders of F, B and W for "
+                  f"P={args.pipeline_model_parallel_size} m={args.num_micro_batches} "
+                  f"k={args.seq1f1b_splits} on {where} of {chunks} chunk"
+                  f"{'s' if chunks > 1 else ''} per rank ...", flush=True)
+        schedule = registry.build(name, args.pipeline_model_parallel_size,
+                                  args.num_micro_batches, args.seq1f1b_splits, chunks,
+                                  budget=budget)
     except ScheduleError as err:
-        _fail(f"--pipeline-schedule {args.pipeline_schedule}: {err}")
+        _fail(f"--pipeline-schedule {name}: {err}")
+    args.pipeline_placement = schedule.placement
+    if schedule.placement != _placement(name, chunks):
+        _validate_stage_layers(args, schedule.placement)
+    if says:
+        print(f" {name}: {placement_report(schedule, budget)}", flush=True)
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -1256,7 +1298,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_run(args, explicit)
     _validate_overlap(args)
     _validate_observability(args)
-    _validate_schedule_budget(args)
+    _place_schedule(args)
     return args
 
 

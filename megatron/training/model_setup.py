@@ -26,7 +26,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.lr_schedule import ScheduleSettings
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.plan.stage_layers import StageLayers
-from seq1f1b.runtime.forward_backward import placement_of
 from seq1f1b.runtime import wgrad_fusion
 from seq1f1b.runtime.wgrad import has_split_backward
 
@@ -58,7 +57,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> TransformerCo
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         fp16=args.fp16, bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
         calculate_per_token_loss=args.calculate_per_token_loss,
-        placement=placement_of(args.pipeline_schedule),
+        placement=args.pipeline_placement,
         stage_layers=StageLayers.of_flags(args),
         gradient_accumulation_fusion=wgrad_fusion.resolve(args.gradient_accumulation_fusion),
         **_recompute_fields(args))
@@ -85,7 +84,7 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
     with --overlap-grad-reduce a gradient is reported ready at W (seq1f1b.runtime.wgrad).
     """
     chunks = []
-    for vp_stage, (pre_process, post_process) in enumerate(chunk_roles(args.pipeline_schedule)):
+    for vp_stage, (pre_process, post_process) in enumerate(chunk_roles(args.pipeline_placement)):
         vp = vp_stage if args.virtual_pipeline_model_parallel_size else None
         chunk = model_provider(
             pre_process=pre_process, post_process=post_process,
@@ -176,20 +175,20 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def chunk_roles(schedule: str) -> list[tuple[bool, bool]]:
-    """(pre_process, post_process) of each model chunk of this pipeline rank under `schedule`'s
-    placement: whether it holds the first virtual stage (embedding) or the last (output layer
-    and loss). In a V, both are chunks of rank 0."""
+def chunk_roles(placement: str) -> list[tuple[bool, bool]]:
+    """(pre_process, post_process) of each model chunk of this pipeline rank under `placement`
+    (args.pipeline_placement): whether it holds the first virtual stage (embedding) or the last
+    (output layer and loss). In a V, both are chunks of rank 0."""
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
-    return [megatron_adapter.chunk_roles(placement_of(schedule), pp, rank, chunk, chunks)
+    return [megatron_adapter.chunk_roles(placement, pp, rank, chunk, chunks)
             for chunk in range(chunks)]
 
 
-def chunks_reading_data(schedule: str, every_stage: bool = False) -> list[bool]:
+def chunks_reading_data(placement: str, every_stage: bool = False) -> list[bool]:
     """For each model chunk of this rank, whether it reads data: the first pipeline stage (tokens)
     and the last (labels, loss mask); the chunks in between only receive activations, unless
     `every_stage` (packed documents: each stage's attention needs the document ids, its RoPE
     the reset position ids; Megatron-LM's middle stages would get neither)."""
-    return [every_stage or first or last for first, last in chunk_roles(schedule)]
+    return [every_stage or first or last for first, last in chunk_roles(placement)]

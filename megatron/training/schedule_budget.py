@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
+from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget
 from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.partition import partition
+from seq1f1b.plan.schedules.zero_bubble_v import searched_cap
+from seq1f1b.plan.simulate import simulate
 from seq1f1b.plan.span_fit import SpanTimeFit
 from seq1f1b.plan.stage_layers import StageLayers
 
@@ -50,10 +53,39 @@ def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]]
                                                     args.recompute_num_layers),
                      stage_layers=StageLayers.of_flags(args),
                      cp=getattr(args, "context_parallel_size", 1) or 1)
-    return run_budget(args.pipeline_schedule, args.pipeline_model_parallel_size,
-                      args.num_micro_batches, args.virtual_pipeline_model_parallel_size or 1,
-                      MemoryCap.parse(args.schedule_memory_cap)
-                      if args.schedule_memory_cap else None, shape, fit)
+    chunks = args.virtual_pipeline_model_parallel_size or 1
+    budget = run_budget(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                        args.num_micro_batches, chunks,
+                        MemoryCap.parse(args.schedule_memory_cap)
+                        if args.schedule_memory_cap else None, shape, fit)
+    if lengths is not None and getattr(args, "pipeline_placement", None):
+        return budget.pinned(args.pipeline_placement)   # the model chunks are laid out for it
+    if chunks == 2 and not args.untie_embeddings_and_output_weights:
+        # A V puts the embedding and the output layer in two chunks of rank 0, which megatron
+        # cannot tie (megatron_adapter); a loop of two chunks ties them as interleaving does.
+        return budget.pinned("loop")
+    return budget
+
+
+def placement_report(schedule: Schedule, budget: ScheduleBudget) -> str:
+    """What a searched schedule chose, in one line: its placement, simulated bubble and the
+    fullest rank's held bytes against the cap."""
+    report = simulate(schedule, budget.costs_for(schedule.placement))
+    cap = searched_cap(schedule.pp, schedule.microbatches, schedule.splits, schedule.chunks,
+                       budget)
+    layout = {"vshape": "a V of two chunks per rank", "loop": "a loop of "
+              f"{schedule.chunks} chunk{'s' if schedule.chunks > 1 else ''} per rank"}
+    peak = max(rank.peak_held_bytes for rank in report.ranks)
+    return (f"placed on {layout[schedule.placement]}, simulated bubble "
+            f"{report.bubble_ratio:.1%} on the model's FLOPs, peak held {_size(peak)} per rank "
+            f"under a cap of {_size(cap)}")
+
+
+def _size(count: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return f"{count:.0f} B"
 
 
 def _searched(name: str) -> bool:

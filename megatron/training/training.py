@@ -52,7 +52,6 @@ from seq1f1b import platform
 from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan.actions import virtual_stage
 from seq1f1b.plan.costs import ModelConfig
-from seq1f1b.runtime.forward_backward import placement_of
 
 DatasetsProvider = Callable[[Sequence[int]], Sequence[Optional[object]]]
 """`provider([train, valid, test] sample counts) -> (train, valid, test) datasets (or None)`."""
@@ -112,7 +111,7 @@ def is_dataset_built_on_rank() -> bool:
     """Whether this rank feeds data to any of its model chunks (first or last pipeline stage;
     every stage with packed documents)."""
     args = get_args()
-    return any(model_setup.chunks_reading_data(args.pipeline_schedule,
+    return any(model_setup.chunks_reading_data(args.pipeline_placement,
                                                model_setup.reads_data_on_every_stage(args)))
 
 
@@ -154,7 +153,7 @@ class _Run:
                                    parallel_state.get_data_parallel_world_size(),
                                    consumed_samples, eod) if reads else None
                 for reads in model_setup.chunks_reading_data(
-                    args.pipeline_schedule, model_setup.reads_data_on_every_stage(args))]
+                    args.pipeline_placement, model_setup.reads_data_on_every_stage(args))]
 
     # -- one iteration -----------------------------------------------------------------------
     def _run_schedule(self, function: Callable, iterators: list, forward_only: bool) -> list:
@@ -183,7 +182,7 @@ class _Run:
         self.iteration += 1
         self.consumed_train_samples += self.args.global_batch_size
         return IterationRecord(self.iteration,
-                               reduce_losses(losses, placement_of(self.args.pipeline_schedule)),
+                               reduce_losses(losses, self.args.pipeline_placement),
                                None if grad_norm is None else float(grad_norm),
                                learning_rate, not update_successful,
                                None if num_zeros is None else int(num_zeros),
@@ -193,7 +192,7 @@ class _Run:
         """--check-for-nan-in-loss-and-grad, before the update (megatron/training/numerics.py)."""
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         rank = parallel_state.get_pipeline_model_parallel_rank()
-        placement = placement_of(self.args.pipeline_schedule)
+        placement = self.args.pipeline_placement
         stages = [virtual_stage(placement, pp, rank, chunk) for chunk in range(len(self.model))]
         numerics.check_losses(losses, self.iteration + 1, max(stages))
         if not self.args.fp16:
@@ -274,7 +273,7 @@ class _Run:
         for chunk in self.model:
             chunk.train()
         losses = reduce_losses([entry for batch in totals for entry in batch],
-                               placement_of(self.args.pipeline_schedule))
+                               self.args.pipeline_placement)
         if "lm loss" in losses:
             for line in validation_lines(where, losses["lm loss"]):
                 print_rank_last(line)

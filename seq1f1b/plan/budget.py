@@ -52,10 +52,39 @@ class MemoryCap:
 class ScheduleBudget:
     """Costs (None: unit costs) and a cap in the costs' memory unit (None: the schedule's
     default). A searched schedule built with a model's costs should be given them whether or
-    not a cap is: model_budget does."""
+    not a cap is: model_budget does.
+
+    `costs` are those of `placement` (None: the schedule's own at its chunk count); the search
+    may also place on each of `alternatives`, (placement, its costs): a placement puts other
+    stages on a rank, and with uneven first and last stages other layers in a stage. `only`
+    restricts the search to one of them: a run pins the placement it chose at start-up
+    (`pinned`), since its model chunks are built for it; the default cap still comes from the
+    schedule's own placement's costs."""
 
     costs: Optional[SpanCosts] = None
     cap: Optional[float] = None
+    placement: Optional[str] = None
+    alternatives: tuple[tuple[str, SpanCosts], ...] = ()
+    only: Optional[str] = None
+
+    def options(self, restricted: bool = True) -> list[tuple[Optional[str], Optional[SpanCosts]]]:
+        """Every (placement, costs) the search may take, this budget's own first; all of them
+        when not `restricted` by `only`."""
+        found = [(self.placement, self.costs)] + list(self.alternatives)
+        if restricted and self.only is not None:
+            found = [option for option in found if option[0] == self.only]
+            if not found:
+                raise ScheduleError(f"placement {self.only!r}: the budget has no costs for it")
+        return found
+
+    def costs_for(self, placement: str) -> Optional[SpanCosts]:
+        """The costs of `placement` (a built schedule's): its alternative's, else this
+        budget's own."""
+        return dict(self.alternatives).get(placement, self.costs)
+
+    def pinned(self, placement: str) -> "ScheduleBudget":
+        """This budget with the search restricted to `placement`."""
+        return replace(self, only=placement)
 
 
 def resolve_budget(cap: Optional[MemoryCap], costs: Optional[SpanCosts],
@@ -91,14 +120,34 @@ def model_budget(name: str, pp: int, microbatches: int, splits: int, chunks: int
         return None
     shape = registry.build(name, pp, microbatches, splits, chunks)
     costs = costs_of(shape, False)
+    alternatives = []
+    for placement in searched_placements(name, chunks):
+        if placement != shape.placement:
+            try:
+                alternatives.append((placement,
+                                     costs_of(replace(shape, placement=placement), False)))
+            except ScheduleError:
+                continue        # stages this placement cannot deal (uneven first/last flags)
+    alternatives = tuple(alternatives)
     if cap is None:
-        return ScheduleBudget(costs, None)
+        return ScheduleBudget(costs, None, shape.placement, alternatives)
     reference = None
     if cap.relative:
         one_f_one_b = registry.build("1f1b", pp, microbatches, 1, 1)
         report = simulate(one_f_one_b, costs_of(one_f_one_b, True))
         reference = report.ranks[0].peak_held_bytes
-    return resolve_budget(cap, costs, reference, pp, splits)
+    return replace(resolve_budget(cap, costs, reference, pp, splits),
+                   placement=shape.placement, alternatives=alternatives)
+
+
+def searched_placements(name: str, chunks: int) -> tuple[str, ...]:
+    """The placements searched schedule `name` chooses among at V = `chunks`: a loop on one
+    chunk per rank; on two, its registered placement and a loop (interleaved)."""
+    from seq1f1b.plan import registry
+    info = registry.get(name)
+    if not info.searched:
+        return (info.placement,)
+    return ("loop",) if chunks == 1 else tuple(dict.fromkeys((info.placement, "loop")))
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,13 @@ A builder is `(pp, microbatches, splits, chunks) -> list of per-rank action list
 the arguments every family shares, calls it and wraps the result in a `Schedule`. A `searched`
 builder also takes a `ScheduleBudget` (costs and a memory cap, budget.py) as a fifth argument:
 `build(..., budget=...)` hands it over (None: the builder's default), other builders refuse one.
+A searched builder also chooses its placement and returns `(programs, placement)`; it runs on
+one chunk per rank or on two (`any_chunks`: as the run's model is built), its registered
+`placement` being what it places on without a budget at two chunks.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -27,13 +31,14 @@ class ScheduleInfo:
     placement: str = "loop"    # how (rank, chunk) maps to a virtual stage
     splits_backward: bool = False  # B is input-grad only and W actions carry the weight grads
     searched: bool = False     # takes a ScheduleBudget (costs, memory cap) as its fifth argument
+    any_chunks: bool = False   # runs on V = 1 or V = 2 chunks per rank, as the model is built
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
 
 
 def register(name: str, *, description: str, chunked: bool = False, placement: str = "loop",
-             splits_backward: bool = False, searched: bool = False
+             splits_backward: bool = False, searched: bool = False, any_chunks: bool = False
              ) -> Callable[[Builder], Builder]:
     """Decorator: register `builder` under `name`."""
 
@@ -41,7 +46,7 @@ def register(name: str, *, description: str, chunked: bool = False, placement: s
         if name in _REGISTRY:
             raise ValueError(f"schedule {name!r} registered twice")
         _REGISTRY[name] = ScheduleInfo(name, builder, description, chunked, placement,
-                                       splits_backward, searched)
+                                       splits_backward, searched, any_chunks)
         return builder
 
     return wrap
@@ -79,13 +84,28 @@ def build(name: str, pp: int, microbatches: int, splits: int = 1, chunks: int = 
                         ("--chunks", chunks)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{flag} must be a positive integer, got {value!r}")
-    if not info.chunked and chunks != 1:
+    if info.any_chunks:
+        if chunks > 2:
+            raise ScheduleError(f"--chunks: schedule {name!r} runs one or two model chunks per "
+                                f"rank, got {chunks}")
+    elif not info.chunked and chunks != 1:
         raise ScheduleError(f"--chunks: schedule {name!r} runs one model chunk per rank, "
                             f"got {chunks}; use an interleaved schedule for chunks > 1")
-    if info.chunked and chunks < 2:
+    elif info.chunked and chunks < 2:
         raise ScheduleError(f"--chunks: schedule {name!r} interleaves model chunks and needs "
                             f"chunks >= 2, got {chunks}")
-    programs = (info.builder(pp, microbatches, splits, chunks, budget) if info.searched
-                else info.builder(pp, microbatches, splits, chunks))
+    if info.searched:
+        programs, placement = _searched(info.builder, pp, microbatches, splits, chunks, budget)
+    else:
+        programs, placement = info.builder(pp, microbatches, splits, chunks), info.placement
     return Schedule(name=name, pp=pp, microbatches=microbatches, splits=splits, chunks=chunks,
-                    programs=tuple(tuple(p) for p in programs), placement=info.placement)
+                    programs=tuple(tuple(p) for p in programs), placement=placement)
+
+
+@functools.lru_cache(maxsize=32)
+def _searched(builder, pp: int, microbatches: int, splits: int, chunks: int,
+              budget: Optional[ScheduleBudget]) -> tuple[tuple[tuple[Action, ...], ...], str]:
+    """A search's (programs, placement), kept: a run asks for the same one when it validates
+    its flags, builds its model chunks for the placement and runs (a search takes seconds)."""
+    programs, placement = builder(pp, microbatches, splits, chunks, budget)
+    return tuple(tuple(p) for p in programs), placement

@@ -52,10 +52,17 @@ def splits_backward(name: str) -> bool:
     return name not in MEGATRON_SCHEDULES and registry.get(name).splits_backward
 
 
-def placement_of(name: str) -> str:
+def placement_of(name: str, pp: int = 1, microbatches: int = 1, splits: int = 1,
+                 chunks: int = 1, budget: Optional[ScheduleBudget] = None) -> str:
     """How schedule `name` maps (rank, chunk) to virtual stages (actions.PLACEMENTS); megatron's
-    own schedules loop."""
-    return "loop" if name in MEGATRON_SCHEDULES else registry.get(name).placement
+    own schedules loop. A searched schedule chooses its placement: it is built (P, m, k, V and
+    `budget` are then needed; the registry keeps the search) and its choice returned."""
+    if name in MEGATRON_SCHEDULES:
+        return "loop"
+    info = registry.get(name)
+    if not info.searched:
+        return info.placement
+    return registry.build(name, pp, microbatches, splits, chunks, budget=budget).placement
 
 
 def _megatron_function(name: str) -> Callable:
@@ -204,7 +211,7 @@ def get_forward_backward_func(name: str = "seq1f1b",
         if adjust_tensor_shapes_fn is not None:
             raise ValueError("adjust_tensor_shapes_fn: span shapes come from the plan; "
                              f"schedule {name!r} cannot adjust them")
-        length = pipeline_sequence_length(info.chunked, settings.splits, seq_length,
+        length = pipeline_sequence_length(len(chunks) > 1, settings.splits, seq_length,
                                           decoder_seq_length)
         pp_group = _pp_group(p2p_communicator, pg_collection)
         pp = pp_group.size()

@@ -3,7 +3,8 @@ single-process model in fp32 (loss rel. diff <= 1e-6, max_rel_grad_diff <= 1e-5)
 
 One torchrun launch per world size runs all of that size's cases. The matrix covers PP 1-4, TP 1-2
 with and without sequence parallelism, DP 2, k 1-5 (k not dividing P too), even / compute /
-explicit uneven spans, V=2 with k=3 (loop and V placements), RoPE and learned positions, Llama-class layers (GQA with
+explicit uneven spans, V=2 with k=3 (loop and V placements; the searched schedule on a loop of one
+and of two chunks and on a V), RoPE and learned positions, Llama-class layers (GQA with
 1 and 2 K/V heads, SwiGLU, RMSNorm, no bias, QKV bias, large RoPE bases, Llama 3 scaling, partial
 and interpolated RoPE), every registered schedule, and
 megatron-core's own 1F1B and interleaved schedules run on the same models and data; the `against`
@@ -112,6 +113,10 @@ CASES: dict[int, list[dict]] = {
          "position_embedding_type": "learned_absolute"},
         {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 3, "partition": "compute",
          **LLAMA},
+        # the search on a loop: one chunk per rank, and two with tied embeddings (a V cannot
+        # tie them), each W split off on the loop's chunks
+        {"schedule": "seq1f1b-zb-auto", "pp": 2, "splits": 3, "num_microbatches": 5},
+        {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2},
         # context parallelism: one K/V group replicated to both CP ranks, then two (one each)
         {"schedule": "seq1f1b", "cp": 2, "splits": 2, **QWEN2},
         {"schedule": "seq1f1b", "cp": 2, "splits": 4, "span_lengths": [4, 8, 6, 6], **LLAMA},
@@ -254,6 +259,16 @@ def test_matrix_covers_every_schedule():
     used = {case["schedule"] for cases in CASES.values() for case in cases}
     assert set(registry.names()) <= used
     assert sum(len(c) for c in CASES.values()) >= 24
+
+
+def test_matrix_runs_the_search_on_every_placement_it_chooses():
+    """seq1f1b-zb-auto's cases, as the harness places them: a loop of one chunk, a loop of two
+    (tied embeddings) and a V."""
+    from seq1f1b.equivalence import EquivalenceCase, case_placement
+    layouts = {(case.get("chunks", 1), case_placement(EquivalenceCase(**case)))
+               for cases in CASES.values() for case in cases
+               if case["schedule"] == "seq1f1b-zb-auto"}
+    assert layouts == {(1, "loop"), (2, "loop"), (2, "vshape")}
 
 
 @pytest.mark.parametrize("param", PARAMS, ids=[_case_id(p) for p in PARAMS])

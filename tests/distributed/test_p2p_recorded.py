@@ -28,6 +28,9 @@ CASES = {
         {"schedule": "seq1f1b-zbv", "pp": 2, "chunks": 2, "splits": 3, "untie_embeddings": True},
         {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2,
          "untie_embeddings": True},
+        # the search on a loop: one chunk per rank, and two with tied embeddings
+        {"schedule": "seq1f1b-zb-auto", "pp": 2, "splits": 3, "num_microbatches": 5},
+        {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2},
         {"schedule": "1f1b", "pp": 2, "prefetch_order": True}],
     4: [{"schedule": "seq1f1b", "pp": 4, "splits": 3, "num_microbatches": 5},
         {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 3, "sequence_parallel": True,

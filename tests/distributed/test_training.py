@@ -20,8 +20,9 @@
   PP4 -> PP2 x V2 x DP2 with the distributed optimizer saved --dist-ckpt-optim-fully-reshardable.
   A distributed optimizer saved in megatron's default format is refused at another TP/PP/V;
 - V placements (zbv, seq1f1b-zbv, and seq1f1b-zb-auto under --schedule-memory-cap with the fit
-  partition, re-placed with the measured times): each resumes the Llama-shaped loop checkpoint at
-  TP2 x PP2 and logs the loop's losses; zbv trained from the start (evaluating on the V) resumes
+  partition, re-placed with the measured times on the placement it chose) and the search on one
+  chunk per rank (a loop): each resumes the Llama-shaped loop checkpoint at TP2 x PP2 and logs the
+  loop's losses, and the search says where it placed itself; zbv trained from the start (evaluating on the V) resumes
   bit for bit, and its checkpoint resumes in the loop with the V's losses;
   --pipeline-schedule-file with the seq1f1b-zbv plan written to a file trains bit for bit as
   that schedule; uneven stages (--decoder-first-pipeline-num-layers 1) resume the even
@@ -154,6 +155,9 @@ V_SCHEDULES = {   # name: flags of a V (two chunks per rank, rank 0 holds the fi
     "seq1f1b-zb-auto": V_FLAGS + ["--pipeline-schedule", "seq1f1b-zb-auto", "--seq1f1b-splits",
                                   "2", "--schedule-memory-cap", "1x", "--seq1f1b-partition",
                                   "fit", "--seq1f1b-fit-iterations", "1"],
+    # the search on the loop's own layout (one chunk per rank): a loop, W split off
+    "seq1f1b-zb-auto:1": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                          "2", "--pipeline-schedule", "seq1f1b-zb-auto", "--seq1f1b-splits", "2"],
 }
 V_RESHARD_FROM = "tp2pp2_to_tp1pp4"
 """The loop checkpoint every V resumes from: the same Llama-shaped model (untied output, which
@@ -739,6 +743,16 @@ def test_a_schedule_file_trains_exactly_as_the_schedule_it_holds(results):
     from_file = results[("v", "file", "from_loop")]
     assert len(from_file["history"]) == 2
     assert from_file["history"] == results[("v", "seq1f1b-zbv", "from_loop")]["history"]
+
+
+def test_the_searched_schedule_says_where_it_placed_itself(results):
+    """The last rank's line after the search: a loop of one chunk per rank without VPP flags;
+    a V or a loop of two with them (whichever simulates shorter on these costs)."""
+    one = results[("v", "seq1f1b-zb-auto:1", "from_loop")]["stdout"]
+    two = results[("v", "seq1f1b-zb-auto", "from_loop")]["stdout"]
+    assert " seq1f1b-zb-auto: placed on a loop of 1 chunk per rank, simulated bubble " in one
+    assert re.search(r" seq1f1b-zb-auto: placed on (a V of two chunks|a loop of 2 chunks) per "
+                     r"rank, simulated bubble ", two), two[-2000:]
 
 
 def test_searched_v_schedule_refits_its_spans_and_trains_on(results):

@@ -323,7 +323,9 @@ def test_catalog_reads_the_registry_lazily_and_falls_back(monkeypatch):
     from seq1f1b.plan import registry
     catalog = schedule_catalog()
     for name in registry.names():
-        assert catalog[name] == registry.get(name).chunked
+        info = registry.get(name)
+        assert catalog[name] == (None if info.any_chunks else info.chunked)
+    assert catalog["seq1f1b-zb-auto"] is None      # one chunk per rank or two, as laid out
     assert all(catalog[name] == chunked for name, chunked in MEGATRON_SCHEDULES.items())
     monkeypatch.setattr(registry, "names", lambda: [])
     assert schedule_catalog() == MEGATRON_SCHEDULES
@@ -367,13 +369,13 @@ def test_observability_and_overlap_defaults_are_megatrons(tmp_path):
     assert (args.record_memory_history, args.memory_snapshot_path) == (False, "snapshot.pickle")
 
 
-V_SCHEDULES = {"zbv": True, "seq1f1b-zbv": True, "seq1f1b-zb-auto": True}
+V_SCHEDULES = {"zbv": True, "seq1f1b-zbv": True, "seq1f1b-zb-auto": None}
 
 
 @pytest.mark.parametrize("changes, flag", [
     (dict(num_layers_per_virtual_pipeline_stage=1), "--num-layers-per-virtual-pipeline-stage"),
-    (dict(num_layers_per_virtual_pipeline_stage=2, untie_embeddings_and_output_weights=None),
-     "--untie-embeddings-and-output-weights"),
+    (dict(pipeline_schedule="seq1f1b-zbv", schedule_memory_cap=None,
+          untie_embeddings_and_output_weights=None), "--untie-embeddings-and-output-weights"),
     (dict(pipeline_schedule="seq1f1b-zbv", schedule_memory_cap="1x"), "--schedule-memory-cap"),
     (dict(schedule_memory_cap="half"), "--schedule-memory-cap"),
     (dict(schedule_memory_cap="0.01x"), "--schedule-memory-cap"),   # no order fits it
@@ -390,6 +392,33 @@ def test_v_placement_flags_are_refused_in_one_line(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and flag in err, err
     assert "\n" not in err and not (tmp_path / "ckpt").exists()
+
+
+def test_the_searched_schedule_chooses_its_placement_at_validation(tmp_path, monkeypatch,
+                                                                     capsys):
+    """seq1f1b-zb-auto runs on the model's layout: one chunk per rank (a loop), or two (a V or a
+    loop, whichever simulates shorter; a loop when the embeddings are tied, which a V cannot
+    do); args.pipeline_placement holds the choice and the last rank says it in a line."""
+    monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
+    monkeypatch.setenv("RANK", str(WORLD - 1))
+    for changes, chunks, placements in (
+            (dict(), None, ("loop",)),
+            (dict(num_layers_per_virtual_pipeline_stage=2), 2, ("loop",)),
+            (dict(num_layers_per_virtual_pipeline_stage=2,
+                  untie_embeddings_and_output_weights=True), 2, ("loop", "vshape"))):
+        args = validate_args(parse_args(_argv(_with(
+            tmp_path, pipeline_schedule="seq1f1b-zb-auto", **changes))), WORLD)
+        assert args.virtual_pipeline_model_parallel_size == chunks
+        assert args.pipeline_placement in placements
+        said = capsys.readouterr().out.splitlines()
+        assert said[-1].startswith(" seq1f1b-zb-auto: placed on a "), said
+    args = validate_args(parse_args(_argv(_with(tmp_path, pipeline_schedule="zbv",
+                                                num_layers_per_virtual_pipeline_stage=2,
+                                                untie_embeddings_and_output_weights=True))),
+                         WORLD)
+    assert args.pipeline_placement == "vshape"
+    args = validate_args(parse_args(_argv(_with(tmp_path, pipeline_schedule="seq1f1b"))), WORLD)
+    assert args.pipeline_placement == "loop"
 
 
 def test_v_placements_and_a_searched_schedules_cap_are_accepted(tmp_path, monkeypatch):

@@ -36,10 +36,18 @@ def unit_cap(name: str, pp: int, k: int) -> float:
 def test_registered_as_split_backward_v_schedules_and_refuse_other_chunk_counts():
     for name in V_NAMES:
         info = get(name)
-        assert info.chunked and info.placement == "vshape" and info.splits_backward
+        assert info.placement == "vshape" and info.splits_backward
+        assert info.chunked == (name != "seq1f1b-zb-auto")
         with pytest.raises(ScheduleError, match=r"^--chunks: "):
             build(name, 2, 4, 2, 3)
     assert get("seq1f1b-zb-auto").searched and not get("seq1f1b-zbv").searched
+    # the search runs on the model's layout: one chunk per rank (a loop) or two (its V without
+    # a budget; with one, a V or a loop)
+    assert get("seq1f1b-zb-auto").any_chunks and not get("seq1f1b-zbv").any_chunks
+    assert build("seq1f1b-zb-auto", 2, 4, 2, 1).placement == "loop"
+    assert build("seq1f1b-zb-auto", 2, 4, 2, 2).placement == "vshape"
+    with pytest.raises(ScheduleError, match=r"^--chunks: "):
+        build("seq1f1b-zbv", 2, 4, 2, 1)
 
 
 def test_valid_and_within_memory_on_the_grid():

@@ -12,16 +12,21 @@ so memory is even across ranks.
 - `seq1f1b-zbv`: that order over single spans with k-1 more warm-up pairs: Seq1F1B's memory
   (P + k - 1 spans), the V's bubble;
 - `seq1f1b-zb-auto`: searched against `ScheduleBudget` (per-action costs and a memory cap, see
-  budget.py; no cap: seq1f1b-zbv's peak on those costs). Candidates: the constructions (ZB-V
-  over spans and over micro-batches, DualPipeV over micro-batches) and greedy replays
+  budget.py; no cap: Seq1F1B's peak on those costs, seq1f1b-zbv's on two chunks, seq1f1b's on
+  one). It runs on one chunk per rank or two, as the model is laid out, and chooses the
+  placement: on two chunks a V and a loop (interleaved) are each searched and the shorter kept
+  (under 7B costs the V's rank 0 also runs the output layer, and a loop can win), on one chunk
+  a loop. Candidates per placement: the constructions (on a V: ZB-V over spans and over
+  micro-batches, DualPipeV over micro-batches; on a loop: the registry's loop schedules of
+  that chunk count) and greedy replays
   (greedy.py: sixteen policies, forward or backward first, which chunk's ready forwards and
   backwards go first, whether a forward waits for a backward due before it would end, then a
   local search over per-rank caps on the spans in flight between F and B); the shortest
   simulated makespan among those within the cap is kept, so it never loses to a construction
   that fits, and is then improved by moves on its critical path (refine.py). Lower bound and
   exact optimum: bounds.py, exact.py. Without a budget (the registry's plain (P, m, k, V) call,
-  as in the grid tests): unit costs, the constructions and the sixteen policies, no local
-  search.
+  as in the grid tests): unit costs, its own placement only (a V on two chunks), the
+  constructions and the sixteen policies, no local search.
 """
 from __future__ import annotations
 
@@ -66,28 +71,78 @@ def seq1f1b_zbv(pp: int, microbatches: int, splits: int, chunks: int) -> list[li
     return zbv_programs(pp, microbatches, splits, unit_size=1)
 
 
-@register("seq1f1b-zb-auto", chunked=True, placement="vshape", splits_backward=True,
-          searched=True,
-          description="Seq1F1B zero bubble, searched: F, B and W placed on a V under a memory "
-                      "cap (--schedule-memory-cap; default: seq1f1b-zbv's peak), shortest "
+@register("seq1f1b-zb-auto", placement="vshape", splits_backward=True, searched=True,
+          any_chunks=True,
+          description="Seq1F1B zero bubble, searched: F, B and W placed under a memory cap "
+                      "(--schedule-memory-cap; default: Seq1F1B's peak, seq1f1b-zbv's on two "
+                      "chunks), on a V or a loop (two chunks) or a loop (one), shortest "
                       "simulated makespan with the run's costs (unit costs without a model)")
 def seq1f1b_zb_auto(pp: int, microbatches: int, splits: int, chunks: int,
-                    budget: Optional[ScheduleBudget] = None) -> list[list[Action]]:
-    problem = _v_problem("seq1f1b-zb-auto", pp, microbatches, splits, chunks, unit=1)
-    costs = budget.costs if budget is not None and budget.costs is not None \
-        else unit_costs(problem)
-    cap = budget.cap if budget is not None and budget.cap is not None \
-        else default_cap(problem, costs)
-    # The registry's plain (P, m, k, V) call knows no costs: policies only, no local search
-    # (grid tests build it on thousands of shapes); tools pass the run's costs in a budget.
-    return search(problem, costs, cap, rounds=SEARCH_ROUNDS if budget is not None else 0
-                  ).programs
+                    budget: Optional[ScheduleBudget] = None
+                    ) -> tuple[list[list[Action]], str]:
+    if chunks not in (1, 2):
+        raise ScheduleError(f"--chunks: seq1f1b-zb-auto runs one or two model chunks per rank, "
+                            f"got {chunks}")
+    own = _own_placement(chunks)
+    options = budget.options() if budget is not None else [(own, None)]
+    cap = searched_cap(pp, microbatches, splits, chunks, budget)
+    found, refused = [], None
+    for placement, costs in options:
+        problem = Problem(pp, microbatches, splits, chunks, placement or own, unit=1)
+        costs = costs if costs is not None else unit_costs(problem)
+        try:
+            # The registry's plain (P, m, k, V) call knows no costs: policies only, no local
+            # search (grid tests build it on thousands of shapes); tools pass the run's costs
+            # in a budget.
+            placed = search(problem, costs, cap,
+                            rounds=SEARCH_ROUNDS if budget is not None else 0)
+        except ScheduleError as err:
+            refused = refused or err
+            continue
+        found.append((placed.makespan, len(found), placed.programs, problem.placement))
+    if not found:
+        raise refused
+    _, _, programs, placement = min(found)
+    return programs, placement
+
+
+def _own_placement(chunks: int) -> str:
+    return "vshape" if chunks == 2 else "loop"
+
+
+def searched_cap(pp: int, microbatches: int, splits: int, chunks: int,
+                 budget: Optional[ScheduleBudget]) -> float:
+    """The cap seq1f1b-zb-auto places under: the budget's, or Seq1F1B's peak (`default_cap`)
+    on the costs of its own placement (a V on two chunks, a loop on one) when the budget has
+    them, else on the first it has; one cap for every placement it tries."""
+    if budget is not None and budget.cap is not None:
+        return budget.cap
+    own = _own_placement(chunks)
+    options = budget.options(restricted=False) if budget is not None else [(own, None)]
+    placement, costs = next((o for o in options if (o[0] or own) == own), options[0])
+    problem = Problem(pp, microbatches, splits, chunks, placement or own, unit=1)
+    return default_cap(problem, costs if costs is not None else unit_costs(problem))
 
 
 def constructions(problem: Problem) -> dict[str, list[list[Action]]]:
-    """The fixed V orders the search starts from (zbv_construction): the published ZB-V over
-    spans and over whole micro-batches, and DualPipeV over whole micro-batches (m >= 2P)."""
+    """The fixed orders the search starts from. On a V (zbv_construction): the published ZB-V
+    over spans and over whole micro-batches, and DualPipeV over whole micro-batches (m >= 2P).
+    On a loop: the registry's loop schedules of that chunk count (seq1f1b, 1f1b and their
+    zero-bubble forms on one chunk; the interleaved ones on two, where they build), each full
+    backward as its B then its W."""
     m, k = problem.microbatches, problem.splits
+    if problem.placement == "loop":
+        from seq1f1b.plan import registry   # the registry loads this family
+        names = (("seq1f1b-zb-h1", "zb-h1", "seq1f1b", "1f1b") if problem.chunks == 1
+                 else ("seq1f1b-interleaved", "interleaved-1f1b"))
+        found = {}
+        for name in names:
+            try:
+                built = registry.build(name, problem.pp, m, k, problem.chunks)
+            except ScheduleError:
+                continue           # a shape this family does not build (interleaving's m)
+            found[name] = split_full_backwards(built.programs)
+        return found
     found = {"seq1f1b-zbv": zbv_programs(problem.pp, m, k, unit_size=1),
              "zbv": zbv_programs(problem.pp, m, k, unit_size=k)}
     dualpipev = dualpipev_programs(problem.pp, m, k)
@@ -99,8 +154,16 @@ def constructions(problem: Problem) -> dict[str, list[list[Action]]]:
 
 
 def default_cap(problem: Problem, costs: SpanCosts) -> float:
-    """Seq1F1B's memory on a V with these costs: the peak held bytes of `seq1f1b-zbv`."""
-    return _replayed(problem, constructions(problem)["seq1f1b-zbv"], costs)[1]
+    """Seq1F1B's memory with these costs: the peak held bytes of `seq1f1b-zbv` on two chunks
+    (in a V: the same stages, so the same bytes, for a loop of two), of `seq1f1b` on one."""
+    if problem.chunks == 1:
+        from seq1f1b.plan import registry
+        programs = registry.build("seq1f1b", problem.pp, problem.microbatches,
+                                  problem.splits).programs
+    else:
+        problem = replace(problem, placement="vshape")
+        programs = zbv_programs(problem.pp, problem.microbatches, problem.splits, unit_size=1)
+    return _replayed(problem, programs, costs)[1]
 
 
 def _replayed(problem: Problem, programs: list[list[Action]], costs: SpanCosts
