@@ -30,6 +30,7 @@ import math
 import os
 import sys
 from dataclasses import replace
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -537,7 +538,8 @@ def cmd_search(args: argparse.Namespace) -> None:
     if args.exact:
         found = solve(schedule, costs, cap, args.time_limit, hint=schedule)
         out["exact"] = {"status": found.status, "optimal": found.optimal,
-                        "makespan": found.makespan, "peak": found.peak, "bound": found.bound,
+                        "makespan": _finite(found.makespan), "peak": _finite(found.peak),
+                        "bound": found.bound,
                         "search_over_exact": out["makespan"] / found.makespan - 1
                         if math.isfinite(found.makespan) else None,
                         "search_over_bound": out["makespan"] / found.bound - 1
@@ -556,9 +558,14 @@ def cmd_search(args: argparse.Namespace) -> None:
         bound = (f"{exact['bound']:.6g} (search {exact['search_over_bound']:+.2%})"
                  if exact["search_over_bound"] is not None else "none")
         found = (f"makespan {exact['makespan']:.6g} (search {exact['search_over_exact']:+.2%})"
-                 if exact["search_over_exact"] is not None else "no order found in the time")
+                 if exact["makespan"] is not None else "no order found in the time")
         print(f"exact (CP-SAT, {args.time_limit:g} s): {exact['status']}, {found}, proven "
               f"bound {bound}")
+
+
+def _finite(value: float) -> Optional[float]:
+    """JSON has no infinity: None for a solve that found no order in its time."""
+    return value if math.isfinite(value) else None
 
 
 def cmd_compare(args: argparse.Namespace) -> None:

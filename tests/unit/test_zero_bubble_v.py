@@ -223,6 +223,21 @@ def test_plan_search_reports_its_gap_and_the_exact_optimum(capsys):
         assert exact["search_over_exact"] == pytest.approx(0)
 
 
+def test_plan_search_json_is_strict_when_the_solver_runs_out_of_time(capsys):
+    """An exact solve that ends without an order (P=4, m=8, k=2 in 0.05 s: UNKNOWN here) gives
+    null, not JSON's missing Infinity; the search says the placement it took."""
+    argv = ["search", "--pp", "4", "--microbatches", "8", "--splits", "2", "--exact",
+            "--time-limit", "0.05", "--json"]
+    assert plan_cli.main(argv) == 0
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    found = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert (found["placement"], found["chunks"]) == ("vshape", 2)
+    exact = found["exact"]
+    assert (exact["makespan"] is None) == (exact["search_over_exact"] is None)
+
+
 def test_plan_compare_lists_ours_and_the_peers_on_one_table(capsys):
     assert plan_cli.main(["compare", "--pp", "2", "--microbatches", "4", "--splits", "2",
                           "--json"]) == 0
