@@ -100,11 +100,9 @@ def _placement(name: str, chunks: Optional[int] = None) -> str:
 
 
 def _searched(name: str) -> bool:
-    if name in MEGATRON_SCHEDULES:
-        return False
-    from seq1f1b.plan import registry
+    from megatron.training.schedule_budget import searched
 
-    return registry.get(name).searched
+    return searched(name)
 
 
 EXIT_SIGNALS = tuple(sorted(s.name for s in signal.valid_signals()

@@ -41,7 +41,7 @@ def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]]
     with): the model's FLOP durations and bytes, durations from `fit` when given, under
     --schedule-memory-cap or the schedule's default cap (None for a schedule that is not
     searched)."""
-    if not _searched(args.pipeline_schedule):
+    if not searched(args.pipeline_schedule):
         return None
     shape = RunShape(cost_model(args), args.seq_length, lengths or starting_span_lengths(args),
                      tp=args.tensor_model_parallel_size,
@@ -88,7 +88,8 @@ def _size(count: float) -> str:
     return f"{count:.0f} B"
 
 
-def _searched(name: str) -> bool:
+def searched(name: str) -> bool:
+    """Whether --pipeline-schedule `name` is placed by a search (megatron's own are not)."""
     from seq1f1b.plan import registry
     from seq1f1b.plan.actions import ScheduleError
 

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megatron.training.schedule_budget import schedule_budget
+from megatron.training.schedule_budget import schedule_budget, searched
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.partition import span_bounds
@@ -54,6 +54,7 @@ class ScheduleFunction:
             budget=schedule_budget(args))
         self.function: Callable = get_forward_backward_func(args.pipeline_schedule,
                                                             self._settings)
+        self._check_placement()
         first = start_iteration + 1
         self._calibrating = range(first, first + args.seq1f1b_fit_iterations) if fit else range(0)
         self._calibration: list[ExecutionTrace] = []
@@ -95,6 +96,18 @@ class ScheduleFunction:
                               args.virtual_pipeline_model_parallel_size or 1,
                               budget=self._settings.budget)
 
+    def _check_placement(self) -> None:
+        """The model chunks were laid out for args.pipeline_placement (chosen at validation);
+        a searched plan must be placed so (pinned to it when re-placed); the others' placement
+        is their name's."""
+        if not searched(self._args.pipeline_schedule):
+            return
+        placement = self._plan().placement
+        if placement != self._args.pipeline_placement:
+            raise RuntimeError(f"--pipeline-schedule {self._args.pipeline_schedule}: the plan "
+                               f"is placed {placement}, the model chunks "
+                               f"{self._args.pipeline_placement}")
+
     def _switch_to_fit(self) -> None:
         args = self._args
         lengths, fit = calibrate_fit(self._plan(), self._calibration, args.seq_length,
@@ -103,6 +116,7 @@ class ScheduleFunction:
         self._settings = replace(self._settings, partition="explicit", span_lengths=lengths,
                                  budget=schedule_budget(args, lengths, fit))
         self.function = get_forward_backward_func(args.pipeline_schedule, self._settings)
+        self._check_placement()
         if self._reports:
             spans = " ".join(f"[{start}, {end})" for start, end in span_bounds(list(lengths)))
             print(f" fit partition from iterations {self._calibrating[0]}-"

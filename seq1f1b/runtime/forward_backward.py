@@ -52,7 +52,7 @@ def splits_backward(name: str) -> bool:
     return name not in MEGATRON_SCHEDULES and registry.get(name).splits_backward
 
 
-def placement_of(name: str, pp: int = 1, microbatches: int = 1, splits: int = 1,
+def placement_of(name: str, pp: Optional[int] = None, microbatches: int = 1, splits: int = 1,
                  chunks: int = 1, budget: Optional[ScheduleBudget] = None) -> str:
     """How schedule `name` maps (rank, chunk) to virtual stages (actions.PLACEMENTS); megatron's
     own schedules loop. A searched schedule chooses its placement: it is built (P, m, k, V and
@@ -62,6 +62,8 @@ def placement_of(name: str, pp: int = 1, microbatches: int = 1, splits: int = 1,
     info = registry.get(name)
     if not info.searched:
         return info.placement
+    if pp is None:
+        raise ValueError(f"{name} chooses its placement: give the shape it is searched for")
     return registry.build(name, pp, microbatches, splits, chunks, budget=budget).placement
 
 
