@@ -208,13 +208,11 @@ def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
                      recompute=Recompute.from_flags(case.recompute_granularity,
                                                     case.recompute_method,
                                                     case.recompute_num_layers),
-                     stage_layers=stage_layers(case), cp=case.cp)
-    budget = run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
-                        MemoryCap.parse(case.schedule_memory_cap)
-                        if case.schedule_memory_cap else None, shape)
-    if case.chunks == 2 and not case.untie_embeddings:
-        return budget.pinned("loop")     # a V cannot tie them (as the trainer's schedule_budget)
-    return budget
+                     stage_layers=stage_layers(case), cp=case.cp,
+                     tied_embeddings=not case.untie_embeddings)
+    return run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
+                      MemoryCap.parse(case.schedule_memory_cap)
+                      if case.schedule_memory_cap else None, shape)
 
 
 def case_placement(case: "EquivalenceCase") -> str:

@@ -88,7 +88,7 @@ def schedule_catalog() -> dict[str, Optional[bool]]:
 
 def _placement(name: str, chunks: Optional[int] = None) -> str:
     """How schedule `name` maps (rank, chunk) to virtual stages ("loop" without the registry);
-    a searched one's own placement at V = `chunks` (it may choose another: _choose_placement)."""
+    a searched one's own placement at V = `chunks` (it may choose another: _place_schedule)."""
     try:
         from seq1f1b.plan import registry
     except ImportError:

@@ -52,18 +52,14 @@ def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]]
                                                     args.recompute_method,
                                                     args.recompute_num_layers),
                      stage_layers=StageLayers.of_flags(args),
-                     cp=getattr(args, "context_parallel_size", 1) or 1)
-    chunks = args.virtual_pipeline_model_parallel_size or 1
+                     cp=getattr(args, "context_parallel_size", 1) or 1,
+                     tied_embeddings=not args.untie_embeddings_and_output_weights)
     budget = run_budget(args.pipeline_schedule, args.pipeline_model_parallel_size,
-                        args.num_micro_batches, chunks,
+                        args.num_micro_batches, args.virtual_pipeline_model_parallel_size or 1,
                         MemoryCap.parse(args.schedule_memory_cap)
                         if args.schedule_memory_cap else None, shape, fit)
     if lengths is not None and getattr(args, "pipeline_placement", None):
         return budget.pinned(args.pipeline_placement)   # the model chunks are laid out for it
-    if chunks == 2 and not args.untie_embeddings_and_output_weights:
-        # A V puts the embedding and the output layer in two chunks of rank 0, which megatron
-        # cannot tie (megatron_adapter); a loop of two chunks ties them as interleaving does.
-        return budget.pinned("loop")
     return budget
 
 

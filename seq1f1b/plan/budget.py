@@ -166,6 +166,7 @@ class RunShape:
     recompute: Optional[Recompute] = None
     stage_layers: StageLayers = EVEN
     cp: int = 1                 # context-parallel ranks per span: each holds 1/C of the bytes
+    tied_embeddings: bool = False   # a V would put both in two chunks of rank 0: loop only
 
 
 NOMINAL_FLOPS_PER_SECOND = 1e12
@@ -179,7 +180,8 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
     spans, or, with `fit` (the fit partition's measured times, span_fit.py), the measured
     durations: each span's F on the stages scaled so that they sum to the fit's F of that span,
     and B (with W) to its B, the model keeping each stage's share (the output layer's on the
-    last). Without a cap the schedule's default cap on those costs (model_budget)."""
+    last). Without a cap the schedule's default cap on those costs (model_budget). Tied
+    embeddings on two chunks pin a loop."""
     def costs_of(schedule: Schedule, whole: bool) -> SpanCosts:
         costs = model_costs(schedule, shape.model,
                             [shape.seq_length] if whole else list(shape.span_lengths),
@@ -193,7 +195,12 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
             return costs
         return _scaled_to_fit(costs, fit, span_bounds(list(shape.span_lengths)))
 
-    return model_budget(name, pp, microbatches, len(shape.span_lengths), chunks, cap, costs_of)
+    budget = model_budget(name, pp, microbatches, len(shape.span_lengths), chunks, cap, costs_of)
+    if budget is not None and shape.tied_embeddings and chunks == 2:
+        # A V puts the embedding and the output layer in two chunks of rank 0, which megatron
+        # cannot tie (megatron_adapter); a loop of two chunks ties them as interleaving does.
+        return budget.pinned("loop")
+    return budget
 
 
 def _scaled_to_fit(costs: SpanCosts, fit: SpanTimeFit, bounds: list[tuple[int, int]]
