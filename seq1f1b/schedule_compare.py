@@ -16,8 +16,8 @@ from typing import Callable, Optional
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule, ScheduleError
-from seq1f1b.plan.bounds import lower_bound
-from seq1f1b.plan.budget import ScheduleBudget, searched_placements
+from seq1f1b.plan.bounds import gap_to_bound, lower_bound
+from seq1f1b.plan.budget import ScheduleBudget, searched_lower_bound, searched_placements
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.plan.partition import partition
 from seq1f1b.plan.simulate import SpanCosts, Table, model_costs, simulate
@@ -79,16 +79,19 @@ class Row:
     @property
     def gap(self) -> float:
         """How far the makespan is above the lower bound, as a fraction of it."""
-        return self.makespan / self.lower_bound - 1.0
+        return gap_to_bound(self.makespan, self.lower_bound)
 
 
-def row(schedule: Schedule, costs: CostModel, label: Optional[str] = None) -> Row:
+def row(schedule: Schedule, costs: CostModel, label: Optional[str] = None,
+        bound: Optional[float] = None) -> Row:
+    """`schedule` replayed on `costs`, its gap taken to `bound` (None: the lower bound of its
+    own placement)."""
     span_costs = costs.costs(schedule)
     report = simulate(schedule, span_costs)
     return Row(label or schedule.name, schedule.splits, schedule.chunks, schedule.placement,
                report.makespan,
                report.bubble_ratio, tuple(r.peak_held_bytes for r in report.ranks),
-               lower_bound(schedule, span_costs))
+               lower_bound(schedule, span_costs) if bound is None else bound)
 
 
 def peer_rows(pp: int, microbatches: int, costs: CostModel) -> list[Row]:
@@ -114,26 +117,36 @@ def ours(pp: int, microbatches: int, splits: int) -> list[Schedule]:
 def searched(pp: int, microbatches: int, splits: int, costs: CostModel,
              cap: Optional[float] = None, label: Optional[str] = None, chunks: int = 2) -> Row:
     """seq1f1b-zb-auto searched on `costs` under `cap` (None: its default) with V = `chunks`:
-    on two chunks it chooses a V or a loop, on one it places a loop."""
-    return row(searched_schedule(pp, microbatches, splits, costs, cap, chunks), costs, label)
+    on two chunks it chooses a V or a loop, on one it places a loop. Its gap is to the least
+    bound of the placements it chose among."""
+    budget = _budget(pp, microbatches, splits, costs, cap, chunks)
+    schedule = registry.build("seq1f1b-zb-auto", pp, microbatches, splits, chunks, budget=budget)
+    return row(schedule, costs, label, searched_lower_bound(schedule, budget))
 
 
 def searched_schedule(pp: int, microbatches: int, splits: int, costs: CostModel,
                       cap: Optional[float] = None, chunks: int = 2) -> Schedule:
     """seq1f1b-zb-auto as `searched` builds it, each placement it may take priced by `costs`."""
+    return registry.build("seq1f1b-zb-auto", pp, microbatches, splits, chunks,
+                          budget=_budget(pp, microbatches, splits, costs, cap, chunks))
+
+
+def _budget(pp: int, microbatches: int, splits: int, costs: CostModel, cap: Optional[float],
+            chunks: int) -> ScheduleBudget:
     shape = registry.build("seq1f1b-zb-auto", pp, microbatches, splits, chunks)
     alternatives = tuple((placement, costs.costs(replace(shape, placement=placement)))
                          for placement in searched_placements("seq1f1b-zb-auto", chunks)
                          if placement != shape.placement)
-    budget = ScheduleBudget(costs.costs(shape), cap, shape.placement, alternatives)
-    return registry.build("seq1f1b-zb-auto", pp, microbatches, splits, chunks, budget=budget)
+    return ScheduleBudget(costs.costs(shape), cap, shape.placement, alternatives)
 
 
 def best_searched(pp: int, microbatches: int, splits: int, costs: CostModel, cap: float,
                   label: Optional[str] = None) -> Row:
-    """The shorter of seq1f1b-zb-auto on two chunks and on one, both under `cap`."""
+    """The shorter of seq1f1b-zb-auto on two chunks and on one, both under `cap`, its gap
+    taken to the least bound of all three placements (a V, a loop of two, a loop of one)."""
     rows = [searched(pp, microbatches, splits, costs, cap, label, chunks) for chunks in (2, 1)]
-    return min(rows, key=lambda r: r.makespan)
+    return replace(min(rows, key=lambda r: r.makespan),
+                   lower_bound=min(r.lower_bound for r in rows))
 
 
 def compare(pp: int, microbatches: int, splits: int, costs: CostModel) -> list[Row]:

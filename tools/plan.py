@@ -38,7 +38,8 @@ from seq1f1b.model_flags import COST_FLAGS, add_model_shape_args, model_of_flags
 from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
 from seq1f1b.plan.budget import (MemoryCap, ScheduleBudget, model_budget,  # noqa: E402
-                                 resolve_budget, searched_placements)
+                                 resolve_budget, searched_lower_bound,
+                                 searched_placements)
 from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
 from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
                                 ModelConfig)
@@ -56,7 +57,7 @@ from seq1f1b.plan.simulate import (SimulationReport, SpanCosts, model_costs,  # 
                                    simulate, uniform_costs)
 from seq1f1b.plan.schedules.greedy import Problem, unit_costs  # noqa: E402
 from seq1f1b.plan.schedules.zero_bubble_v import default_cap, searched_cap  # noqa: E402
-from seq1f1b.plan.bounds import lower_bound  # noqa: E402
+from seq1f1b.plan.bounds import gap_to_bound, lower_bound  # noqa: E402
 from seq1f1b.plan.exact import solve  # noqa: E402
 from seq1f1b.schedule_compare import UNIT, CostModel, compare  # noqa: E402
 
@@ -533,8 +534,8 @@ def cmd_search(args: argparse.Namespace) -> None:
     out = {"placement": schedule.placement, "chunks": schedule.chunks,
            "makespan": report.makespan, "bubble": report.bubble_ratio, "cap": cap,
            "peak": max(r.peak_held_bytes for r in report.ranks),
-           "lower_bound": lower_bound(schedule, costs), "layout": layout}
-    out["lower_bound_gap"] = out["makespan"] / out["lower_bound"] - 1
+           "lower_bound": searched_lower_bound(schedule, budget), "layout": layout}
+    out["lower_bound_gap"] = gap_to_bound(out["makespan"], out["lower_bound"])
     if args.exact:
         found = solve(schedule, costs, cap, args.time_limit, hint=schedule)
         out["exact"] = {"status": found.status, "optimal": found.optimal,

@@ -1,59 +1,164 @@
 """A lower bound on the makespan of any schedule of one problem (P, m, k, V, placement) under
 given costs, whatever its memory: the yardstick the search and `plan.py compare` report gaps to.
 
-Three bounds, the largest is kept:
-- per rank, forwards first: none of a stage's work can start before span 0 of the first
-  micro-batch has come down to it (the forwards of span 0 on every earlier stage). Taking the
-  rank's stages in the order the data reaches them, before the j-th one is reached the rank can
-  only run forwards of the earlier ones; everything else (the rest of its F, B and W of every
-  unit; a full backward costs B + W, so splitting or not changes nothing) runs after. On a V
-  rank r's chunk 1 (stage 2P-1-r) is reached late, and the forwards of chunk 0 rarely fill the
-  wait;
-- per rank, backwards after the turn: no backward runs on a stage before the last span of some
-  micro-batch has gone through the last stage (span 0 down every stage before it, then every
-  span on the last one: each waits for the one before on that stage) and come back up to it
-  (the B of that last span on every later stage: the last span's backward runs first, since a
-  span's B waits for the later spans'). The rank's highest stage gets one first; every B and W
-  of the rank runs after that;
-- per micro-batch: one micro-batch's dependency chain, span 0's forward down every stage, then
-  span 0's backward back up every stage (B(i,0) on a stage waits for B(i,0) on the next one and
-  for its own forward).
-Memory caps, p2p latency and most dependencies between micro-batches are ignored: the bound is
-reached only when no rank ever idles past these waits.
+Each rank is relaxed to one machine that may interrupt an action and resume it later. Its
+actions become ready no sooner than their dependencies allow (their heads) and each is followed
+by a chain of work on other ranks before the iteration can end (its tail). Jackson's preemptive
+rule, always running the ready action of longest tail, is optimal for that relaxation (one
+machine, heads, tails, preemption), so the longest "finish + tail" it reaches bounds every real
+schedule from below.
+
+Heads and tails count more than one micro-batch's chain. Micro-batches are alike, so for each
+(op, virtual stage, span) the m actions' earliest starts are kept as a sorted list: the n-th F of
+span j to start on stage v cannot start before n+1 of those on stage v-1 have finished, one
+after another on their rank, and then crossed the hop (`SpanCosts.hop`, between ranks only).
+The dependencies are `actions.dependencies`'; the n-th smallest of a pointwise maximum is at
+least the maximum of the n-th smallest, so the lists combine per dependency. Tails are the
+mirror image, from the end of the iteration backwards. Which head and which tail belong to the
+same micro-batch is not known, so each rank is relaxed twice, sorted heads with each group's
+smallest tail and each group's smallest head with sorted tails, and the larger result is kept.
+
+A W may run as part of a full backward; splitting it off never makes a schedule slower here, so
+W is a separate action (of cost 0 when the costs have none). Memory caps are ignored: without a
+cap the search reaches this bound on most shapes (docs/schedules.md), and under a cap the gap is
+the price of the memory as well as the search's.
 """
 from __future__ import annotations
+
+import heapq
+import math
+from typing import Sequence
 
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.simulate import SpanCosts
 
+Group = tuple[str, int, int]
+"""(op, virtual stage, span): the m alike actions of one kind."""
+
 
 def lower_bound(shape: Schedule, costs: SpanCosts) -> float:
     """Makespan no valid schedule of `shape`'s problem can beat under `costs` (module doc)."""
-    spans, stages = range(shape.splits), range(shape.num_stages)
-    last, m = shape.num_stages - 1, shape.microbatches
-    weight = costs.weight if costs.weight is not None else \
-        tuple((0.0,) * shape.splits for _ in stages)
+    heads, tails = _heads(shape, costs), _tails(shape, costs)
+    durations = _durations(shape, costs)
+    best = 0.0
+    for rank in range(shape.pp):
+        groups = [(op, shape.stage_of(rank, chunk), span) for op in "FBW"
+                  for chunk in range(shape.chunks) for span in range(shape.splits)]
+        by_heads = [(h, durations[g], tails[g][0]) for g in groups for h in heads[g]]
+        by_tails = [(heads[g][0], durations[g], q) for g in groups for q in tails[g]]
+        best = max(best, _preemptive_makespan(by_heads), _preemptive_makespan(by_tails))
+    return best
 
-    def forwards(stage: int) -> float:
-        return m * sum(costs.forward[stage][j] for j in spans)
 
-    def after_forward(stage: int) -> float:
-        return m * sum(costs.backward[stage][j] + weight[stage][j] for j in spans)
+def gap_to_bound(makespan: float, bound: float) -> float:
+    """How far `makespan` is above `bound`, as a fraction of it; a schedule that reaches the
+    bound is 0, not the -1e-16 of summing the same costs in another order."""
+    gap = makespan / bound - 1.0
+    return 0.0 if abs(gap) < 1e-9 else gap
 
-    def reached(stage: int) -> float:
-        return sum(costs.forward[v][0] for v in range(stage))
 
-    turned = reached(last) + sum(costs.forward[last][j] for j in spans)
+def _durations(shape: Schedule, costs: SpanCosts) -> dict[Group, float]:
+    weight = costs.weight or tuple((0.0,) * shape.splits for _ in range(shape.num_stages))
+    tables = {"F": costs.forward, "B": costs.backward, "W": weight}
+    return {(op, v, j): tables[op][v][j] for op in "FBW" for v in range(shape.num_stages)
+            for j in range(shape.splits)}
 
-    def first_backward(stage: int) -> float:
-        return turned + sum(costs.backward[v][shape.splits - 1] for v in range(stage + 1, last + 1))
 
-    def rank_bound(rank: int) -> float:
-        own = sorted((shape.stage_of(rank, c) for c in range(shape.chunks)), key=reached)
-        total = sum(forwards(s) + after_forward(s) for s in own)
-        by_forwards = max(reached(s) + total - sum(forwards(t) for t in own[:j])
-                          for j, s in enumerate(own))
-        return max(by_forwards, first_backward(max(own)) + sum(after_forward(s) for s in own))
+def _hop(shape: Schedule, costs: SpanCosts, low: int, span: int) -> float:
+    """p2p seconds between virtual stages `low` and `low`+1, none on one rank."""
+    same_rank = shape.owner_of(low)[0] == shape.owner_of(low + 1)[0]
+    return 0.0 if costs.hop is None or same_rank else costs.hop[low][span]
 
-    chain = sum(costs.forward[v][0] + costs.backward[v][0] for v in stages)
-    return max(max(rank_bound(rank) for rank in range(shape.pp)), chain)
+
+def _one_after_another(ready: Sequence[float], duration: float, delay: float = 0.0
+                       ) -> list[float]:
+    """Earliest n-th finish (+ `delay`) of actions of one rank that become ready at the sorted
+    times `ready` and run one at a time."""
+    out, clock = [], -math.inf
+    for time in ready:
+        clock = max(clock, time) + duration
+        out.append(clock + delay)
+    return out
+
+
+def _latest(*lists: list[float]) -> list[float]:
+    return [max(values) for values in zip(*lists)]
+
+
+def _heads(shape: Schedule, costs: SpanCosts) -> dict[Group, list[float]]:
+    """For each group, the sorted earliest starts of its m actions."""
+    d = _durations(shape, costs)
+    last, final = shape.num_stages - 1, shape.splits - 1
+    heads: dict[Group, list[float]] = {}
+    for v in range(shape.num_stages):
+        for j in range(shape.splits):
+            needs = [[0.0] * shape.microbatches]
+            if v > 0:
+                needs.append(_one_after_another(heads["F", v - 1, j], d["F", v - 1, j],
+                                                _hop(shape, costs, v - 1, j)))
+            if j > 0:
+                needs.append(_one_after_another(heads["F", v, j - 1], d["F", v, j - 1]))
+            heads["F", v, j] = _latest(*needs)
+    for v in reversed(range(shape.num_stages)):
+        for j in reversed(range(shape.splits)):
+            needs = [_one_after_another(heads["F", v, j], d["F", v, j])]
+            if v < last:
+                needs.append(_one_after_another(heads["B", v + 1, j], d["B", v + 1, j],
+                                                _hop(shape, costs, v, j)))
+            if j < final:
+                needs.append(_one_after_another(heads["B", v, j + 1], d["B", v, j + 1]))
+            heads["B", v, j] = _latest(*needs)
+            heads["W", v, j] = _one_after_another(heads["B", v, j], d["B", v, j])
+    return heads
+
+
+def _tails(shape: Schedule, costs: SpanCosts) -> dict[Group, list[float]]:
+    """For each group, the sorted least time its m actions leave between their end and the
+    iteration's: the dependants' work, one after another on their rank, and the hops."""
+    d = _durations(shape, costs)
+    last, final = shape.num_stages - 1, shape.splits - 1
+    tails: dict[Group, list[float]] = {}
+    for v in range(shape.num_stages):
+        for j in range(shape.splits):
+            tails["W", v, j] = [0.0] * shape.microbatches
+            needs = [_one_after_another(tails["W", v, j], d["W", v, j])]
+            if v > 0:
+                needs.append(_one_after_another(tails["B", v - 1, j], d["B", v - 1, j],
+                                                _hop(shape, costs, v - 1, j)))
+            if j > 0:
+                needs.append(_one_after_another(tails["B", v, j - 1], d["B", v, j - 1]))
+            tails["B", v, j] = _latest(*needs)
+    for v in reversed(range(shape.num_stages)):
+        for j in reversed(range(shape.splits)):
+            needs = [_one_after_another(tails["B", v, j], d["B", v, j])]
+            if v < last:
+                needs.append(_one_after_another(tails["F", v + 1, j], d["F", v + 1, j],
+                                                _hop(shape, costs, v, j)))
+            if j < final:
+                needs.append(_one_after_another(tails["F", v, j + 1], d["F", v, j + 1]))
+            tails["F", v, j] = _latest(*needs)
+    return tails
+
+
+def _preemptive_makespan(jobs: list[tuple[float, float, float]]) -> float:
+    """Jackson's preemptive schedule of (head, duration, tail) jobs on one machine: the least
+    max(finish + tail) any schedule of them reaches, interruptions allowed."""
+    jobs = sorted(jobs)
+    ready: list[tuple[float, float]] = []      # (-tail, remaining duration)
+    clock, best, n = 0.0, 0.0, 0
+    while n < len(jobs) or ready:
+        if not ready:
+            clock = max(clock, jobs[n][0])
+        while n < len(jobs) and jobs[n][0] <= clock:
+            head, duration, tail = jobs[n]
+            heapq.heappush(ready, (-tail, duration))
+            n += 1
+        negative_tail, remaining = heapq.heappop(ready)
+        arrival = jobs[n][0] if n < len(jobs) else math.inf
+        if clock + remaining <= arrival:
+            clock += remaining
+            best = max(best, clock - negative_tail)
+        else:
+            heapq.heappush(ready, (negative_tail, remaining - (arrival - clock)))
+            clock = arrival
+    return best

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from seq1f1b.plan.actions import Schedule, ScheduleError
+from seq1f1b.plan.bounds import lower_bound
 from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.partition import span_bounds
 from seq1f1b.plan.simulate import SpanCosts, model_costs
@@ -148,6 +149,16 @@ def searched_placements(name: str, chunks: int) -> tuple[str, ...]:
     if not info.searched:
         return (info.placement,)
     return ("loop",) if chunks == 1 else tuple(dict.fromkeys((info.placement, "loop")))
+
+
+def searched_lower_bound(schedule: Schedule, budget: ScheduleBudget) -> float:
+    """The least lower bound over every placement the search of `schedule` could take under
+    `budget` (the pinned one only, when pinned): its gap then says how far it is from the best
+    schedule of any of them, not only of the placement it chose."""
+    placements = ((budget.only,) if budget.only is not None
+                  else searched_placements(schedule.name, schedule.chunks))
+    return min(lower_bound(replace(schedule, placement=placement), budget.costs_for(placement))
+               for placement in placements)
 
 
 @dataclass(frozen=True)

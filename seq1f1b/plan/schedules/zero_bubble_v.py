@@ -19,14 +19,16 @@ so memory is even across ranks.
   a loop. Candidates per placement: the constructions (on a V: ZB-V over spans and over
   micro-batches, DualPipeV over micro-batches; on a loop: the registry's loop schedules of
   that chunk count) and greedy replays
-  (greedy.py: sixteen policies, forward or backward first, which chunk's ready forwards and
-  backwards go first, whether a forward waits for a backward due before it would end, then a
-  local search over per-rank caps on the spans in flight between F and B); the shortest
-  simulated makespan among those within the cap is kept, so it never loses to a construction
-  that fits, and is then improved by moves on its critical path (refine.py). Lower bound and
+  (greedy.py: thirty-two policies, forward or backward first, which chunk's ready forwards and
+  backwards go first, whether a forward waits for a backward due before it would end, whether
+  promised bytes are kept for every admitted micro-batch at once or in turn; then, from the
+  best of each way of keeping promises, a local search over per-rank caps on the spans in
+  flight between F and B); the best construction that fits and each of those are improved by
+  moves on their critical paths (refine.py), and the shortest simulated makespan within the
+  cap is kept, so it never loses to a construction that fits. Lower bound and
   exact optimum: bounds.py, exact.py. Without a budget (the registry's plain (P, m, k, V) call,
   as in the grid tests): unit costs, its own placement only (a V on two chunks), the
-  constructions and the sixteen policies, no local search.
+  constructions and the thirty-two policies, no local search.
 """
 from __future__ import annotations
 
@@ -179,10 +181,11 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
            ) -> Placed:
     """The shortest makespan under `cap` among: the fixed constructions (`constructions`), the
     greedy replays of every policy (forward or backward first, which chunk's ready forwards
-    and backwards go first, whether a forward waits for a backward due before it ends), and
-    `rounds` passes of a local search that moves one rank's depth (the spans it may hold
-    between F and B) by one span at a time while the makespan improves; with `rounds`, the
-    best is then refined on its critical path (refine.py)."""
+    and backwards go first, whether a forward waits for a backward due before it ends, how
+    promises are kept), and `rounds` passes of a local search that moves one rank's depth (the
+    spans it may hold between F and B) by one span at a time while the makespan improves,
+    from the best replay of each way of keeping promises; with `rounds`, the best
+    construction and each of those are then refined on their critical paths (refine.py)."""
     placer = Placer(problem, costs)
 
     def evaluate(policy: Policy) -> Optional[tuple[Placed, Policy]]:
@@ -191,8 +194,9 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
         except ScheduleError:
             return None
 
-    policies = [Policy(first, None, later_f, later_b, wait) for first, later_f, later_b, wait in
-                itertools.product((True, False), repeat=4)]
+    policies = [Policy(first, None, later_f, later_b, wait, in_turn)
+                for first, later_f, later_b, wait, in_turn in
+                itertools.product((True, False), repeat=5)]
     found = [f for f in map(evaluate, policies) if f is not None]
     fixed = []
     for programs in constructions(problem).values():
@@ -203,8 +207,14 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
         raise ScheduleError(f"--schedule-memory-cap {cap:g}: no order of F, B and W fits it "
                             f"(pp={problem.pp}, m={problem.microbatches}, k={problem.splits}); "
                             "raise the cap")
-    if found:
-        best, policy = min(found, key=lambda f: f[0].makespan)
+    starts = []
+    for in_turn in (False, True):
+        # The depth search starts from the best replay of each way of keeping promises: the
+        # shorter start does not always lead to the shorter end.
+        family = [f for f in found if f[1].reserve_in_turn == in_turn]
+        if not family:
+            continue
+        best, policy = min(family, key=lambda f: f[0].makespan)
         # Depths start at what the free replay reached on each rank, then move one span at a
         # time.
         depth = _depths(best.programs)
@@ -222,11 +232,17 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
                         (best, policy), depth, improved = candidate, trial, True
             if not improved:
                 break
-        fixed.append(best)
-    best = min(fixed, key=lambda placed: placed.makespan)
-    if rounds:
-        refined = refine(placer, best, cap)
-        if refined is not best:
+        starts.append(best)
+    if fixed:
+        starts.append(min(fixed, key=lambda placed: placed.makespan))
+    best = min(starts, key=lambda placed: placed.makespan)
+    if not rounds:
+        return best
+    # Refined from the best construction and from each family's best replay: the local
+    # search, too, does not always end shorter from the shorter start.
+    for start in starts:
+        refined = refine(placer, start, cap)
+        if refined is not start:
             makespan, peak = _replayed(problem, refined.programs, costs)
             if makespan < best.makespan and peak <= cap * (1 + 1e-9):
                 best = Placed(refined.programs, makespan)
