@@ -20,6 +20,7 @@ from seq1f1b.plan.bounds import gap_to_bound, lower_bound
 from seq1f1b.plan.budget import ScheduleBudget, searched_lower_bound, searched_placements
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.plan.partition import partition
+from seq1f1b.plan.schedules.zero_bubble_v import searched_cap
 from seq1f1b.plan.simulate import SpanCosts, Table, model_costs, simulate
 from seq1f1b.torch_peers import PEERS, peer_schedule
 
@@ -118,10 +119,11 @@ def searched(pp: int, microbatches: int, splits: int, costs: CostModel,
              cap: Optional[float] = None, label: Optional[str] = None, chunks: int = 2) -> Row:
     """seq1f1b-zb-auto searched on `costs` under `cap` (None: its default) with V = `chunks`:
     on two chunks it chooses a V or a loop, on one it places a loop. Its gap is to the least
-    bound of the placements it chose among."""
+    bound of the placements it chose among, under the same cap."""
     budget = _budget(pp, microbatches, splits, costs, cap, chunks)
     schedule = registry.build("seq1f1b-zb-auto", pp, microbatches, splits, chunks, budget=budget)
-    return row(schedule, costs, label, searched_lower_bound(schedule, budget))
+    limit = searched_cap(pp, microbatches, splits, chunks, budget)
+    return row(schedule, costs, label, searched_lower_bound(schedule, budget, limit))
 
 
 def searched_schedule(pp: int, microbatches: int, splits: int, costs: CostModel,

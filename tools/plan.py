@@ -534,7 +534,7 @@ def cmd_search(args: argparse.Namespace) -> None:
     out = {"placement": schedule.placement, "chunks": schedule.chunks,
            "makespan": report.makespan, "bubble": report.bubble_ratio, "cap": cap,
            "peak": max(r.peak_held_bytes for r in report.ranks),
-           "lower_bound": searched_lower_bound(schedule, budget), "layout": layout}
+           "lower_bound": searched_lower_bound(schedule, budget, cap), "layout": layout}
     out["lower_bound_gap"] = gap_to_bound(out["makespan"], out["lower_bound"])
     if args.exact:
         found = solve(schedule, costs, cap, args.time_limit, hint=schedule)

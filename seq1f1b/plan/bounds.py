@@ -19,27 +19,33 @@ same micro-batch is not known, so each rank is relaxed twice, sorted heads with 
 smallest tail and each group's smallest head with sorted tails, and the larger result is kept.
 
 A W may run as part of a full backward; splitting it off never makes a schedule slower here, so
-W is a separate action (of cost 0 when the costs have none). Memory caps are ignored: without a
-cap the search reaches this bound on most shapes (docs/schedules.md), and under a cap the gap is
-the price of the memory as well as the search's.
+W is a separate action (of cost 0 when the costs have none). Without a cap memory is ignored, and
+the search reaches this bound on most shapes (docs/schedules.md). Given a per-rank `cap` on the
+held bytes, one more bound counts the warm-up the cap forces: a rank frees nothing before the
+earliest end of an action that frees (a W, or B(i,0), which frees the K/V), so the forwards it
+starts before then must fit in the cap together (at most as many as the smallest allocations
+fit); everything else it runs before then is bounded by its heads, and the rest of its work
+comes after.
 """
 from __future__ import annotations
 
 import heapq
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
-from seq1f1b.plan.actions import Schedule
-from seq1f1b.plan.simulate import SpanCosts
+from seq1f1b.plan.actions import Action, Schedule
+from seq1f1b.plan.simulate import SpanCosts, held_change, held_tables
 
 Group = tuple[str, int, int]
 """(op, virtual stage, span): the m alike actions of one kind."""
 
 
-def lower_bound(shape: Schedule, costs: SpanCosts) -> float:
-    """Makespan no valid schedule of `shape`'s problem can beat under `costs` (module doc)."""
+def lower_bound(shape: Schedule, costs: SpanCosts, cap: Optional[float] = None) -> float:
+    """Makespan no valid schedule of `shape`'s problem can beat under `costs`, with each rank
+    holding at most `cap` bytes when given (module doc)."""
     heads, tails = _heads(shape, costs), _tails(shape, costs)
     durations = _durations(shape, costs)
+    tables = held_tables(costs) if cap is not None else None
     best = 0.0
     for rank in range(shape.pp):
         groups = [(op, shape.stage_of(rank, chunk), span) for op in "FBW"
@@ -47,7 +53,34 @@ def lower_bound(shape: Schedule, costs: SpanCosts) -> float:
         by_heads = [(h, durations[g], tails[g][0]) for g in groups for h in heads[g]]
         by_tails = [(heads[g][0], durations[g], q) for g in groups for q in tails[g]]
         best = max(best, _preemptive_makespan(by_heads), _preemptive_makespan(by_tails))
+        if tables is not None:
+            best = max(best, _warm_up_bound(shape, tables, cap, groups, heads, durations))
     return best
+
+
+def _warm_up_bound(shape: Schedule, tables: dict, cap: float, groups: list[Group],
+                   heads: dict[Group, list[float]], durations: dict[Group, float]) -> float:
+    """One rank's bound under `cap` (module doc): the first free, then all the work that could
+    not run before it."""
+    frees = [heads[g][0] + durations[g] for g in groups
+             if g[0] == "W" or (g[0] == "B" and g[2] == 0)]
+    first_free = min(frees)
+    forwards = sorted((sum(held_change(tables, v, Action("F", 0, j, 0), False)[0].values()),
+                       durations[op, v, j])
+                      for op, v, j in groups if op == "F" for _ in heads[op, v, j])
+    room, fit = cap * (1 + 1e-9), 0
+    for allocated, _ in forwards:
+        room -= allocated
+        if room < 0:
+            break
+        fit += 1
+    if fit == len(forwards):
+        return 0.0
+    early = sum(sorted((d for _, d in forwards), reverse=True)[:fit])
+    early += sum(min(durations[g], max(0.0, first_free - h))
+                 for g in groups if g[0] != "F" for h in heads[g])
+    work = sum(durations[g] * len(heads[g]) for g in groups)
+    return first_free + work - min(early, first_free)
 
 
 def gap_to_bound(makespan: float, bound: float) -> float:

@@ -151,13 +151,15 @@ def searched_placements(name: str, chunks: int) -> tuple[str, ...]:
     return ("loop",) if chunks == 1 else tuple(dict.fromkeys((info.placement, "loop")))
 
 
-def searched_lower_bound(schedule: Schedule, budget: ScheduleBudget) -> float:
-    """The least lower bound over every placement the search of `schedule` could take under
-    `budget` (the pinned one only, when pinned): its gap then says how far it is from the best
-    schedule of any of them, not only of the placement it chose."""
+def searched_lower_bound(schedule: Schedule, budget: ScheduleBudget, cap: float) -> float:
+    """The least lower bound under `cap` (the cap the search placed under) over every placement
+    the search of `schedule` could take under `budget` (the pinned one only, when pinned): its
+    gap then says how far it is from the best schedule of any of them at that memory, not only
+    of the placement it chose."""
     placements = ((budget.only,) if budget.only is not None
                   else searched_placements(schedule.name, schedule.chunks))
-    return min(lower_bound(replace(schedule, placement=placement), budget.costs_for(placement))
+    return min(lower_bound(replace(schedule, placement=placement), budget.costs_for(placement),
+                           cap)
                for placement in placements)
 
 

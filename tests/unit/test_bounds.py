@@ -11,7 +11,8 @@ from seq1f1b.plan.bounds import gap_to_bound, lower_bound
 from seq1f1b.plan.costs import preset
 from seq1f1b.plan.registry import build
 from seq1f1b.plan.simulate import SpanCosts, simulate
-from seq1f1b.schedule_compare import SKEWED, UNIT, CostModel, ours, searched
+from seq1f1b.plan.actions import ScheduleError
+from seq1f1b.schedule_compare import SKEWED, UNIT, CostModel, ours, searched, searched_schedule
 from seq1f1b.torch_peers import PEERS, peer_schedule
 
 COSTS = {
@@ -20,6 +21,10 @@ COSTS = {
     "model": CostModel(model=preset("7b"), seq_length=65536, tp=8, sequence_parallel=True),
 }
 SHAPES = [(2, 4, 1), (4, 8, 1), (4, 4, 2), (2, 3, 4)]
+
+
+def peak(schedule, costs: CostModel) -> float:
+    return max(r.peak_held_bytes for r in simulate(schedule, costs.costs(schedule)).ranks)
 
 
 def with_hops(costs: SpanCosts, schedule, seconds: float) -> SpanCosts:
@@ -70,3 +75,39 @@ def test_the_search_without_a_cap_reaches_the_bound(kind, pp, m, k):
     """Memory free, the searched schedule is optimal on these shapes: the bound is reached, so
     what separates the search from the bound under a cap is the memory."""
     assert searched(pp, m, k, COSTS[kind], cap=math.inf).gap == 0.0
+
+
+@pytest.mark.parametrize("kind", sorted(COSTS))
+@pytest.mark.parametrize("pp, m, k", SHAPES)
+def test_no_schedule_beats_the_bound_at_its_own_peak(kind, pp, m, k):
+    """Under a cap, the warm-up it forces counts too; every schedule, ours (the search under
+    its default cap and under 0.8 of it, on two chunks and on one) and torch's, is held to the
+    bound at the memory it holds, where the warm-up bound is at its tightest."""
+    costs = COSTS[kind]
+    schedules = ours(pp, m, k) + [s for s in (peer_schedule(name, pp, m) for name in PEERS)
+                                  if s is not None and k == 1]
+    for chunks in (2, 1):
+        default = searched_schedule(pp, m, k, costs, None, chunks)
+        schedules.append(default)
+        try:
+            schedules.append(searched_schedule(pp, m, k, costs, 0.8 * peak(default, costs),
+                                               chunks))
+        except ScheduleError:
+            pass             # no order fits 0.8 of it
+    for schedule in schedules:
+        span_costs, held = costs.costs(schedule), peak(schedule, costs)
+        bound = lower_bound(schedule, span_costs, held)
+        assert simulate(schedule, span_costs).makespan >= bound * (1 - 1e-9), schedule.name
+
+
+def test_a_cap_raises_the_bound_below_the_optimum():
+    """7B costs, P = 2, m = 4, k = 1 on a V at 1F1B's rank-0 peak: rank 0 cannot start all
+    four micro-batches' forwards before its first W, so it idles in the warm-up. The bound
+    rises from 4.950 (memory free) to 5.085, below 5.211, the optimum CP-SAT proves there
+    (tests/unit/test_schedule_peers.py)."""
+    costs = COSTS["model"]
+    cap = peak(build("1f1b", 2, 4, 1, 1), costs)
+    shape = build("seq1f1b-zbv", 2, 4, 1, 2)
+    span_costs = costs.costs(shape)
+    assert lower_bound(shape, span_costs) == pytest.approx(4.9502, abs=1e-4)
+    assert lower_bound(shape, span_costs, cap) == pytest.approx(5.0853, abs=1e-4)
