@@ -197,6 +197,7 @@ class Placed:
 
     programs: list[list[Action]]
     makespan: float
+    held_back: bool = False     # a forward waited for room that promises kept (all at once)
 
 
 class Placer:
@@ -226,6 +227,7 @@ class Placer:
         to_weight = m * k       # a B's W is the same (rank, chunk, span, micro-batch) one op on
 
         limit = cap * (1 + 1e-9)
+        held_back = False
 
         def safe(state: _Rank, unit: Steps) -> bool:
             """Whether, after `unit` allocates, the micro-batches holding or promised bytes on
@@ -247,6 +249,7 @@ class Placer:
 
         def admissible(state: _Rank, unit: Steps) -> bool:
             """A forward unit runs when the rank has room for it and for what it promises."""
+            nonlocal held_back
             if unit[0] not in promise:   # its bytes were promised when its twin was admitted
                 return not policy.reserve_in_turn or safe(state, unit)
             if state.in_flight + len(unit) > state.depth and state.in_flight > 0:
@@ -254,7 +257,10 @@ class Placer:
             if policy.reserve_in_turn:
                 return safe(state, unit)
             need = sum(plan.alloc[s] + promise[s] for s in unit)
-            return state.held + state.reserved + need <= limit
+            if state.held + state.reserved + need <= limit:
+                return True
+            held_back = held_back or state.held + need <= limit
+            return False
 
         def choose(state: _Rank, now: float) -> Optional[Steps]:
             ready = [(plan.microbatch(q[0][0]), -c if policy.later_backward_first else c, c)
@@ -343,7 +349,7 @@ class Placer:
                 f"no order of F, B and W fits a memory cap of {cap:g} (pp={problem.pp}, "
                 f"m={m}, k={k}, V={V}): ranks {stuck} cannot go on; raise the cap")
         return Placed([[plan.action(step) for step in state.program] for state in ranks],
-                      makespan)
+                      makespan, held_back)
 
 
 def _account(state: _Rank, microbatch: int, held: float, claim: float, cap: float) -> None:

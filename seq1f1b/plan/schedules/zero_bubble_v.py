@@ -19,16 +19,17 @@ so memory is even across ranks.
   a loop. Candidates per placement: the constructions (on a V: ZB-V over spans and over
   micro-batches, DualPipeV over micro-batches; on a loop: the registry's loop schedules of
   that chunk count) and greedy replays
-  (greedy.py: thirty-two policies, forward or backward first, which chunk's ready forwards and
-  backwards go first, whether a forward waits for a backward due before it would end, whether
-  promised bytes are kept for every admitted micro-batch at once or in turn; then, from the
-  best of each way of keeping promises, a local search over per-rank caps on the spans in
-  flight between F and B); the best construction that fits and each of those are improved by
-  moves on their critical paths (refine.py), and the shortest simulated makespan within the
-  cap is kept, so it never loses to a construction that fits. Lower bound and
+  (greedy.py: sixteen policies, forward or backward first, which chunk's ready forwards and
+  backwards go first, whether a forward waits for a backward due before it would end; each
+  again with promised bytes kept in turn where keeping them for every admitted micro-batch at
+  once held a forward back; then, from the best of each way of keeping promises (in turn only
+  when its best replay is the shorter), a local search over per-rank caps on the spans in
+  flight between F and B); the better of the best construction that fits and each of those is
+  improved by moves on its critical path (refine.py), and the shortest simulated makespan
+  within the cap is kept, so it never loses to a construction that fits. Lower bound and
   exact optimum: bounds.py, exact.py. Without a budget (the registry's plain (P, m, k, V) call,
   as in the grid tests): unit costs, its own placement only (a V on two chunks), the
-  constructions and the thirty-two policies, no local search.
+  constructions and the greedy policies, no local search.
 """
 from __future__ import annotations
 
@@ -184,8 +185,9 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
     and backwards go first, whether a forward waits for a backward due before it ends, how
     promises are kept), and `rounds` passes of a local search that moves one rank's depth (the
     spans it may hold between F and B) by one span at a time while the makespan improves,
-    from the best replay of each way of keeping promises; with `rounds`, the best
-    construction and each of those are then refined on their critical paths (refine.py)."""
+    from the best replay of each way of keeping promises (module doc); with `rounds`, the
+    better of the best construction and each of those is then refined on its critical path
+    (refine.py)."""
     placer = Placer(problem, costs)
 
     def evaluate(policy: Policy) -> Optional[tuple[Placed, Policy]]:
@@ -194,10 +196,15 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
         except ScheduleError:
             return None
 
-    policies = [Policy(first, None, later_f, later_b, wait, in_turn)
-                for first, later_f, later_b, wait, in_turn in
-                itertools.product((True, False), repeat=5)]
-    found = [f for f in map(evaluate, policies) if f is not None]
+    found = []
+    for first, later_f, later_b, wait in itertools.product((True, False), repeat=4):
+        at_once = evaluate(Policy(first, None, later_f, later_b, wait))
+        found += [at_once] if at_once is not None else []
+        # Kept in turn, the replay differs only where keeping every promise at once held a
+        # forward back (or got stuck): otherwise it is the same replay.
+        if at_once is None or at_once[0].held_back:
+            in_turn = evaluate(Policy(first, None, later_f, later_b, wait, True))
+            found += [in_turn] if in_turn is not None else []
     fixed = []
     for programs in constructions(problem).values():
         makespan, peak = _replayed(problem, programs, costs)
@@ -208,10 +215,14 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
                             f"(pp={problem.pp}, m={problem.microbatches}, k={problem.splits}); "
                             "raise the cap")
     starts = []
-    for in_turn in (False, True):
+    families = [[f for f in found if f[1].reserve_in_turn == in_turn] for in_turn in (False, True)]
+    if families[0] and families[1] and min(f[0].makespan for f in families[1]) >= \
+            min(f[0].makespan for f in families[0]):
+        families.pop()      # in turn no replay did better: where the cap is loose, or so tight
+                            # that admitting more chokes the pipeline
+    for family in families:
         # The depth search starts from the best replay of each way of keeping promises: the
         # shorter start does not always lead to the shorter end.
-        family = [f for f in found if f[1].reserve_in_turn == in_turn]
         if not family:
             continue
         best, policy = min(family, key=lambda f: f[0].makespan)
@@ -233,14 +244,21 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
             if not improved:
                 break
         starts.append(best)
-    if fixed:
-        starts.append(min(fixed, key=lambda placed: placed.makespan))
-    best = min(starts, key=lambda placed: placed.makespan)
+
+    def shortest(candidates: list[Placed]) -> Placed:
+        return min(candidates, key=lambda placed: placed.makespan)
+
+    best = shortest(fixed + starts)
     if not rounds:
         return best
-    # Refined from the best construction and from each family's best replay: the local
+    # Refined from the better of the constructions and each family's best replay: the local
     # search, too, does not always end shorter from the shorter start.
-    for start in starts:
+    refined_from = []
+    for start in starts or [best]:
+        start = shortest(fixed + [start])
+        if all(start is not other for other in refined_from):
+            refined_from.append(start)
+    for start in refined_from:
         refined = refine(placer, start, cap)
         if refined is not start:
             makespan, peak = _replayed(problem, refined.programs, costs)
