@@ -118,59 +118,56 @@ def _latest(*lists: list[float]) -> list[float]:
     return [max(values) for values in zip(*lists)]
 
 
-def _heads(shape: Schedule, costs: SpanCosts) -> dict[Group, list[float]]:
-    """For each group, the sorted earliest starts of its m actions."""
-    d = _durations(shape, costs)
+def _needs(shape: Schedule, costs: SpanCosts) -> dict[Group, list[tuple[Group, float]]]:
+    """Each group's dependencies (`actions.dependencies` per micro-batch, lifted to groups),
+    with the hop between them."""
     last, final = shape.num_stages - 1, shape.splits - 1
-    heads: dict[Group, list[float]] = {}
+    needs: dict[Group, list[tuple[Group, float]]] = {}
     for v in range(shape.num_stages):
         for j in range(shape.splits):
-            needs = [[0.0] * shape.microbatches]
-            if v > 0:
-                needs.append(_one_after_another(heads["F", v - 1, j], d["F", v - 1, j],
-                                                _hop(shape, costs, v - 1, j)))
-            if j > 0:
-                needs.append(_one_after_another(heads["F", v, j - 1], d["F", v, j - 1]))
-            heads["F", v, j] = _latest(*needs)
-    for v in reversed(range(shape.num_stages)):
-        for j in reversed(range(shape.splits)):
-            needs = [_one_after_another(heads["F", v, j], d["F", v, j])]
-            if v < last:
-                needs.append(_one_after_another(heads["B", v + 1, j], d["B", v + 1, j],
-                                                _hop(shape, costs, v, j)))
-            if j < final:
-                needs.append(_one_after_another(heads["B", v, j + 1], d["B", v, j + 1]))
-            heads["B", v, j] = _latest(*needs)
-            heads["W", v, j] = _one_after_another(heads["B", v, j], d["B", v, j])
-    return heads
+            needs["F", v, j] = ([(("F", v - 1, j), _hop(shape, costs, v - 1, j))] if v else []) \
+                + ([(("F", v, j - 1), 0.0)] if j else [])
+            needs["B", v, j] = [(("F", v, j), 0.0)] \
+                + ([(("B", v + 1, j), _hop(shape, costs, v, j))] if v < last else []) \
+                + ([(("B", v, j + 1), 0.0)] if j < final else [])
+            needs["W", v, j] = [(("B", v, j), 0.0)]
+    return needs
+
+
+def _heads(shape: Schedule, costs: SpanCosts) -> dict[Group, list[float]]:
+    """For each group, the sorted earliest starts of its m actions."""
+    return _stream(_needs(shape, costs), _durations(shape, costs), shape.microbatches)
 
 
 def _tails(shape: Schedule, costs: SpanCosts) -> dict[Group, list[float]]:
     """For each group, the sorted least time its m actions leave between their end and the
-    iteration's: the dependants' work, one after another on their rank, and the hops."""
-    d = _durations(shape, costs)
-    last, final = shape.num_stages - 1, shape.splits - 1
-    tails: dict[Group, list[float]] = {}
-    for v in range(shape.num_stages):
-        for j in range(shape.splits):
-            tails["W", v, j] = [0.0] * shape.microbatches
-            needs = [_one_after_another(tails["W", v, j], d["W", v, j])]
-            if v > 0:
-                needs.append(_one_after_another(tails["B", v - 1, j], d["B", v - 1, j],
-                                                _hop(shape, costs, v - 1, j)))
-            if j > 0:
-                needs.append(_one_after_another(tails["B", v, j - 1], d["B", v, j - 1]))
-            tails["B", v, j] = _latest(*needs)
-    for v in reversed(range(shape.num_stages)):
-        for j in reversed(range(shape.splits)):
-            needs = [_one_after_another(tails["B", v, j], d["B", v, j])]
-            if v < last:
-                needs.append(_one_after_another(tails["F", v + 1, j], d["F", v + 1, j],
-                                                _hop(shape, costs, v, j)))
-            if j < final:
-                needs.append(_one_after_another(tails["F", v, j + 1], d["F", v, j + 1]))
-            tails["F", v, j] = _latest(*needs)
-    return tails
+    iteration's: the dependants' work, one after another on their rank, and the hops (heads of
+    the iteration run backwards)."""
+    dependants: dict[Group, list[tuple[Group, float]]] = {}
+    for group, needs in _needs(shape, costs).items():
+        dependants.setdefault(group, [])
+        for need, hop in needs:
+            dependants.setdefault(need, []).append((group, hop))
+    return _stream(dependants, _durations(shape, costs), shape.microbatches)
+
+
+def _stream(before: dict[Group, list[tuple[Group, float]]], durations: dict[Group, float],
+            microbatches: int) -> dict[Group, list[float]]:
+    """For each group, the sorted earliest times its m actions may begin when every group in
+    `before` it must have run its n+1 first actions, one after another, and crossed the hop
+    before the n-th of this one begins (module doc)."""
+    found: dict[Group, list[float]] = {}
+
+    def times(group: Group) -> list[float]:
+        if group not in found:
+            found[group] = _latest([0.0] * microbatches,
+                                   *(_one_after_another(times(g), durations[g], hop)
+                                     for g, hop in before[group]))
+        return found[group]
+
+    for group in before:
+        times(group)
+    return found
 
 
 def _preemptive_makespan(jobs: list[tuple[float, float, float]]) -> float:
