@@ -7,10 +7,13 @@ Each process samples, at the edges of a window, the CPU seconds the whole machin
 itself (every thread: gloo's too) and, on the first local rank of a torchrun launch, the
 launcher that started it. What the machine used minus what the family used, per wall second, is
 the number of cores the others took. Off Linux the machine figure is unknown (None).
+`processor()` names the CPU, so that a figure says which machine it came from: the spans' extra
+work differs from one host of the same kind to another.
 """
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import time
 from dataclasses import dataclass
@@ -33,6 +36,27 @@ def machine_busy_seconds() -> Optional[float]:
     if not fields or fields[0] != "cpu":
         return None
     return sum(int(fields[1 + n]) for n in _BUSY_FIELDS) / _clock_ticks()
+
+
+def processor() -> str:
+    """The CPU as /proc/cpuinfo names it (with its family and model: a virtual machine's name is
+    often only the vendor's) and the cores this process may use; the platform's words off
+    Linux."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if not line.strip():
+                    break                     # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return f"{name}, {cores} cores"
 
 
 def _launcher_seconds() -> float:

@@ -523,6 +523,7 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
     micro-batch) splits into what the measured per-span costs explain (their replay) and what
     the runtime adds (measured minus that replay).
     """
+    from seq1f1b import machine_load
     from seq1f1b.plan.simulate import (calibrated_costs, measured_report, simulate,
                                        span_timings)
 
@@ -577,6 +578,7 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
             pairs.append((reports[len(reports) // 2], predicted))
         rows.append(row)
     base = rows[0]
+    control = _control(args, runs)
     for run, row in zip(runs, rows):
         row["ratio_to_first"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["best_ratio_to_first"] = base["best_iteration_s"] / row["best_iteration_s"]
@@ -592,9 +594,34 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
             row["work_ratio_to_first"] = row["compute_per_rank_s"] / base["compute_per_rank_s"]
             # the best ratio this work allows: the schedule's own gain over the work's growth
             row["ceiling"] = row["uniform_cost_ratio"] / row["work_ratio_to_first"]
+    if control is not None:
+        row = rows[control]
+        control = {"label": row["label"], "ratio": row["ratio_to_first"],
+                   "work": row.get("work_ratio_to_first")}
     config = {k: v for k, v in vars(args).items() if k not in ("json", "output", "plot")}
     return {"config": {**config, "dp": dp, "tokens_per_iteration": tokens,
+                       "processor": machine_load.processor(), "control": control,
                        **_noise(args, rounds or [])}, "runs": rows}, pairs
+
+
+def _control(args: argparse.Namespace, runs: list[Run]) -> Optional[int]:
+    """The first entry after the first that runs the first's order on the same chunks (e.g.
+    seq1f1b:1 beside 1f1b): the same computation, so its distance from 1.000 is the run's noise
+    floor, what the machine's variation alone makes of a ratio (a shared host's neighbours slow
+    a virtual machine's memory without showing in /proc). Run by the same code: megatron-core's
+schedule beside ours is not a control. None where there is none."""
+    from seq1f1b.plan.memory import MEGATRON_PLANS
+
+    def executor(run: Run) -> bool:
+        return run.schedule in MEGATRON_PLANS      # megatron-core's code, not our executor
+
+    first = _plan(args, runs[0])
+    for n, run in enumerate(runs[1:], 1):
+        plan = _plan(args, run)
+        if (run.group == runs[0].group and executor(run) == executor(runs[0])
+                and plan.splits == first.splits and plan.programs == first.programs):
+            return n
+    return None
 
 
 def _noise(args: argparse.Namespace, rounds: list[Round]) -> dict:
@@ -626,6 +653,16 @@ def _noise_text(config: dict) -> str:
             f"{config['noise_threshold']:.2f})")
 
 
+def _control_text(config: dict) -> str:
+    control = config.get("control")
+    if not control:
+        return ""
+    work = "" if control["work"] is None else f", work {control['work']:.3f}"
+    return (f"; noise floor: {control['label']} computes what {config['schedules'][0]} does, "
+            f"yet its ratio is {control['ratio']:.3f}{work}: smaller differences from 1.000 "
+            "are not measured")
+
+
 def markdown(result: dict) -> str:
     def pct(value):
         return "-" if value is None else f"{value:.1%}"
@@ -648,7 +685,8 @@ def markdown(result: dict) -> str:
              f"h={c['hidden_size']} heads={c['num_attention_heads']} vocab={c['vocab_size']} "
              f"partition={c['partition']} recompute={_recompute_text(c)} threads={c['threads']} "
              f"warmup={c['warmup']} "
-             f"iterations={c['iterations']}; {_noise_text(c)}. iter ms, tokens/s, ratio: "
+             f"iterations={c['iterations']}; cpu: {c.get('processor', 'unknown')}; "
+             f"{_noise_text(c)}{_control_text(c)}. iter ms, tokens/s, ratio: "
              "medians; ceiling: uniform-cost ratio / work, the ratio this work allows; paired "
              "ratio: median over rounds of the first schedule's time over this one's in the same "
              "round (same V and placement only: each such group runs its own rounds); best-of "

@@ -15,7 +15,7 @@ from seq1f1b.plan.calibration import CalibrationError, read_device_check
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 SCHEDULES = ["1f1b", "seq1f1b", "megatron-1f1b", "seq1f1b-interleaved", "seq1f1b@fit",
-             "seq1f1b-zb-auto"]
+             "seq1f1b-zb-auto", "seq1f1b:1"]
 
 
 def _free_port() -> int:
@@ -44,10 +44,11 @@ def benchmark(tmp_path_factory):
 def test_every_schedule_is_reported_in_order(benchmark):
     stdout, result, _ = benchmark
     runs = result["runs"]
-    assert [r["schedule"] for r in runs] == [entry.split("@")[0] for entry in SCHEDULES]
+    assert [r["schedule"] for r in runs] == [entry.split("@")[0].split(":")[0]
+                                             for entry in SCHEDULES]
     assert [(r["splits"], r["chunks"]) for r in runs] == [(1, 1), (2, 1), (1, 1), (2, 2), (2, 1),
-                                                          (2, 2)]
-    assert [r["partition"] for r in runs[1:]] == ["even", "even", "even", "fit", "even"]
+                                                          (2, 2), (1, 1)]
+    assert [r["partition"] for r in runs[1:]] == ["even", "even", "even", "fit", "even", "even"]
     assert runs[0]["ratio_to_first"] == 1.0
     for run in runs:        # paired by round only with the first schedule's chunks
         paired = run["paired_ratio_to_first"]
@@ -61,6 +62,11 @@ def test_every_schedule_is_reported_in_order(benchmark):
         assert run["iteration_s"] > 0
         assert run["tokens_per_s"] == pytest.approx(tokens / run["iteration_s"])
     assert stdout.count("\n| ") >= len(SCHEDULES)          # the markdown rows
+    # seq1f1b:1 runs 1f1b's order on our executor: the noise floor (megatron's is not one)
+    assert result["config"]["control"] == {"label": "seq1f1b", "ratio": runs[-1]["ratio_to_first"],
+                                           "work": runs[-1]["work_ratio_to_first"]}
+    assert "noise floor: seq1f1b computes what 1f1b does" in stdout
+    assert result["config"]["processor"].endswith(" cores") and "cpu: " in stdout
 
 
 def test_traced_schedules_have_bubbles_predictions_and_memory(benchmark):
@@ -165,7 +171,7 @@ def test_bad_schedule_is_one_line_exit_2():
 
 def test_searched_schedule_is_placed_under_the_cap_and_estimated_alike(benchmark):
     _, result, _ = benchmark
-    searched = result["runs"][-1]
+    searched = result["runs"][SCHEDULES.index("seq1f1b-zb-auto")]
     assert searched["label"] == "seq1f1b-zb-auto@even"
     for measured, estimated in zip(searched["peak_saved_bytes"], searched["estimated_held_bytes"]):
         assert measured == pytest.approx(estimated, rel=0.15)

@@ -26,3 +26,9 @@ def test_a_sample_reads_this_machine():
     assert second.wall >= first.wall and second.family >= first.family
     if first.machine is not None:                 # Linux
         assert second.machine >= first.machine > 0
+
+
+def test_the_processor_is_named_with_its_cores():
+    words = machine_load.processor()
+    assert words.endswith(" cores") and int(words.rsplit(", ", 1)[1].split()[0]) >= 1
+    assert not words.startswith(",")
