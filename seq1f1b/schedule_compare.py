@@ -168,7 +168,8 @@ def compare(pp: int, microbatches: int, splits: int, costs: CostModel) -> list[R
 def peer_violations(pp: int, microbatches: int, splits: int, costs: CostModel,
                     rivals: Callable[[], list[Row]]) -> tuple[list[str], list[Row]]:
     """Each rival the search loses to: capped at the rival's peak, seq1f1b-zb-auto (k spans)
-    must hold no more and finish no later. Returns (violations, the searched rows)."""
+    must hold no more and finish no later. Returns (violations, the searched rows: one per
+    rival, in the rivals' order)."""
     violations, rows, by_cap = [], [], {}
     for rival in rivals():
         if rival.peak not in by_cap:

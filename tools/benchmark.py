@@ -528,9 +528,10 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
                                        span_timings)
 
     tokens = args.num_microbatches * args.micro_batch_size * args.seq_length * dp
-    rows, pairs = [], []
+    rows, pairs, plans = [], [], []
     for run, ranks in zip(runs, measured):
         schedule = _plan(args, run)
+        plans.append(schedule)
         seconds = ranks[0].seconds
         median = statistics.median(seconds)
         row = {"schedule": run.schedule, "splits": run.splits, "chunks": run.chunks,
@@ -578,7 +579,6 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
             pairs.append((reports[len(reports) // 2], predicted))
         rows.append(row)
     base = rows[0]
-    control = _control(args, runs)
     for run, row in zip(runs, rows):
         row["ratio_to_first"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["best_ratio_to_first"] = base["best_iteration_s"] / row["best_iteration_s"]
@@ -594,30 +594,29 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
             row["work_ratio_to_first"] = row["compute_per_rank_s"] / base["compute_per_rank_s"]
             # the best ratio this work allows: the schedule's own gain over the work's growth
             row["ceiling"] = row["uniform_cost_ratio"] / row["work_ratio_to_first"]
+    control = _control(runs, plans)
     if control is not None:
-        row = rows[control]
-        control = {"label": row["label"], "ratio": row["ratio_to_first"],
-                   "work": row.get("work_ratio_to_first")}
+        control = {"label": rows[control]["label"], "ratio": rows[control]["ratio_to_first"],
+                   "work": rows[control].get("work_ratio_to_first")}
     config = {k: v for k, v in vars(args).items() if k not in ("json", "output", "plot")}
     return {"config": {**config, "dp": dp, "tokens_per_iteration": tokens,
                        "processor": machine_load.processor(), "control": control,
                        **_noise(args, rounds or [])}, "runs": rows}, pairs
 
 
-def _control(args: argparse.Namespace, runs: list[Run]) -> Optional[int]:
-    """The first entry after the first that runs the first's order on the same chunks (e.g.
-    seq1f1b:1 beside 1f1b): the same computation, so its distance from 1.000 is the run's noise
-    floor, what the machine's variation alone makes of a ratio (a shared host's neighbours slow
-    a virtual machine's memory without showing in /proc). Run by the same code: megatron-core's
-schedule beside ours is not a control. None where there is none."""
+def _control(runs: list[Run], plans: list) -> Optional[int]:
+    """The first entry after the first that runs the first's plan (`plans[n]` is run n's) on
+    the same chunks and code (e.g. seq1f1b:1 beside 1f1b; megatron-core's 1f1b beside ours is
+    other code): the same computation, so its distance from 1.000 is the run's noise floor,
+    what the machine's variation alone makes of a ratio (a shared host's neighbours slow a
+    virtual machine's memory without showing in /proc). None where there is none."""
     from seq1f1b.plan.memory import MEGATRON_PLANS
 
     def executor(run: Run) -> bool:
         return run.schedule in MEGATRON_PLANS      # megatron-core's code, not our executor
 
-    first = _plan(args, runs[0])
-    for n, run in enumerate(runs[1:], 1):
-        plan = _plan(args, run)
+    first = plans[0]
+    for n, (run, plan) in enumerate(zip(runs[1:], plans[1:]), 1):
         if (run.group == runs[0].group and executor(run) == executor(runs[0])
                 and plan.splits == first.splits and plan.programs == first.programs):
             return n

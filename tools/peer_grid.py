@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                     failed += bool(violations)
                     exact = ""
                     if args.exact is not None and 3 * 2 * pp * m * k <= args.exact_actions:
-                        capped = max(rows, key=lambda r: r.gap)
-                        cap = next(r.peak for r in rivals() if capped.name == f"seq1f1b-zb-auto @ {r.name}")
+                        # rows[n] is the search capped at rival n's peak
+                        capped, rival = max(zip(rows, rivals()), key=lambda pair: pair[0].gap)
+                        cap = rival.peak
                         for label, found, limit, chunk_counts in (
                                 ("default", default, None, (2,)),
                                 ("worst capped", capped, cap, (2, 1))):
