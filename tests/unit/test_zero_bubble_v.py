@@ -101,6 +101,40 @@ def test_replay_times_are_the_simulators():
     assert simulate(schedule, costs).makespan == pytest.approx(placed.makespan)
 
 
+def test_keeping_no_promises_holds_the_cap_or_is_refused():
+    """Policy.promises = "none" keeps no room for what admitted forwards allocate later, so a
+    replay may get stuck; it must then be refused, and where it goes through the order is valid
+    and no rank ever holds more than the cap (the simulator's peak), on a V and on a loop, at
+    and well under Seq1F1B's peak."""
+    from seq1f1b.plan.schedules.zero_bubble_v import default_cap
+    failures, placed_count, refused = [], 0, 0
+    for pp in (2, 3, 4):
+        for k in (1, 2, 3):
+            for m in (pp, 2 * pp):
+                for placement in ("vshape", "loop"):
+                    problem = Problem(pp, m, k, 2, placement)
+                    costs = unit_costs(problem)
+                    placer = Placer(problem, costs)
+                    for share in (1.0, 0.8, 0.6):
+                        cap = default_cap(problem, costs) * share
+                        for first in (True, False):
+                            try:
+                                placed = placer.place(cap, Policy(first, promises="none"))
+                            except ScheduleError:
+                                refused += 1
+                                continue
+                            placed_count += 1
+                            schedule = Schedule("none", pp, m, k, 2,
+                                                tuple(map(tuple, placed.programs)), placement)
+                            report = simulate(schedule, costs)
+                            peak = max(rank.peak_held_bytes for rank in report.ranks)
+                            if find_problems(schedule) or peak > cap * (1 + 1e-9) or \
+                                    report.makespan != pytest.approx(placed.makespan):
+                                failures.append((pp, m, k, placement, share, first, peak, cap))
+    assert failures == []
+    assert placed_count > refused > 0     # both outcomes occur on this grid
+
+
 def test_a_cap_too_small_is_refused_naming_the_flag():
     with pytest.raises(ScheduleError, match="--schedule-memory-cap"):
         build("seq1f1b-zb-auto", 4, 8, 4, 2, budget=ScheduleBudget(None, 1.0))

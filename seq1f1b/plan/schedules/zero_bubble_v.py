@@ -22,9 +22,9 @@ so memory is even across ranks.
   (greedy.py: sixteen policies, forward or backward first, which chunk's ready forwards and
   backwards go first, whether a forward waits for a backward due before it would end; each
   again with promised bytes kept in turn where keeping them for every admitted micro-batch at
-  once held a forward back; then, from the best of each way of keeping promises (in turn only
-  when its best replay is the shorter), a local search over per-rank caps on the spans in
-  flight between F and B); the better of the best construction that fits and each of those is
+  once held a forward back, and again keeping none; then, from the best of each way of keeping
+  promises (the other two only when their best replay is the shorter), a local search over
+  per-rank caps on the spans in flight between F and B); the better of the best construction that fits and each of those is
   improved by moves on its critical path (refine.py), and the shortest simulated makespan
   within the cap is kept, so it never loses to a construction that fits. Lower bound and
   exact optimum: bounds.py, exact.py. Without a budget (the registry's plain (P, m, k, V) call,
@@ -202,9 +202,10 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
         found += [at_once] if at_once is not None else []
         # Kept in turn, the replay differs only where keeping every promise at once held a
         # forward back (or got stuck): otherwise it is the same replay.
-        if at_once is None or at_once[0].held_back:
-            in_turn = evaluate(Policy(first, None, later_f, later_b, wait, True))
-            found += [in_turn] if in_turn is not None else []
+        ways = ("in turn", "none") if at_once is None or at_once[0].held_back else ("none",)
+        for way in ways:
+            other = evaluate(Policy(first, None, later_f, later_b, wait, way))
+            found += [other] if other is not None else []
     fixed = []
     for programs in constructions(problem).values():
         makespan, peak = _replayed(problem, programs, costs)
@@ -215,11 +216,14 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
                             f"(pp={problem.pp}, m={problem.microbatches}, k={problem.splits}); "
                             "raise the cap")
     starts = []
-    families = [[f for f in found if f[1].reserve_in_turn == in_turn] for in_turn in (False, True)]
-    if families[0] and families[1] and min(f[0].makespan for f in families[1]) >= \
-            min(f[0].makespan for f in families[0]):
-        families.pop()      # in turn no replay did better: where the cap is loose, or so tight
-                            # that admitting more chokes the pipeline
+    families = [[f for f in found if f[1].promises == way]
+                for way in ("at once", "in turn", "none")]
+    # A way of keeping promises other than at once is searched on only where its best replay
+    # did better: where the cap is loose (or so tight that admitting more chokes the pipeline)
+    # the replays tie, and the depth search and refinement would repeat the same work.
+    families = families[:1] + [family for family in families[1:] if family and (
+        not families[0] or min(f[0].makespan for f in family)
+        < min(f[0].makespan for f in families[0]))]
     for family in families:
         # The depth search starts from the best replay of each way of keeping promises: the
         # shorter start does not always lead to the shorter end.
