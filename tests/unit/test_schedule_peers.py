@@ -138,7 +138,7 @@ def test_the_search_reaches_cp_sats_optimum_on_small_model_problems(pp):
 def test_a_v_under_zbvs_peak_reaches_cp_sats_optimum():
     """7B costs, P = 2, m = 4, k = 1, a V capped at 1F1B's rank-0 peak (34.03 GiB, under ZB-V's
     35.69: rank 0 also holds the loss's logits). Keeping room for every admitted micro-batch's
-    twin at once, the V search gave 6.171; keeping it in turn (Policy.reserve_in_turn) it
+    twin at once, the V search gave 6.171; keeping it in turn (Policy.promises = "in turn") it
     gives 5.211, the optimum CP-SAT proves, ahead of the best loop (5.381)."""
     from seq1f1b.plan.exact import solve
     costs = COSTS["model"]
