@@ -500,8 +500,8 @@ def _searched_layout(args: argparse.Namespace, budget: ScheduleBudget) -> StageL
     choice = choose_layout(_model(args).num_layers, shape.num_stages,
                            lambda split: lower_bound(shape, costs(split)), search)
     print(f"plan.py: --search-layout chose {LAYOUT_FLAG} '{choice.stage_layers.layout}': "
-          f"makespan {choice.makespan:.6g} against {choice.start_makespan:.6g} for the even "
-          f"split ({choice.tried} layouts searched)", file=sys.stderr)
+          f"makespan {choice.makespan:.6g} on a V against {choice.start_makespan:.6g} for the "
+          f"even split ({choice.tried} layouts searched)", file=sys.stderr)
     return choice.stage_layers
 
 

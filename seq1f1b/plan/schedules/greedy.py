@@ -171,8 +171,11 @@ class _Plan:
 
     def ready_at(self, step: int) -> float:
         """When every dependency of `step` has finished (inf while one is not placed)."""
-        finished = self.finished
-        return max([finished[need] for need in self.needs[step]], default=0.0)
+        finished, latest = self.finished, 0.0     # (times are >= 0; a loop, not max(): the
+        for need in self.needs[step]:              # replay asks this millions of times)
+            if finished[need] > latest:
+                latest = finished[need]
+        return latest
 
 
 def _units(steps: list[int], size: int) -> deque:

@@ -51,15 +51,18 @@ class _Orders:
 
     def timing(self, orders: list[list[int]]) -> tuple[list[float], list[float]] | None:
         """(start, end) of every step, or None when the orders deadlock."""
+        # The innermost loop runs once per action and dependency for every move the search
+        # tries (most of the search's time): plain comparisons and list slots, no calls.
         needs, duration = self.plan.needs, self.plan.duration
         start, end = [0.0] * self.size, [-1.0] * self.size
         cursor, free = [0] * len(orders), [0.0] * len(orders)
-        waiting: dict[int, list[int]] = {}
-        pending, timed = list(range(len(orders))), 0
+        waiting: list = [None] * self.size      # step -> ranks waiting for it to end
+        pending = list(range(len(orders)))
         while pending:
             rank = pending.pop()
             order, at, clock = orders[rank], cursor[rank], free[rank]
-            while at < len(order):
+            length = len(order)
+            while at < length:
                 step = order[at]
                 begin, blocked = clock, -1
                 for need in needs[step]:
@@ -67,17 +70,23 @@ class _Orders:
                     if finish < 0:
                         blocked = need
                         break
-                    begin = max(begin, finish)
+                    if finish > begin:
+                        begin = finish
                 if blocked >= 0:
-                    waiting.setdefault(blocked, []).append(rank)
+                    if waiting[blocked] is None:
+                        waiting[blocked] = [rank]
+                    else:
+                        waiting[blocked].append(rank)
                     break
                 start[step] = begin
                 clock = end[step] = begin + duration[step]
-                timed += 1
-                pending.extend(waiting.pop(step, ()))
+                woken = waiting[step]
+                if woken is not None:
+                    pending.extend(woken)
+                    waiting[step] = None
                 at += 1
             cursor[rank], free[rank] = at, clock
-        return (start, end) if timed == self.size else None
+        return (start, end) if sum(cursor) == self.size else None
 
     def peak(self, order: list[int]) -> float:
         """The most bytes the rank running `order` holds (allocated at a start, released after
@@ -86,7 +95,8 @@ class _Orders:
         held = peak = 0.0
         for step in order:
             held += alloc[step]
-            peak = max(peak, held)
+            if held > peak:
+                peak = held
             held -= release[step]
         return peak
 
