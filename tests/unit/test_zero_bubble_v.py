@@ -103,9 +103,9 @@ def test_replay_times_are_the_simulators():
 
 def test_keeping_no_promises_holds_the_cap_or_is_refused():
     """Policy.promises = "none" keeps no room for what admitted forwards allocate later, so a
-    replay may get stuck; it must then be refused, and where it goes through the order is valid
-    and no rank ever holds more than the cap (the simulator's peak), on a V and on a loop, at
-    and well under Seq1F1B's peak."""
+    replay may get stuck; it must then be refused, and where it goes through the order is valid,
+    its communication finishes under NCCL's rules, and no rank ever holds more than the cap (the
+    simulator's peak), on a V and on a loop, at and well under Seq1F1B's peak."""
     from seq1f1b.plan.schedules.zero_bubble_v import default_cap
     failures, placed_count, refused = [], 0, 0
     for pp in (2, 3, 4):
@@ -128,8 +128,10 @@ def test_keeping_no_promises_holds_the_cap_or_is_refused():
                                                 tuple(map(tuple, placed.programs)), placement)
                             report = simulate(schedule, costs)
                             peak = max(rank.peak_held_bytes for rank in report.ranks)
+                            verdicts = validate_modes(communication_plan(schedule))
                             if find_problems(schedule) or peak > cap * (1 + 1e-9) or \
-                                    report.makespan != pytest.approx(placed.makespan):
+                                    report.makespan != pytest.approx(placed.makespan) or \
+                                    not all(v.ok for v in verdicts.values()):
                                 failures.append((pp, m, k, placement, share, first, peak, cap))
     assert failures == []
     assert placed_count > refused > 0     # both outcomes occur on this grid
