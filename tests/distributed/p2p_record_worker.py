@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: prefetc
 from prefetch_order import prefetch_plan  # noqa: E402
 from seq1f1b.distributed import init_distributed, release_model_parallel  # noqa: E402
 from seq1f1b.equivalence import EquivalenceCase, case_plan, run_case  # noqa: E402
-from seq1f1b.plan import registry  # noqa: E402
+from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from seq1f1b.plan.communication import (RECV, SEND, Group, HostProgram, Issue, Op,  # noqa: E402
                                         Wait, collective, communication_plan)
@@ -174,6 +175,8 @@ def main(cases_path: str, results_path: str) -> None:
     for spec in json.load(open(cases_path)):
         prefetch = spec.pop("prefetch_order", False)
         case = EquivalenceCase(**spec)
+        if case.pipeline_schedule_file is not None:   # judged against the file's plan
+            case = replace(case, schedule=schedule_file.load(case.pipeline_schedule_file).name)
         p2p.communication_plan = prefetch_plan if prefetch else communication_plan
         recorder.install()
         try:

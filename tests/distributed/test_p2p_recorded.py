@@ -6,11 +6,18 @@ runtime's old prefetch order, which gloo runs without complaint, is caught. Cont
 (PP 2 x CP 2: seq1f1b and the interleaved span schedule): every CP rank issues
 the same all-to-alls and all-reduces in the same order, as many as the layers, spans and
 micro-batches call for, and the p2p and CP collectives of all four ranks replayed together, each
-on its communicator, finish under both modes (eager: every communicator on one device stream)."""
+on its communicator, finish under both modes (eager: every communicator on one device stream).
+An order the search's greedy places keeping no promises, run from a file, finishes too."""
 import pytest
 
 from launch import run_cases
-from seq1f1b.plan import registry
+from seq1f1b.plan import registry, schedule_file
+from seq1f1b.plan.actions import Schedule
+from seq1f1b.plan.costs import preset
+from seq1f1b.plan.registry import build
+from seq1f1b.plan.schedules.greedy import Placer, Policy, Problem
+from seq1f1b.plan.schedules.zero_bubble_v import default_cap
+from seq1f1b.schedule_compare import CostModel
 
 L8 = {"num_layers": 8}
 CP_CASES = [{"schedule": "seq1f1b", "cp": 2, "pp": 2, "splits": 3},
@@ -49,10 +56,37 @@ PARAMS = [(world, n) for world, cases in CASES.items() for n in range(len(cases)
           if not cases[n].get("prefetch_order")]
 
 
+NO_PROMISES = {"pp": 2, "num_microbatches": 2, "splits": 3, "chunks": 2,
+               "untie_embeddings": True}
+
+
+def no_promises_order() -> Schedule:
+    """A V order the greedy places keeping no promises (Policy.promises = "none": each allocation
+    waits only until it fits) under 7B costs at Seq1F1B's peak, P = 2, m = 2, k = 3: shorter
+    than, and other than, what the same policy places keeping promises at once or in turn. The
+    search takes such orders where they are shorter; none of the registry cases above does."""
+    shape = build("seq1f1b-zbv", 2, 2, 3, 2)
+    costs = CostModel(model=preset("7b"), seq_length=65536, tp=8,
+                      sequence_parallel=True).costs(shape)
+    problem = Problem(2, 2, 3, 2, "vshape")
+    placer, cap = Placer(problem, costs), default_cap(problem, costs)
+    placed = {way: placer.place(cap, Policy(True, None, False, True, True, way))
+              for way in ("at once", "in turn", "none")}
+    assert all(placed["none"].makespan < placed[way].makespan for way in ("at once", "in turn"))
+    return Schedule("no-promises", 2, 2, 3, 2, tuple(map(tuple, placed["none"].programs)),
+                    "vshape")
+
+
 @pytest.fixture(scope="module")
-def results():
-    return {world: run_cases(world, "p2p_record_worker.py", cases)
-            for world, cases in CASES.items()}
+def results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("no_promises") / "no_promises.csv"
+    path.write_text(schedule_file.write(no_promises_order()))
+    file_case = {"pipeline_schedule_file": str(path), **NO_PROMISES}
+    out = {world: run_cases(world, "p2p_record_worker.py",
+                            cases + ([file_case] if world == 2 else []))
+           for world, cases in CASES.items()}
+    out["no_promises"] = out[2].pop()
+    return out
 
 
 def test_cases_cover_every_registry_schedule_with_tp_and_sp():
@@ -69,6 +103,15 @@ def test_recorded_calls_finish_under_nccl_rules(results, param):
     assert result["error"] is None, result["error"]
     assert result["passed"]                       # the run was exact, too
     assert result["groups"] > 0 and result["pipeline_groups"] == world // CASES[world][n]["pp"]
+    assert result["problems"] == {"lazy": [], "eager": []}
+    assert result["plan_equal"]
+
+
+def test_an_order_placed_keeping_no_promises_finishes_under_nccl_rules(results):
+    result = results["no_promises"]
+    assert result["error"] is None, result["error"]
+    assert result["case"].startswith("file:") and result["passed"]     # exact, too
+    assert result["groups"] > 0 and result["pipeline_groups"] == 1
     assert result["problems"] == {"lazy": [], "eager": []}
     assert result["plan_equal"]
 
