@@ -135,6 +135,8 @@ def test_keeping_no_promises_holds_the_cap_or_is_refused():
                                 failures.append((pp, m, k, placement, share, first, peak, cap))
     assert failures == []
     assert placed_count > refused > 0     # both outcomes occur on this grid
+    with pytest.raises(ValueError, match="Policy.promises"):
+        Policy(promises="no")
 
 
 def test_a_cap_too_small_is_refused_naming_the_flag():

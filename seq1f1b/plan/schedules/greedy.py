@@ -171,8 +171,10 @@ class _Plan:
 
     def ready_at(self, step: int) -> float:
         """When every dependency of `step` has finished (inf while one is not placed)."""
-        finished, latest = self.finished, 0.0     # (times are >= 0; a loop, not max(): the
-        for need in self.needs[step]:              # replay asks this millions of times)
+        # A loop, not max() over a list: the replay asks this millions of times (end times are
+        # >= 0, so 0.0 is what max(..., default=0.0) gave).
+        finished, latest = self.finished, 0.0
+        for need in self.needs[step]:
             if finished[need] > latest:
                 latest = finished[need]
         return latest
@@ -180,6 +182,10 @@ class _Plan:
 
 def _units(steps: list[int], size: int) -> deque:
     return deque(tuple(steps[n:n + size]) for n in range(0, len(steps), size))
+
+
+PROMISES = ("at once", "in turn", "none")
+"""The ways a replay keeps room for what admitted forwards will allocate later (Policy)."""
 
 
 @dataclass(frozen=True)
@@ -198,7 +204,11 @@ class Policy:
     later_forward_first: bool = True     # among ready forwards, the later chunk's first
     later_backward_first: bool = True    # among ready backwards of one micro-batch, likewise
     wait_for_backward: bool = False      # leave a forward for a backward due before it ends
-    promises: str = "at once"            # "at once", "in turn" or "none"
+    promises: str = "at once"            # one of PROMISES
+
+    def __post_init__(self) -> None:
+        if self.promises not in PROMISES:
+            raise ValueError(f"Policy.promises must be one of {PROMISES}, got {self.promises!r}")
 
 
 @dataclass

@@ -24,7 +24,8 @@ so memory is even across ranks.
   again with promised bytes kept in turn where keeping them for every admitted micro-batch at
   once held a forward back, and again keeping none; then, from the best of each way of keeping
   promises (the other two only when their best replay is the shorter), a local search over
-  per-rank caps on the spans in flight between F and B); the better of the best construction that fits and each of those is
+  per-rank caps on the spans in flight between F and B); the better of the best construction
+  that fits and each of those is
   improved by moves on its critical path (refine.py), and the shortest simulated makespan
   within the cap is kept, so it never loses to a construction that fits. Lower bound and
   exact optimum: bounds.py, exact.py. Without a budget (the registry's plain (P, m, k, V) call,
@@ -40,7 +41,8 @@ from typing import Optional
 from seq1f1b.plan.actions import Action, Schedule, ScheduleError, split_full_backwards
 from seq1f1b.plan.budget import ScheduleBudget
 from seq1f1b.plan.registry import register
-from seq1f1b.plan.schedules.greedy import Placed, Placer, Policy, Problem, unit_costs
+from seq1f1b.plan.schedules.greedy import (PROMISES, Placed, Placer, Policy, Problem,
+                                             unit_costs)
 from seq1f1b.plan.schedules.refine import refine
 from seq1f1b.plan.schedules.zbv_construction import dualpipev_programs, zbv_programs
 from seq1f1b.plan.simulate import SpanCosts, simulate
@@ -201,7 +203,8 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
         at_once = evaluate(Policy(first, None, later_f, later_b, wait))
         found += [at_once] if at_once is not None else []
         # Kept in turn, the replay differs only where keeping every promise at once held a
-        # forward back (or got stuck): otherwise it is the same replay.
+        # forward back (or got stuck): otherwise it is the same replay. Keeping none may differ
+        # either way (a forward whose own promise did not fit now goes).
         ways = ("in turn", "none") if at_once is None or at_once[0].held_back else ("none",)
         for way in ways:
             other = evaluate(Policy(first, None, later_f, later_b, wait, way))
@@ -216,8 +219,7 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
                             f"(pp={problem.pp}, m={problem.microbatches}, k={problem.splits}); "
                             "raise the cap")
     starts = []
-    families = [[f for f in found if f[1].promises == way]
-                for way in ("at once", "in turn", "none")]
+    families = [[f for f in found if f[1].promises == way] for way in PROMISES]
     # A way of keeping promises other than at once is searched on only where its best replay
     # did better: where the cap is loose (or so tight that admitting more chokes the pipeline)
     # the replays tie, and the depth search and refinement would repeat the same work.
