@@ -154,7 +154,7 @@ DEVICE_MADE = {
     ".to(device=)": lambda: torch.ones(3).to(device=torch.device("cuda")),
     ".to(tensor)": lambda: torch.ones(3).to(on_device(1)),
     "computed": lambda: on_device(3) * 2,
-    "_like": lambda: torch.empty_like(on_device(3)),
+    "_like": lambda: torch.empty_like(on_device(3)).zero_(),     # uninitialised: may hold NaN
     "new_": lambda: on_device(1).new_zeros(3),
     "cat": lambda: torch.cat([on_device(1), on_device(2)]),
     "Parameter": lambda: torch.nn.Parameter(on_device(3)),
