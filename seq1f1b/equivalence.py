@@ -28,7 +28,8 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.distributed import release_model_parallel
-from seq1f1b.model_flags import (SHAPE_FLAGS, add_model_shape_args, default_ffn_hidden_size,
+from seq1f1b.model_flags import (LOSS_BACKWARD_IN_FORWARD_HELP, SHAPE_FLAGS,
+                                 add_model_shape_args, default_ffn_hidden_size,
                                  kv_channels_error, query_groups_error, swiglu_ffn_error)
 from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan import registry, schedule_file
@@ -99,6 +100,7 @@ class EquivalenceCase:
     decoder_last_pipeline_num_layers: Optional[int] = None    # uneven last stage
     pipeline_model_parallel_layout: Optional[str] = None      # every stage's layers (a layout)
     gradient_accumulation_fusion: bool = True      # weight-gradient GEMMs add into main_grad
+    loss_backward_in_forward: bool = False         # the output layer's backward at F
 
 
 TOOL_SHAPE_DEFAULTS = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=24,
@@ -164,6 +166,8 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
                         action="store_false",
                         help="weight gradients into fresh tensors that DDP adds to main_grad "
                              "(default: the GEMM accumulates into main_grad, as Megatron-LM)")
+    parser.add_argument("--loss-backward-in-forward", action="store_true",
+                        help=LOSS_BACKWARD_IN_FORWARD_HELP)
 
 
 def settle_shape_flags(args) -> None:
@@ -209,7 +213,8 @@ def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
                                                     case.recompute_method,
                                                     case.recompute_num_layers),
                      stage_layers=stage_layers(case), cp=case.cp,
-                     tied_embeddings=not case.untie_embeddings)
+                     tied_embeddings=not case.untie_embeddings,
+                     loss_backward_in_forward=case.loss_backward_in_forward)
     return run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
                       MemoryCap.parse(case.schedule_memory_cap)
                       if case.schedule_memory_cap else None, shape)
@@ -543,7 +548,9 @@ class ParallelLayout:
         iterators = [iter(mine) for _ in self.chunks]
         settings = SpanSettings(case.splits, "explicit" if case.span_lengths else case.partition,
                                 tuple(case.span_lengths) if case.span_lengths else None,
-                                budget=case_budget(replace(case, schedule=schedule)))
+                                budget=case_budget(replace(case, schedule=schedule)),
+                                loss_backward_in_forward=case.loss_backward_in_forward
+                                and schedule not in MEGATRON_SCHEDULES)
         losses = get_forward_backward_func(schedule, settings)(
             forward_step_func=forward_step,
             data_iterator=iterators if self.chunked else iterators[0],

@@ -15,6 +15,13 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from seq1f1b.plan.costs import ModelConfig
 
+LOSS_BACKWARD_IN_FORWARD_HELP = (
+    "run the output layer's backward inside the last stage's forward: each span's logits and "
+    "fp32 softmax (span x vocab / TP floats) are freed at F instead of held until B, which "
+    "keeps the input gradient (span x hidden) and, per micro-batch in flight, the output "
+    "weights' gradient; exact (seq1f1b/runtime/early_loss.py)")
+"""--loss-backward-in-forward, in pretrain_gpt.py and the tools that run a model."""
+
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 

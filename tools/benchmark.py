@@ -363,10 +363,12 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
         if run.partition == "fit":          # compute until the warm-up has been fitted
             lengths = cuts[run][0] if run in cuts else None
             return SpanSettings(run.splits, "explicit" if lengths else "compute", lengths,
-                                trace=trace, budget=budgets[run])
+                                trace=trace, budget=budgets[run],
+                                loss_backward_in_forward=case.loss_backward_in_forward)
         return SpanSettings(run.splits, run.partition,
                             tuple(case.span_lengths) if case.span_lengths else None,
-                            trace=trace, budget=budgets[run])
+                            trace=trace, budget=budgets[run],
+                            loss_backward_in_forward=case.loss_backward_in_forward)
 
     def iteration(run: Run, trace: Optional[ExecutionTrace]) -> float:
         settings = settings_of(run, trace)
@@ -478,6 +480,7 @@ def _plan(args: argparse.Namespace, run: Run):
 def _memory_estimate(args: argparse.Namespace, run: Run, dp: int, lengths: tuple[int, ...]):
     """The estimator's figures for `run` with the spans it ran (`lengths`)."""
     from seq1f1b.plan.memory import TrainingSetup, estimate_memory
+    from seq1f1b.runtime.forward_backward import MEGATRON_SCHEDULES
 
     setup = TrainingSetup(
         model=_cost_model(args), seq_length=args.seq_length, schedule=run.schedule, pp=args.pp,
@@ -491,7 +494,9 @@ def _memory_estimate(args: argparse.Namespace, run: Run, dp: int, lengths: tuple
         schedule_memory_cap=args.schedule_memory_cap if is_searched(run.schedule) else None,
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
-        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout)
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+        loss_backward_in_forward=args.loss_backward_in_forward
+        and run.schedule not in MEGATRON_SCHEDULES)
     return estimate_memory(setup)
 
 

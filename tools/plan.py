@@ -34,7 +34,8 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from seq1f1b.model_flags import COST_FLAGS, add_model_shape_args, model_of_flags  # noqa: E402
+from seq1f1b.model_flags import (COST_FLAGS, LOSS_BACKWARD_IN_FORWARD_HELP,  # noqa: E402
+                                 add_model_shape_args, model_of_flags)
 from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
 from seq1f1b.plan.budget import (MemoryCap, ScheduleBudget, model_budget,  # noqa: E402
@@ -314,7 +315,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         return model_costs(schedule, model, spans, flops_per_second=args.device_tflops * 1e12,
                            tp=args.tp, sequence_parallel=args.sequence_parallel,
                            stage_layers=_stage_layers(args).for_reference() if whole
-                           else _stage_layers(args), cp=args.cp)
+                           else _stage_layers(args), cp=args.cp,
+                           loss_backward_in_forward=args.loss_backward_in_forward and not whole)
 
     if args.uniform_cost is not None and len(args.uniform_cost) not in (2, 3):
         raise UsageError("--uniform-cost takes two or three numbers: F B [W]")
@@ -385,7 +387,8 @@ def cmd_memory(args: argparse.Namespace) -> None:
         schedule_memory_cap=args.schedule_memory_cap,
         decoder_first_pipeline_num_layers=args.first_stage_layers,
         decoder_last_pipeline_num_layers=args.last_stage_layers,
-        pipeline_model_parallel_layout=args.layout)
+        pipeline_model_parallel_layout=args.layout,
+        loss_backward_in_forward=args.loss_backward_in_forward)
     calibration = read_device_check(args.device_check) if args.device_check else None
     reserve = calibration.reserve_ratio if calibration and calibration.reserve_ratio else 1.0
     estimate = estimate_memory(setup)
@@ -733,6 +736,8 @@ def build_parser() -> Parser:
                      help="FLOP rate of one GPU, in TFLOPS (default: A100 bf16 peak)")
     sim.add_argument("--p2p-latency", type=float, default=0.0,
                      help="added to every cross-rank dependency, in the costs' time unit")
+    sim.add_argument("--loss-backward-in-forward", action="store_true",
+                     help=LOSS_BACKWARD_IN_FORWARD_HELP + " (with a model)")
     sim.add_argument("--plot", metavar="FILE.png")
     sim.add_argument("--trace", metavar="FILE.json", help="chrome://tracing / Perfetto JSON")
     sim.add_argument("--json", action="store_true")
@@ -757,6 +762,8 @@ def build_parser() -> Parser:
     mem.add_argument("--distributed-optimizer", action="store_true",
                      help="shard the optimizer states over DP")
     mem.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
+    mem.add_argument("--loss-backward-in-forward", action="store_true",
+                     help=LOSS_BACKWARD_IN_FORWARD_HELP)
     mem.add_argument("--recompute-granularity", choices=list(RECOMPUTE_GRANULARITIES),
                      help="checkpoint activations to allow for training with larger models, "
                           "sequences and batch sizes, at two granularities: full (the whole "

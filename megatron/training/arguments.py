@@ -32,8 +32,9 @@ from megatron.training.checkpoint_common import read_common_state, starting_poin
 from megatron.training.data import DataConfig, check_data_config, check_token_ids, parse_split
 from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer
 from seq1f1b import checkpoint_layout
-from seq1f1b.model_flags import (SHAPE_FLAGS, add_model_shape_args, default_ffn_hidden_size,
-                                 kv_channels_error, query_groups_error, swiglu_ffn_error)
+from seq1f1b.model_flags import (LOSS_BACKWARD_IN_FORWARD_HELP, SHAPE_FLAGS,
+                                 add_model_shape_args, default_ffn_hidden_size, kv_channels_error,
+                                 query_groups_error, swiglu_ffn_error)
 
 MEGATRON_SCHEDULES = {"megatron-1f1b": False, "megatron-interleaved-1f1b": True}
 MEGATRON_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")   # megatron's --cp-comm-type
@@ -378,6 +379,8 @@ def _add_pipeline_schedule_args(parser: ArgumentParser) -> None:
                         "0.5x); the schedule is placed with this model's FLOP and byte costs "
                         "(with --seq1f1b-partition fit: re-placed with the measured times once "
                         "the fit is in) (default: the schedule's own budget)")
+    g.add_argument("--loss-backward-in-forward", action="store_true",
+                   help=LOSS_BACKWARD_IN_FORWARD_HELP)
     g.add_argument("--pipe-sp-splits", type=int, help="alias of --seq1f1b-splits")
     g.add_argument("--pipe-sp-strategy", choices=tuple(PIPE_SP_STRATEGIES),
                    help="alias of --seq1f1b-partition: average = even, uniform_comp = compute")
@@ -827,6 +830,9 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         _check_schedule_file_shape(args)
     if name in MEGATRON_SCHEDULES and k != 1:
         _fail(f"--seq1f1b-splits {k}: --pipeline-schedule {name} runs whole sequences (k = 1)")
+    if name in MEGATRON_SCHEDULES and args.loss_backward_in_forward:
+        _fail(f"--loss-backward-in-forward: --pipeline-schedule {name} is megatron-core's own "
+              "schedule, which runs the loss's backward at B; choose one of ours (e.g. 1f1b)")
     if chunked and (name in MEGATRON_SCHEDULES or _placement(name) == "loop") and \
             args.num_micro_batches % args.pipeline_model_parallel_size:
         # megatron-core's interleaving rule, which seq1f1b's interleaved schedules keep

@@ -51,7 +51,8 @@ class ScheduleFunction:
             splits=args.seq1f1b_splits, partition="compute" if fit else args.seq1f1b_partition,
             span_lengths=tuple(args.seq1f1b_span_lengths) if args.seq1f1b_span_lengths else None,
             p2p_timeout_s=args.p2p_timeout,
-            budget=schedule_budget(args))
+            budget=schedule_budget(args),
+            loss_backward_in_forward=args.loss_backward_in_forward)
         self.function: Callable = get_forward_backward_func(args.pipeline_schedule,
                                                             self._settings)
         self._check_placement()

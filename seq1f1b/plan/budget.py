@@ -180,6 +180,7 @@ class RunShape:
     stage_layers: StageLayers = EVEN
     cp: int = 1                 # context-parallel ranks per span: each holds 1/C of the bytes
     tied_embeddings: bool = False   # a V would put both in two chunks of rank 0: loop only
+    loss_backward_in_forward: bool = False   # the output layer's backward at F (early_loss)
 
 
 NOMINAL_FLOPS_PER_SECOND = 1e12
@@ -203,7 +204,9 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
                             batch=shape.micro_batch_size,
                             bytes_per_element=shape.bytes_per_element, recompute=shape.recompute,
                             stage_layers=shape.stage_layers.for_reference() if whole
-                            else shape.stage_layers, cp=shape.cp)
+                            else shape.stage_layers, cp=shape.cp,
+                            # the cap's reference is stock 1F1B's peak
+                            loss_backward_in_forward=shape.loss_backward_in_forward and not whole)
         if fit is None or whole:
             return costs
         return _scaled_to_fit(costs, fit, span_bounds(list(shape.span_lengths)))

@@ -18,8 +18,11 @@ schedule's memory is read off the same plan that runs. What the estimate counts,
   group's input);
 - the K/V cache of the micro-batches in flight, each the whole sequence's from its first span's
   forward to its last backward (the runtime's one buffer per micro-batch), and its dK/dV
-  accumulators (fp32 whatever the precision) from its first backward on; on the last stage ("logits") the loss's fp32 softmax
-  and the inputs of the final norm and the output layer;
+  accumulators (fp32 whatever the precision) from its first backward on; on the last stage
+  ("logits") the loss's fp32 softmax and the inputs of the final norm and the output layer, or
+  with the loss's backward at F (`loss_backward_in_forward`, runtime/early_loss.py) the final
+  norm's input, the output layer's input gradient and each micro-batch's fp32 output-weight
+  gradient;
 - a backward workspace (costs.backward_workspace_bytes; with full recompute it includes the
   recomputed group's activations) and a fixed framework overhead (`FRAMEWORK_OVERHEAD_GIB`);
 - under context parallelism (`cp` = C): activations, logits and workspace of span / C tokens, the
@@ -102,6 +105,7 @@ class TrainingSetup:
     decoder_first_pipeline_num_layers: Optional[int] = None   # uneven first stage
     decoder_last_pipeline_num_layers: Optional[int] = None    # uneven last stage
     pipeline_model_parallel_layout: Optional[str] = None      # every stage's layers (a layout)
+    loss_backward_in_forward: bool = False          # the output layer's backward at F
 
     def __post_init__(self) -> None:
         recompute = self.recompute      # validates; full's defaults (uniform, 1) written back
@@ -281,7 +285,9 @@ def estimate_memory(setup: TrainingSetup, held_peaks: HeldPeaks = _simulated_pea
                            sequence_parallel=setup.sequence_parallel,
                            batch=setup.micro_batch_size, bytes_per_element=precision.activation,
                            recompute=setup.recompute, stage_layers=setup.stage_layers,
-                           cp=setup.cp)
+                           cp=setup.cp,
+                           # a cap's reference (whole) is stock 1F1B's peak
+                           loss_backward_in_forward=setup.loss_backward_in_forward and not whole)
 
     cap = MemoryCap.parse(setup.schedule_memory_cap) if setup.schedule_memory_cap else None
     budget = model_budget(setup.plan_name, setup.pp, setup.microbatches, setup.splits,

@@ -65,6 +65,9 @@ class SpanCosts:
                                                # whatever the precision); None: kv_cache_bytes
     hop: Table | None = None   # [v][span]: p2p seconds between virtual stages v and v+1 (either
                                # way, P*V - 1 rows); None: simulate's flat p2p_latency
+    head_gradient_bytes: Table | None = None   # [v][0]: with the loss's backward at F, the output
+                               # weights' gradient of each micro-batch in flight on the last
+                               # stage, from F(i,0) until after B(i,k-1) (runtime/early_loss.py)
 
     def duration(self, stage: int, action: Action, full_backward: bool = False) -> float:
         """Seconds of `action` on `stage`; a `full_backward` B (its unit has no W) also does the
@@ -107,7 +110,8 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                 attention_flops_per_second: float | None = None,
                 recompute: Recompute | None = None,
                 efficiency: Callable[[int, int], Efficiency] | None = None,
-                stage_layers: StageLayers = EVEN, cp: int = 1) -> SpanCosts:
+                stage_layers: StageLayers = EVEN, cp: int = 1,
+                loss_backward_in_forward: bool = False) -> SpanCosts:
     """Durations and bytes from costs.py for `model` with the sequence cut into `span_lengths`.
 
     A virtual stage runs N/(P*V) layers on each span (or its own count with uneven first and
@@ -121,7 +125,11 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
     every layer (full, uniform), the first N layers (full, block) or the core attention of every
     layer (selective). `efficiency(start, end)` (None: all 1) gives the fractions of the rates
     the span [start, end) reaches (`Efficiency`): how short spans run slower
-    (projection.DeviceModel's curves). Under context parallelism (`cp` = C ranks per span) a rank
+    (projection.DeviceModel's curves). With `loss_backward_in_forward` (runtime/early_loss.py)
+    the last stage's F also runs the output layer's backward and keeps, instead of the loss's
+    softmax, the output layer's input gradient (the input itself is freed: the sizes of
+    `output_layer_input_bytes` stay) and per micro-batch the output weights' fp32 gradient;
+    its B and W do no output-layer work. Under context parallelism (`cp` = C ranks per span) a rank
     does 1/C of every FLOP and holds span / C tokens' activations and logits, and its share of
     the K/V cache (plan/context_parallel.py); the all-to-alls are the projection's to price.
     """
@@ -138,7 +146,9 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
 
     def stage_flops(stage: int, start: int, end: int) -> SpanFlops:
         body = layer_flops(model, end - start, end, batch).scaled(layers[stage])
-        return body + logits_flops(model, end - start, batch) if stage == last else body
+        if stage != last or loss_backward_in_forward:
+            return body
+        return body + logits_flops(model, end - start, batch)
 
     def recomputed_flops(stage: int, start: int, end: int) -> SpanFlops:
         layer = layer_flops(model, end - start, end, batch)
@@ -166,11 +176,20 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                 + kind(SpanFlops(0.0, flops.attention))
                 / (tp * cp * attention_flops_per_second * attention))
 
+    def head_seconds(v: int, j: int) -> float:
+        """The output layer's forward and backward, run by F when the loss's backward is."""
+        if v != last or not loss_backward_in_forward:
+            return 0.0
+        start, end = bounds[j]
+        return duration(logits_flops(model, end - start, batch),
+                        lambda f: f.forward + f.backward, j, False)
+
     def seconds(kind: Callable[[SpanFlops], float], backward: bool = False,
                 recomputed: bool = False) -> Table:
         return tuple(tuple(
             duration(cell, kind, j, backward)
             + (duration(rerun[v][j], lambda f: f.forward, j, False) if recomputed else 0.0)
+            + (0.0 if backward else head_seconds(v, j))
             for j, cell in enumerate(row)) for v, row in enumerate(grid))
 
     def per_span_bytes(kind: Callable[[int, int], float], scale: float = 1.0) -> Table:
@@ -181,10 +200,15 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
 
     replication = kv_replication(model, tp, cp)
     no_logits = tuple(0.0 for _ in span_lengths)
-    logits = tuple(float(logits_bytes(model, n // cp, batch, tp)
+    logits = tuple(float((0.0 if loss_backward_in_forward
+                          else logits_bytes(model, n // cp, batch, tp))
                          + output_layer_input_bytes(model, n // cp, batch, tp, sequence_parallel,
                                                     bytes_per_element))
                    for n in span_lengths)
+    head_gradient = tuple(
+        tuple(float(model.vocab_size * model.hidden_size / tp * ACCUMULATOR_BYTES)
+              if v == last and j == 0 and loss_backward_in_forward else 0.0
+              for j in range(len(span_lengths))) for v in range(schedule.num_stages))
 
     split = schedule.split_backward
     return SpanCosts(
@@ -204,7 +228,8 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                                                     max(bytes_per_element, ACCUMULATOR_BYTES)),
             replication),
         logits_bytes=tuple(logits if stage == last else no_logits
-                           for stage in range(schedule.num_stages)))
+                           for stage in range(schedule.num_stages)),
+        head_gradient_bytes=head_gradient if loss_backward_in_forward else None)
 
 
 @dataclass(frozen=True)
@@ -309,7 +334,9 @@ _HELD = ("activation", "kv_cache", "logits")
 activations), K/V per micro-batch (the whole sequence's, from F(i,0) until after B(i,0)) and, from
 the micro-batch's first backward (its last span's B) on, the cache's dK/dV accumulators of the
 earlier spans' rows (spans 0..k-2, in fp32: twice their K/V bytes in bf16 training; none with
-k = 1). The accumulators count under "kv_cache"."""
+k = 1). The accumulators count under "kv_cache". With the loss's backward at F, the last stage
+also holds each micro-batch's output-weight gradient from F(i,0) until after its first backward
+(B(i,k-1)), under "logits"."""
 
 
 def held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
@@ -319,6 +346,8 @@ def held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
     logits = costs.logits_bytes or tuple((0.0,) * len(row) for row in costs.activation_bytes)
     tables = dict(zip(_HELD, (costs.activation_bytes, costs.kv_cache_bytes, logits)))
     tables["kv_accumulator"] = costs.kv_accumulator_bytes or costs.kv_cache_bytes
+    tables["head_gradient"] = costs.head_gradient_bytes or tuple(
+        (0.0,) * len(row) for row in costs.activation_bytes)
     return tables
 
 
@@ -343,6 +372,10 @@ def held_change(tables: dict[str, Table], stage: int, action: Action, frees_acti
         allocated["kv_cache"] = earlier_spans_kv
     if action.op == "B" and span == 0:
         released["kv_cache"] = whole_sequence_kv + earlier_spans_kv
+    if action.op == "F" and span == 0:
+        allocated["logits"] += tables["head_gradient"][stage][0]
+    if action.op == "B" and span == len(tables["kv_cache"][stage]) - 1:
+        released["logits"] += tables["head_gradient"][stage][0]
     return allocated, released
 
 

@@ -2,9 +2,11 @@
 
 One executor runs every schedule of the registry: F = receive the activation (or cut the span out
 of the micro-batch on the first stage), run the chunk on the span with its KV context, send; B =
-receive the output grad (or scale the span's loss on the last stage), back-propagate from the
-output and from this span's K/V with the dK/dV later spans left, send the input grad. The order is
-the plan's; the executor adds none of its own, so what the validator and simulator saw is what runs.
+receive the output grad (or scale the span's loss on the last stage; with
+`--loss-backward-in-forward` F already back-propagated it through the output layer and B scales
+the gradient it kept, runtime/early_loss.py), back-propagate from the output and from this
+span's K/V with the dK/dV later spans left, send the input grad. The order is the plan's; the
+executor adds none of its own, so what the validator and simulator saw is what runs.
 Communication too: `PipelineChannels` issues the communication plan's groups right after the
 actions they follow (`seq1f1b.plan.communication`, checked under NCCL's rules).
 
@@ -46,6 +48,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from seq1f1b import platform
 from seq1f1b.plan.actions import Action, Schedule, ScheduleError
 from seq1f1b.runtime.attention import cached_mask_tensors
+from seq1f1b.runtime.early_loss import EarlyLoss
 from seq1f1b.runtime.grad_sync import GradSync
 from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
 from seq1f1b.runtime.loss import MicrobatchLoss
@@ -77,6 +80,7 @@ class StepInputs:
     collect_non_loss_data: bool = False
     p2p_timeout_s: float = 600.0
     trace: Optional[ExecutionTrace] = None          # per-action times and bytes, when asked
+    loss_backward_in_forward: bool = False          # runtime/early_loss.py
 
 
 _TIMER_NAMES = {"F": "forward-compute", "B": "backward-compute", "W": "weight-grad-compute"}
@@ -143,6 +147,13 @@ class Executor:
         # Weight-gradient GEMMs that B defers to W (schedules that split backward): the model
         # must be built with split-backward linears (build_model_chunk(split_backward=True)).
         self.wgrad = WeightGradStore()
+        # The output layer's backward at F (--loss-backward-in-forward), per last-stage chunk.
+        self.early: dict[int, EarlyLoss] = {}
+        if inputs.loss_backward_in_forward and not inputs.forward_only:
+            last = sched.num_stages - 1
+            owner, chunk = sched.owner_of(last)
+            if owner == inputs.rank:
+                self.early[chunk] = EarlyLoss(inputs.model_chunks[chunk])
         if sched.split_backward and not any(has_split_backward(m) for m in inputs.model_chunks):
             raise ScheduleError(f"--pipeline-schedule {sched.name} defers weight gradients to W "
                                 "actions: build the model with split_backward=True")
@@ -192,19 +203,34 @@ class Executor:
         data = self.sources[c].span_iterator(i, start, end, last_span)
         if j == 0:      # flash's varlen layout reads the document ids here, with no host sync
             cache.host_document_ids = self.sources[c].host_document_ids(i)
-        with span_context(SpanContext(i, j, start, end, cache)), self._autocast():
-            output, loss_func = self.inp.forward_step_func(data, model)
-        if self._is_last_stage(action):
-            output = self._record_loss(action, output, loss_func)
-        else:
-            self.channels.send(action, output)
+        early = self.early.get(c) if self._is_last_stage(action) else None
+        with early.forward(i, j) if early is not None else contextlib.nullcontext() as cut:
+            with span_context(SpanContext(i, j, start, end, cache)), self._autocast():
+                output, loss_func = self.inp.forward_step_func(data, model)
+            if self._is_last_stage(action):
+                output = self._record_loss(action, output, loss_func)
+                if early is not None:
+                    self._backward_loss_now(output)
+            else:
+                self.channels.send(action, output)
+        if early is not None:
+            output = cut["hidden"]
+            if self.deallocate:     # its gradient is kept; B needs only its graph
+                output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
         if self.inp.forward_only:
             if last_span:
                 del self.caches[(i, c)]
             return
         if not self._is_last_stage(action) and self.deallocate:
             output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
-        self.saved[action.key()] = (input_tensor, output)
+        self.saved[action.key()] = (input_tensor, None if early is not None else output)
+
+    def _backward_loss_now(self, loss: torch.Tensor) -> None:
+        """F's backward of the span's loss through the output layer alone, at unit scale (times
+        the fp16 loss scale): early_loss.py."""
+        if self.config.grad_scale_func is not None:
+            loss = self.config.grad_scale_func(loss)
+        torch.autograd.backward([loss], grad_tensors=[torch.ones_like(loss)])
 
     def _record_loss(self, action: Action, output: Any, loss_func: Optional[Callable]) -> Any:
         i, j = action.microbatch, action.span
@@ -240,11 +266,15 @@ class Executor:
             scale = record.backward_scale(j, self.schedule.microbatches,
                                           getattr(self.config, "calculate_per_token_loss", False),
                                           self.inp.cp_size)
-            output = torch.as_tensor(output) * scale
-            if self.config.grad_scale_func is not None:
-                output = self.config.grad_scale_func(output)
-            grad = torch.ones_like(output)
-            deallocated = False
+            if c in self.early:
+                output, grad = self.early[c].take(i, j, scale)
+                deallocated = self.deallocate
+            else:
+                output = torch.as_tensor(output) * scale
+                if self.config.grad_scale_func is not None:
+                    output = self.config.grad_scale_func(output)
+                grad = torch.ones_like(output)
+                deallocated = False
             if j == 0:
                 del self.losses[i]
         else:
@@ -307,10 +337,12 @@ class Executor:
             trace.end()
         if not self.inp.forward_only:
             self.grad_sync.finish()
-        if self.saved or self.caches or self.losses or self.wgrad.pending():
+        early = sum(chunk.pending() for chunk in self.early.values())
+        if self.saved or self.caches or self.losses or self.wgrad.pending() or early:
             raise RuntimeError(f"pipeline rank {self.inp.rank}: {len(self.saved)} activations, "
-                               f"{len(self.caches)} KV caches and {len(self.wgrad.pending())} "
-                               "deferred weight gradients left after the iteration")
+                               f"{len(self.caches)} KV caches, {len(self.wgrad.pending())} "
+                               f"deferred weight gradients and {early} micro-batches' output-"
+                               "layer gradients left after the iteration")
         if not self._holds_last_stage():
             return []
         return [self.forward_data_store[i] for i in sorted(self.forward_data_store)]
@@ -322,8 +354,9 @@ class Executor:
         receives not yet taken); the saved-tensor meter adds them."""
         outputs = [out for _, out in self.saved.values() if isinstance(out, torch.Tensor)]
         caches = [t for cache in self.caches.values() for t in cache.tensors()]
+        early = [t for chunk in self.early.values() for t in chunk.held_tensors()]
         return (outputs + caches + self.wgrad.held_tensors() + cached_mask_tensors()
-                + self.channels.held_tensors())
+                + self.channels.held_tensors() + early)
 
     def _holds_last_stage(self) -> bool:
         last = self.schedule.num_stages - 1

@@ -39,6 +39,7 @@ class SpanSettings:
     p2p_timeout_s: float = 600.0
     trace: Optional[ExecutionTrace] = field(default=None, compare=False, hash=False)
     budget: Optional[ScheduleBudget] = None       # a searched schedule's costs and memory cap
+    loss_backward_in_forward: bool = False        # the output layer's backward at F (early_loss)
 
 
 def schedule_names() -> list[str]:
@@ -236,7 +237,7 @@ def get_forward_backward_func(name: str = "seq1f1b",
             tp_size=tp, cp_size=cp, cp_rank=cp_group.rank(), cp_group=cp_group,
             forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, p2p_timeout_s=settings.p2p_timeout_s,
-            trace=settings.trace))
+            trace=settings.trace, loss_backward_in_forward=settings.loss_backward_in_forward))
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(
                 barrier=config.barrier_with_L1_time)

@@ -22,7 +22,10 @@ runtime/context_parallel.py) at CP 2 and 4: with PP 2, TP 2 with SP, DP 2, V 2
 interleaved, the zero-bubble schedule, GQA with 2 K/V groups and 1 (replicated to every CP rank),
 packed documents, full and selective recompute, the eager and sdpa kernels, k 2-4.
 Weight gradients accumulate into main_grad inside the GEMM (gradient accumulation fusion, the
-default) in every case but the `UNFUSED` ones.
+default) in every case but the `UNFUSED` ones. The `EARLY` cases run the output layer's backward
+inside the last stage's forward (--loss-backward-in-forward, runtime/early_loss.py): tied on one
+stage, untied with SwiGLU/RMSNorm and full recompute, PP 2 on a loop and on a V (split backward),
+TP 2 with SP, CP 2 unfused, DP 2, and TP 2 x PP 2 interleaved with SP.
 """
 from dataclasses import replace
 
@@ -48,6 +51,8 @@ DOCS = {"reset_attention_mask": True, "reset_position_ids": True}
 # Every case accumulates weight gradients into main_grad inside the GEMM (Megatron-LM's default,
 # gradient_accumulation_fusion); UNFUSED cases take DDP's separate add instead.
 UNFUSED = {"gradient_accumulation_fusion": False}
+# The output layer's backward in the last stage's F (--loss-backward-in-forward): scaled at B.
+EARLY = {"loss_backward_in_forward": True}
 CASES: dict[int, list[dict]] = {
     1: [
         {"schedule": "seq1f1b", "splits": 1},
@@ -66,6 +71,9 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b", "splits": 3, **DOCS, "document_lengths": [8, 4, 12],
          "num_query_groups": 2, "attention_backend": "eager"},
         {"schedule": "seq1f1b", "splits": 4, "span_lengths": [3, 9, 5, 7], **UNFUSED},
+        # one stage: the output layer shares the embedding's weight (tied), fused and not
+        {"schedule": "seq1f1b", "splits": 4, "span_lengths": [3, 9, 5, 7], **EARLY},
+        {"schedule": "seq1f1b", "splits": 3, **EARLY, **UNFUSED, **LLAMA, **FULL},
     ],
     2: [
         {"schedule": "1f1b", "pp": 2},
@@ -125,6 +133,12 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b-zb-h1", "cp": 2, "splits": 2},
         {"schedule": "seq1f1b-zb-h1", "tp": 2, "splits": 2, "sequence_parallel": True,
          **UNFUSED},
+        {"schedule": "seq1f1b", "pp": 2, "splits": 3, "span_lengths": [4, 13, 7], **EARLY},
+        {"schedule": "seq1f1b-zbv", "pp": 2, "chunks": 2, "splits": 3, "untie_embeddings": True,
+         **EARLY},
+        {"schedule": "seq1f1b", "tp": 2, "splits": 3, "sequence_parallel": True, **EARLY},
+        {"schedule": "seq1f1b", "cp": 2, "splits": 2, **EARLY, **UNFUSED},
+        {"schedule": "seq1f1b", "splits": 2, "num_microbatches": 2, **EARLY},        # DP 2
         # --pipeline-model-parallel-layout: any count per stage, on a loop (megatron's own
         # layout), interleaved, and a V whose output-layer stage sheds layers to the middle
         {"schedule": "seq1f1b", "pp": 2, "splits": 2, "pipeline_model_parallel_layout": "Et*3|tL"},
@@ -204,6 +218,8 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b", "cp": 4, "splits": 3, **QWEN2},
         {"schedule": "seq1f1b-interleaved", "cp": 2, "pp": 2, "chunks": 2, "splits": 3},
         {"schedule": "seq1f1b-zb-h1", "cp": 2, "pp": 2, "splits": 4, "span_lengths": [4, 8, 6, 6]},
+        {"schedule": "seq1f1b-interleaved", "tp": 2, "pp": 2, "chunks": 2, "splits": 2,
+         "sequence_parallel": True, **EARLY},
     ],
 }
 

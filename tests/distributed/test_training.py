@@ -220,6 +220,10 @@ OVERLAP_LAYOUTS = {   # name: (flags of both runs, flags the overlapped run adds
     "seq1f1b-interleaved": (["--pipeline-schedule", "seq1f1b-interleaved", "--seq1f1b-splits",
                              "2", "--num-layers-per-virtual-pipeline-stage", "1"],
                             ["--overlap-grad-reduce"]),
+    # the output layer's weight gradients go into main_grad at B, outside autograd, and report
+    # ready to their bucket at the stage's last B (runtime/early_loss.py)
+    "seq1f1b-early": (["--pipeline-schedule", "seq1f1b", "--seq1f1b-splits", "2",
+                       "--use-distributed-optimizer", "--loss-backward-in-forward"], OVERLAP),
 }
 
 
@@ -646,6 +650,21 @@ def test_overlap_leaves_the_run_exactly_as_it_was(results, layout):
     assert overlapped["grad_reductions"]["in_schedule"] >= SCHEDULE_ITERS - 1
     losses = _losses(plain)
     assert losses[-1] < losses[0]
+
+
+def test_the_loss_backward_in_forward_trains_as_the_loss_at_backward(results):
+    """--loss-backward-in-forward at PP2 x DP2 with the distributed optimizer: every loss, grad
+    norm and evaluation of the 10 iterations is the plain seq1f1b run's (fp32; the output
+    layer's gradients are summed at unit scale, then scaled, so equal to rounding)."""
+    early, plain = (results[("overlap", layout, False)] for layout in ("seq1f1b-early", "seq1f1b"))
+    assert len(early["history"]) == SCHEDULE_ITERS
+    assert _losses(early) == pytest.approx(_losses(plain), rel=1e-5)
+    assert [r["grad_norm"] for r in early["history"]] == \
+        pytest.approx([r["grad_norm"] for r in plain["history"]], rel=1e-5)
+    assert [where for where, _ in early["validation"]] == \
+        [where for where, _ in plain["validation"]]
+    for (_, losses), (_, expected) in zip(early["validation"], plain["validation"]):
+        assert losses == pytest.approx(expected, rel=1e-5)
 
 
 def _saved_model_weights(folder: str) -> dict:

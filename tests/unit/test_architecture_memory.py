@@ -29,25 +29,27 @@ SHAPES = {
 }
 
 
-def _peak_and_estimate(shape: str, schedule: str, splits: int) -> tuple[int, float]:
+def _peak_and_estimate(shape: str, schedule: str, splits: int, early: bool = False,
+                       seq: int = SEQ) -> tuple[int, float]:
     ffn, architecture = SHAPES[shape]["ffn"], SHAPES[shape]["architecture"]
     torch.manual_seed(0)
     config = make_transformer_config(num_layers=LAYERS, hidden_size=HIDDEN,
                                      num_attention_heads=HEADS, ffn_hidden_size=ffn,
                                      architecture=architecture)
-    model = build_model_chunk(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+    model = build_model_chunk(config, vocab_size=VOCAB, max_sequence_length=seq,
                               attention_backend="sdpa", architecture=architecture)
-    tokens = torch.randint(0, VOCAB, (1, SEQ + 1))
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, SEQ),
-             "position_ids": torch.arange(SEQ).unsqueeze(0)}
+    tokens = torch.randint(0, VOCAB, (1, seq + 1))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(1, seq),
+             "position_ids": torch.arange(seq).unsqueeze(0)}
     trace = ExecutionTrace(measure_memory=True)
-    run = get_forward_backward_func(schedule, SpanSettings(splits, "compute", trace=trace))
+    run = get_forward_backward_func(schedule, SpanSettings(splits, "compute", trace=trace,
+                                                           loss_backward_in_forward=early))
     run(forward_step_func=forward_step, data_iterator=iter([batch] * 4), model=model,
-        num_microbatches=4, seq_length=SEQ, micro_batch_size=1)
+        num_microbatches=4, seq_length=seq, micro_batch_size=1)
     estimate = estimate_memory(TrainingSetup(
-        model=ModelConfig.of_transformer_config(config, vocab_size=VOCAB), seq_length=SEQ,
+        model=ModelConfig.of_transformer_config(config, vocab_size=VOCAB), seq_length=seq,
         schedule=schedule, pp=1, microbatches=4, splits=splits, partition="compute",
-        precision="fp32", make_vocab_size_divisible_by=1))
+        precision="fp32", make_vocab_size_divisible_by=1, loss_backward_in_forward=early))
     return trace.peak_saved_bytes, estimate.stages[0].held_for_backward_bytes
 
 
@@ -58,3 +60,21 @@ def test_held_bytes_match_the_meter_for_gpt_and_llama_layers(schedule, splits):
         assert peak / estimated == pytest.approx(1, abs=0.1), shape
     # The shapes differ in what they keep: a test of the SwiGLU/GQA terms, not of a constant.
     assert measured["llama"][1] != pytest.approx(measured["gpt"][1], rel=0.05)
+
+
+def test_the_loss_backward_at_forward_holds_what_the_estimator_says():
+    """--loss-backward-in-forward: F back-propagates each span's loss through the output layer
+    and keeps its input gradient (and the micro-batch's output-weight gradient) instead of the
+    loss's fp32 softmax. seq1f1b's one stage runs all four spans forward before their backward,
+    so it held four softmaxes (at least: 512 tokens x VOCAB fp32 = 256 KiB), against the weight
+    gradient's VOCAB x HIDDEN fp32 = 32 KiB. The meter and the estimator see the same peak, and
+    the meter sees it fall by at least half the estimator's fall (its peak also holds the softmax
+    of the span whose F is running, which the estimator counts as workspace)."""
+    seq = 4 * SEQ
+    softmax, weight_gradient = seq * VOCAB * 4, VOCAB * HIDDEN * 4
+    for shape in SHAPES:
+        peak, estimated = _peak_and_estimate(shape, "seq1f1b", 4, early=True, seq=seq)
+        before, estimated_before = _peak_and_estimate(shape, "seq1f1b", 4, seq=seq)
+        assert peak / estimated == pytest.approx(1, abs=0.1), shape
+        assert estimated_before - estimated >= softmax - weight_gradient, shape
+        assert before - peak >= (estimated_before - estimated) / 2, shape

@@ -123,6 +123,8 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
       "pipeline_model_parallel_size": 1, "num_layers": 4}, 2,
      "--num-layers-per-virtual-pipeline-stage"),
     ({"pipeline_schedule": "megatron-1f1b"}, WORLD, "--seq1f1b-splits"),
+    ({"pipeline_schedule": "megatron-1f1b", "seq1f1b_splits": 1,
+      "loss_backward_in_forward": True}, WORLD, "--loss-backward-in-forward"),
     ({"pipeline_schedule": "megatron-interleaved-1f1b", "seq1f1b_splits": 1,
       "num_layers_per_virtual_pipeline_stage": 2, "global_batch_size": 12}, WORLD,
      "--global-batch-size"),

@@ -96,6 +96,28 @@ def test_last_stage_keeps_the_fp32_logits_of_its_live_spans():
     assert all(s.logits_bytes == 0 for s in estimate.stages[:-1])
 
 
+def test_the_loss_backward_at_forward_keeps_the_input_gradient_instead_of_the_softmax():
+    """--loss-backward-in-forward on the README's 7B/1M-token setup: the last stage held the
+    fp32 softmax of its 32 live spans (13.5 GiB, the run's peak); it keeps the output layer's
+    input gradient instead (the sizes of the head's inputs stay: the input itself goes) and one
+    micro-batch's fp32 output-weight gradient, so rank 0 holds the peak."""
+    setup = TrainingSetup(model=preset("7b"), seq_length=1048576, schedule="seq1f1b", pp=4,
+                          microbatches=8, splits=32, tp=8, sequence_parallel=True, cp=2,
+                          distributed_optimizer=True, recompute_granularity="full")
+    plain, early = (estimate_memory(replace(setup, loss_backward_in_forward=flag))
+                    for flag in (False, True))
+    vocab = replace(preset("7b"), vocab_size=setup.padded_vocab_size)
+    softmax = logits_bytes(vocab, 32768 // 2, tp=8)
+    weight_gradient = vocab.vocab_size * vocab.hidden_size / 8 * 4
+    assert plain.stages[-1].peak_live_spans == 32
+    assert plain.stages[-1].logits_bytes - early.stages[-1].logits_bytes == \
+        pytest.approx(32 * softmax - weight_gradient)
+    assert [s.logits_bytes for s in early.stages[:-1]] == [0, 0, 0]
+    assert plain.peak_stage.rank == 3 and early.peak_stage.rank == 0
+    assert early.peak_bytes == plain.stages[0].total_bytes
+    assert early.peak_bytes / GIB == pytest.approx(48.59, abs=0.005)
+
+
 def test_megatron_schedules_hold_what_our_plans_of_their_order_hold():
     for megatron, ours, chunks in (("megatron-1f1b", "1f1b", 1),
                                    ("megatron-interleaved-1f1b", "interleaved-1f1b", 2)):
@@ -241,6 +263,15 @@ def test_cli_errors_are_one_line(capsys, extra, needle):
     assert plan_cli.main(ARGS + extra) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and needle in err
+
+
+def test_cli_loss_backward_in_forward_reaches_the_estimate(capsys):
+    assert plan_cli.main(ARGS + ["--loss-backward-in-forward", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["setup"]["loss_backward_in_forward"] is True
+    assert plan_cli.main(ARGS + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert data["stages"][-1]["logits_bytes"] < plain["stages"][-1]["logits_bytes"]
 
 
 def test_cli_recompute_flags_reach_the_estimate(capsys):

@@ -3,7 +3,8 @@
 The simulator replays a rank's program and adds up, action by action, the bytes it allocates
 and frees (`simulate.held_change`, the one place those rules live). Those bytes are linear in the
 byte tables of the costs: at every step a rank holds some count of each table entry (span j's
-activations on its chunk c, chunk c's K/V cache, its dK/dV accumulators, the logits). So the
+activations on its chunk c, chunk c's K/V cache, its dK/dV accumulators, the logits, the
+output weights' gradient the loss's backward at F keeps). So the
 replay is run once per schedule with symbolic tables, each entry a unit vector, giving per rank
 the distinct held states as rows of counts; a layout's peak is then the largest row times its
 byte table (`HeldProfile.peaks`), the figure `simulate` gives for the same costs, without a
@@ -18,10 +19,10 @@ import numpy as np
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.simulate import RankReport, SpanCosts, held_change, held_tables
 
-KINDS = ("activation", "logits", "kv_cache", "kv_accumulator")
+KINDS = ("activation", "logits", "kv_cache", "kv_accumulator", "head_gradient")
 """The byte tables, in the order of a rank's basis: [kind][chunk][span]."""
 _HELD_KIND = {"activation": "activation", "logits": "logits", "kv_cache": "kv_cache",
-              "kv_accumulator": "kv_cache"}
+              "kv_accumulator": "kv_cache", "head_gradient": "logits"}
 """The held kind each table's bytes count under (simulate: accumulators under kv_cache)."""
 
 
