@@ -5,11 +5,12 @@
     device_check.py OUTDIR --tiny     small shapes, runs on a CPU in seconds (CI smoke test)
     device_check.py OUTDIR --suite gpu [--tiny]   the first GPU run's evidence (issue 19)
 
---suite gpu writes five parts, each with its own budget (SUITE_BUDGETS_S, 8.5 minutes in all) and
+--suite gpu writes five parts, each with its own budget (SUITE_BUDGETS_S, 9 minutes in all) and
 its failure kept to itself: numerics (seq1f1b/device_checks/numerics.py: bf16 span attention with a
 cached prefix against an fp32 reference, per backend), training
 (megatron/training/device_training.py: pretrain_gpt.py, bf16, the 1.3B shape at 16K, 20 iterations
-with seq1f1b k=1 and k=4), memory (the stage run at 32K and held_microbatches below), attention
+with seq1f1b k=1 and k=4), memory (the stage run at 32K, held_microbatches below, and the same
+stage with and without --loss-backward-in-forward: the allocator's peak of each), attention
 (the comparison and span_kernels below) and documents (seq1f1b/device_checks/documents.py: packed
 documents' peak memory against the dense case at the same shape, per backend).
 
@@ -414,7 +415,7 @@ def _batch(shapes: Shapes, seq_length: int) -> dict:
 
 
 def _stage_estimate(shapes: Shapes, seq_length: int, precision: str, schedule: str = "seq1f1b",
-                    microbatches: int = 1, splits: Optional[int] = None):
+                    microbatches: int = 1, splits: Optional[int] = None, early: bool = False):
     from seq1f1b.plan.costs import ModelConfig
     from seq1f1b.plan.memory import TrainingSetup, estimate_memory
 
@@ -423,17 +424,19 @@ def _stage_estimate(shapes: Shapes, seq_length: int, precision: str, schedule: s
     return estimate_memory(TrainingSetup(
         model=model, seq_length=seq_length, schedule=schedule, pp=1, microbatches=microbatches,
         splits=shapes.splits if splits is None else splits, partition="compute",
-        precision=precision, make_vocab_size_divisible_by=1))
+        precision=precision, make_vocab_size_divisible_by=1, loss_backward_in_forward=early))
 
 
 def _iteration(model, schedule: str, splits: int, batch: dict, microbatches: int,
-               seq_length: int, trace) -> float:
-    """One forward-backward of `microbatches` copies of `batch` under `schedule`, in seconds."""
+               seq_length: int, trace, early: bool = False) -> float:
+    """One forward-backward of `microbatches` copies of `batch` under `schedule`, in seconds
+    (`early`: --loss-backward-in-forward)."""
     from seq1f1b.equivalence import forward_step
     from seq1f1b.runtime.forward_backward import SpanSettings, get_forward_backward_func
 
     model.zero_grad_buffer()
-    function = get_forward_backward_func(schedule, SpanSettings(splits, "compute", trace=trace))
+    function = get_forward_backward_func(schedule, SpanSettings(
+        splits, "compute", trace=trace, loss_backward_in_forward=early))
     _sync()
     start = time.perf_counter()
     function(forward_step_func=forward_step, data_iterator=iter([batch] * microbatches),
@@ -444,7 +447,7 @@ def _iteration(model, schedule: str, splits: int, batch: dict, microbatches: int
 
 
 def _measure_memory(model, schedule: str, splits: int, batch: dict, microbatches: int,
-                    seq_length: int, estimate) -> dict:
+                    seq_length: int, estimate, early: bool = False) -> dict:
     """One iteration's peaks (saved-tensor meter; on a GPU the allocator's allocated and
     reserved bytes) beside the estimate of its only stage (no optimizer: no step is taken)."""
     import torch
@@ -455,7 +458,7 @@ def _measure_memory(model, schedule: str, splits: int, batch: dict, microbatches
     trace = ExecutionTrace(measure_memory=True)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    _iteration(model, schedule, splits, batch, microbatches, seq_length, trace)
+    _iteration(model, schedule, splits, batch, microbatches, seq_length, trace, early)
     stage = estimate.stages[0]
     without_optimizer = (stage.parameter_bytes + stage.gradient_bytes
                          + stage.held_for_backward_bytes + stage.workspace_bytes)
@@ -556,6 +559,39 @@ def check_held_microbatches(shapes: Shapes, deadline: Deadline) -> dict:
     return result
 
 
+def check_loss_backward_in_forward(shapes: Shapes, deadline: Deadline) -> dict:
+    """The stage of `check_stage` (seq1f1b, k spans, one micro-batch) with and without
+    --loss-backward-in-forward: the allocator's peak, the meter and the estimate of each. The
+    one stage is also the last, so it holds the loss's fp32 softmax of every span until the
+    backward without the flag, and the output layer's input gradients with it."""
+    import torch
+
+    from seq1f1b.runtime.trace import ExecutionTrace
+
+    length = shapes.stage_lengths[0]
+    if deadline.passed():
+        return {"skipped": "the time budget ran out"}
+    config, model = _stage_model(shapes, length)
+    precision = "fp32" if config.params_dtype == torch.float32 else "bf16"
+    batch = _batch(shapes, length)
+    result = {"schedule": "seq1f1b", "splits": shapes.splits, "seq_length": length}
+    for name, early in (("loss_at_backward", False), ("loss_backward_in_forward", True)):
+        _iteration(model, "seq1f1b", shapes.splits, batch, 1, length, ExecutionTrace(),
+                   early)                                                    # warm-up
+        _release_cache()
+        estimate = _stage_estimate(shapes, length, precision, early=early)
+        result[name] = _measure_memory(model, "seq1f1b", shapes.splits, batch, 1, length,
+                                       estimate, early)
+    plain, early = result["loss_at_backward"], result["loss_backward_in_forward"]
+    for key in ("max_memory_allocated_bytes", "peak_saved_bytes",
+                "estimated_held_for_backward_bytes"):
+        if plain[key]:
+            result[f"{key}_early_over_plain"] = early[key] / plain[key]
+    del model, config
+    _release_cache()
+    return result
+
+
 def _action_seconds(trace, label: str) -> float:
     return next(a.end - a.start for a in trace.actions if a.action == label)
 
@@ -573,9 +609,9 @@ def _environment() -> dict:
     return info
 
 
-SUITE_BUDGETS_S = {"numerics": 60.0, "training": 165.0, "memory": 120.0, "attention": 135.0,
+SUITE_BUDGETS_S = {"numerics": 60.0, "training": 165.0, "memory": 150.0, "attention": 135.0,
                    "documents": 30.0}
-"""--suite gpu: each part's own budget, 8.5 minutes in all (the session's device time is 15)."""
+"""--suite gpu: each part's own budget, 9 minutes in all (the session's device time is 15)."""
 
 
 def run_gpu_suite(shapes: Shapes, tiny: bool) -> dict:
@@ -593,7 +629,9 @@ def run_gpu_suite(shapes: Shapes, tiny: bool) -> dict:
                                                     deadline),
         "memory": lambda deadline: {
             "stage": check_stage(memory_shapes, deadline),
-            "held_microbatches": check_held_microbatches(memory_shapes, deadline)},
+            "held_microbatches": check_held_microbatches(memory_shapes, deadline),
+            "loss_backward_in_forward": check_loss_backward_in_forward(memory_shapes,
+                                                                       deadline)},
         "attention": lambda deadline: {
             "comparison": check_attention(shapes, deadline),
             "span_kernels": check_span_kernels(shapes, deadline)},

@@ -2,7 +2,7 @@
 # Issue 19's one command, run on the lent GPU machine (Python 3.12, torch with CUDA,
 # transformers; no megatron-core and nothing to fetch from). `make device-wheel` puts
 # megatron-core's cp312 wheel in .device/ here first; the device tool carries it:
-#     run(command="bash tools/gpu_suite.sh", carry=[".device"], timeout_s=570)
+#     run(command="bash tools/gpu_suite.sh", carry=[".device"], timeout_s=600)
 # It installs the wheel into .device/site (no dependencies: the image has numpy and packaging)
 # and writes $OUT/device_check.json with the parts numerics, training, memory and attention.
 set -euo pipefail

@@ -249,6 +249,11 @@ def test_device_check_gpu_suite_tiny_runs_every_part_on_cpu(tmp_path):
         assert run["tokens_per_s"] > 0 and "lm loss" in run["last_log_line"]
     stage = data["memory"]["stage"][0]
     assert stage["memory"]["saved_over_estimated"] == pytest.approx(1, abs=0.1)
+    early = data["memory"]["loss_backward_in_forward"]
+    for name in ("loss_at_backward", "loss_backward_in_forward"):
+        assert early[name]["saved_over_estimated"] == pytest.approx(1, abs=0.1), name
+    assert early["peak_saved_bytes_early_over_plain"] < 1
+    assert early["estimated_held_for_backward_bytes_early_over_plain"] < 1
     assert "sdpa" in data["attention"]["comparison"]["backends"]
     documents = data["documents"]["backends"]
     for name in ("sdpa_mha", "sdpa_gqa", "flex_mha"):
