@@ -309,6 +309,9 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                          "required, not both")
     if model is not None and args.seq_length is None:
         raise UsageError("--seq-length is required with a model")
+    if model is None and args.loss_backward_in_forward:
+        raise UsageError("--loss-backward-in-forward needs a model (--model or its dimensions): "
+                         "uniform costs have no output layer to move")
 
     def costs_of(schedule, whole: bool):
         spans = [args.seq_length] if whole else _spans(args, model, schedule.splits)

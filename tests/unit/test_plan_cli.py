@@ -142,6 +142,8 @@ BAD_INPUTS = [
       "--search-layout", "--pipeline-model-parallel-layout", "Et*8|t*8|t*8|t*8L"],
      "--search-layout"),
     (["search", "--pp", "2", "--microbatches", "2", "--search-layout"], "--search-layout"),
+    (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--splits", "2",
+      "--uniform-cost", "1", "2", "--loss-backward-in-forward"], "--loss-backward-in-forward"),
 ]
 
 
