@@ -549,8 +549,7 @@ class ParallelLayout:
         settings = SpanSettings(case.splits, "explicit" if case.span_lengths else case.partition,
                                 tuple(case.span_lengths) if case.span_lengths else None,
                                 budget=case_budget(replace(case, schedule=schedule)),
-                                loss_backward_in_forward=case.loss_backward_in_forward
-                                and schedule not in MEGATRON_SCHEDULES)
+                                loss_backward_in_forward=case.loss_backward_in_forward)
         losses = get_forward_backward_func(schedule, settings)(
             forward_step_func=forward_step,
             data_iterator=iterators if self.chunked else iterators[0],

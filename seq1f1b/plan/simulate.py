@@ -207,8 +207,9 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                    for n in span_lengths)
     head_gradient = tuple(
         tuple(float(model.vocab_size * model.hidden_size / tp * ACCUMULATOR_BYTES)
-              if v == last and j == 0 and loss_backward_in_forward else 0.0
-              for j in range(len(span_lengths))) for v in range(schedule.num_stages))
+              if v == last and j == 0 else 0.0
+              for j in range(len(span_lengths))) for v in range(schedule.num_stages)
+    ) if loss_backward_in_forward else None
 
     split = schedule.split_backward
     return SpanCosts(
@@ -229,7 +230,7 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
             replication),
         logits_bytes=tuple(logits if stage == last else no_logits
                            for stage in range(schedule.num_stages)),
-        head_gradient_bytes=head_gradient if loss_backward_in_forward else None)
+        head_gradient_bytes=head_gradient)
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,11 @@ def output_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 @dataclass
 class _Microbatch:
-    """One micro-batch's unit-scale output-layer weight gradients, and each span's kept
-    (output-layer input, its unit-scale gradient)."""
+    """One micro-batch's unit-scale output-layer weight gradients (emptied once added), and
+    each span's kept (output-layer input, its unit-scale gradient)."""
 
     gradients: list[Optional[torch.Tensor]]
     inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    added: bool = False
 
 
 class EarlyLoss:
@@ -110,7 +109,7 @@ class EarlyLoss:
         """At B(microbatch, span): the output layer's input and its gradient at `scale`; at the
         micro-batch's first backward its scaled weight gradients go into the weights' own."""
         state = self._open[microbatch]
-        if not state.added:
+        if state.gradients:
             for p, gradient in zip(self._params, state.gradients):
                 if gradient is None:
                     continue
@@ -121,7 +120,6 @@ class EarlyLoss:
                 else:
                     p.grad.add_(gradient.mul_(scale))
             state.gradients = []
-            state.added = True
         hidden, gradient = state.inputs.pop(span)
         if not state.inputs:
             del self._open[microbatch]

@@ -7,7 +7,9 @@ runtime's old prefetch order, which gloo runs without complaint, is caught. Cont
 the same all-to-alls and all-reduces in the same order, as many as the layers, spans and
 micro-batches call for, and the p2p and CP collectives of all four ranks replayed together, each
 on its communicator, finish under both modes (eager: every communicator on one device stream).
-An order the search's greedy places keeping no promises, run from a file, finishes too."""
+An order the search's greedy places keeping no promises, run from a file, finishes too, and so
+do runs with the output layer's backward in F (--loss-backward-in-forward: TP collectives move
+into F, the p2p and CP calls must not change)."""
 import pytest
 
 from launch import run_cases
@@ -20,8 +22,10 @@ from seq1f1b.plan.schedules.zero_bubble_v import default_cap
 from seq1f1b.schedule_compare import CostModel
 
 L8 = {"num_layers": 8}
+EARLY = {"loss_backward_in_forward": True}    # the output layer's backward in F (early_loss.py)
 CP_CASES = [{"schedule": "seq1f1b", "cp": 2, "pp": 2, "splits": 3},
-            {"schedule": "seq1f1b-interleaved", "cp": 2, "pp": 2, "chunks": 2, "splits": 3}]
+            {"schedule": "seq1f1b-interleaved", "cp": 2, "pp": 2, "chunks": 2, "splits": 3},
+            {"schedule": "seq1f1b", "cp": 2, "pp": 2, "splits": 3, **EARLY}]
 CASES = {
     2: [{"schedule": "1f1b", "pp": 2},
         {"schedule": "seq1f1b", "pp": 2, "splits": 3, "span_lengths": [4, 13, 7]},
@@ -38,6 +42,12 @@ CASES = {
         # the search on a loop: one chunk per rank, and two with tied embeddings
         {"schedule": "seq1f1b-zb-auto", "pp": 2, "splits": 3, "num_microbatches": 5},
         {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2},
+        {"schedule": "seq1f1b", "pp": 2, "splits": 3, **EARLY},
+        {"schedule": "seq1f1b-zbv", "pp": 2, "chunks": 2, "splits": 3, "untie_embeddings": True,
+         **EARLY},
+        # searched with the costs of the loss's backward at F
+        {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2,
+         "untie_embeddings": True, **EARLY},
         {"schedule": "1f1b", "pp": 2, "prefetch_order": True}],
     4: [{"schedule": "seq1f1b", "pp": 4, "splits": 3, "num_microbatches": 5},
         {"schedule": "seq1f1b", "tp": 2, "pp": 2, "splits": 3, "sequence_parallel": True,
@@ -47,6 +57,8 @@ CASES = {
         {"schedule": "interleaved-1f1b", "tp": 2, "pp": 2, "chunks": 2},
         {"schedule": "seq1f1b-zbv", "tp": 2, "pp": 2, "chunks": 2, "splits": 3,
          "sequence_parallel": True, "span_lengths": [6, 10, 8], "untie_embeddings": True},
+        {"schedule": "seq1f1b-zbv", "tp": 2, "pp": 2, "chunks": 2, "splits": 3,
+         "sequence_parallel": True, "untie_embeddings": True, **EARLY},
         # placed with the model's costs under a cap, as the trainer and benchmark place it
         {"schedule": "seq1f1b-zb-auto", "tp": 2, "pp": 2, "chunks": 2, "splits": 3,
          "sequence_parallel": True, "untie_embeddings": True, "schedule_memory_cap": "0.75x"},
