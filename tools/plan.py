@@ -51,6 +51,7 @@ from seq1f1b.plan.nccl import MODES, validate_modes  # noqa: E402
 from seq1f1b.plan.partition import imbalance, partition, span_bounds, span_flops  # noqa: E402
 from seq1f1b.plan.span_fit import SpanTimeFit, fit_span_times, read_span_timings  # noqa: E402
 from seq1f1b.plan.projection import A100  # noqa: E402
+from seq1f1b.plan.tune.space import LOSS_IN_FORWARD_CHOICES  # noqa: E402
 from seq1f1b.plan.stage_layers import (FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG,  # noqa: E402
                                        StageLayers)
 from seq1f1b.plan.layout_search import choose_layout  # noqa: E402
@@ -650,7 +651,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
     query = Query(model, args.seq_length, args.gpus, args.gpus_per_node,
                   args.global_batch_size, args.micro_batch_size, schedules, args.max_splits,
                   args.min_span, chunks, _names(args.partitions), recomputes,
-                  not args.even_stages)
+                  not args.even_stages, args.loss_backward_in_forward)
     gpu = resolve_gpu(args.gpu, _gpu_memory(args.gpu_memory) if args.gpu_memory else None,
                       args.gpus_per_node)
     result = tune(query, gpu, args.top)
@@ -702,6 +703,11 @@ def _add_tune_args(tune: argparse.ArgumentParser) -> None:
                            "full is uniform, one layer per group)")
     tune.add_argument("--even-stages", action="store_true",
                       help="do not try uneven first/last stages")
+    tune.add_argument("--loss-backward-in-forward", choices=LOSS_IN_FORWARD_CHOICES,
+                      default="both",
+                      help="the loss's backward at the last stage's forward (pretrain_gpt.py "
+                           "--loss-backward-in-forward: less memory on that rank): never, "
+                           "always, or both: where only it makes a layout fit (default)")
     tune.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     tune.add_argument("--emit-sbatch", metavar="FILE",
                       help="write the winner as an sbatch script (examples/slurm's shape, "

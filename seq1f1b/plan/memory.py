@@ -131,6 +131,11 @@ class TrainingSetup:
                 raise ScheduleError(f"{flag} {value} is not divisible by --tp {self.tp}")
         check_heads(self.model.num_attention_heads, self.model.num_query_groups, self.tp,
                     self.cp, flag="--cp")
+        if self.loss_backward_in_forward and self.schedule in MEGATRON_PLANS:
+            # pretrain_gpt.py refuses it too: megatron-core's schedules run the loss at B
+            raise ScheduleError(f"--loss-backward-in-forward: {self.schedule} is megatron-core's "
+                                "own schedule, which runs the loss's backward at B; choose one "
+                                f"of ours (e.g. {MEGATRON_PLANS[self.schedule]})")
 
     def spans(self, model: Optional[ModelConfig] = None) -> list[int]:
         """The span lengths: multiples of C (of C x TP under sequence parallelism), since each

@@ -233,7 +233,8 @@ def _span_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule,
     compute = model_costs(schedule, model, spans, flops_per_second=peak, tp=setup.tp,
                           sequence_parallel=setup.sequence_parallel, batch=batch,
                           efficiency=efficiency, recompute=setup.recompute, cp=setup.cp,
-                          stage_layers=setup.stage_layers)
+                          stage_layers=setup.stage_layers,
+                          loss_backward_in_forward=setup.loss_backward_in_forward)
     layers = layers_per_stage(model, schedule, setup.stage_layers)
     comm = [tuple(t + c for t, c in zip(_tp_seconds(setup, device, spans, count, 4),
                                         _cp_seconds(setup, device, model, spans, count)))

@@ -144,6 +144,10 @@ BAD_INPUTS = [
     (["search", "--pp", "2", "--microbatches", "2", "--search-layout"], "--search-layout"),
     (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--splits", "2",
       "--uniform-cost", "1", "2", "--loss-backward-in-forward"], "--loss-backward-in-forward"),
+    (["memory", "--schedule", "megatron-1f1b", "--pp", "2", "--microbatches", "2", "--model",
+      "7b", "--seq-length", "4096", "--loss-backward-in-forward"], "--loss-backward-in-forward"),
+    (["tune", "--model", "7b", "--seq-length", "4096", "--gpus", "8",
+      "--loss-backward-in-forward", "maybe"], "--loss-backward-in-forward"),
 ]
 
 

@@ -9,7 +9,7 @@ from seq1f1b.plan import registry
 from seq1f1b.plan.costs import preset
 from seq1f1b.plan.memory import TrainingSetup
 from seq1f1b.plan.overheads import GemmEfficiency, SpanFixedCost
-from seq1f1b.plan.projection import A100, TERMS, project, stage_links
+from seq1f1b.plan.projection import A100, TERMS, pipeline_costs, project, stage_links
 
 IDEAL = A100.without("span_fixed", "nvlink", "infiniband", "gemm", "attention")
 """The A100 with none of the k-dependent terms: FLOPs at saturated efficiencies and TP comm."""
@@ -149,3 +149,20 @@ def test_a_split_backward_schedule_projects_its_w_actions():
     assert zero.report.bubble_ratio < one.report.bubble_ratio
     busy = [sum(r.busy for r in p.report.ranks) for p in (one, zero)]
     assert busy[1] == pytest.approx(busy[0], rel=1e-9)
+
+
+def test_the_loss_backward_in_forward_moves_the_output_layers_backward_into_the_last_forward():
+    """--loss-backward-in-forward: the same work on every rank; the last stage's forwards are
+    longer by what its backwards are shorter (the output layer's backward), the other ranks'
+    actions unchanged."""
+    stock = project(_setup("seq1f1b", 4))
+    early = project(replace(_setup("seq1f1b", 4), loss_backward_in_forward=True))
+    for a, b in zip(stock.report.ranks, early.report.ranks):
+        assert b.busy == pytest.approx(a.busy, rel=1e-9)
+    costs = [pipeline_costs(p.setup, A100, p.schedule) for p in (stock, early)]
+    last = stock.schedule.num_stages - 1
+    for j in range(4):
+        moved = costs[1].forward[last][j] - costs[0].forward[last][j]
+        assert moved > 0
+        assert costs[0].backward[last][j] - costs[1].backward[last][j] == pytest.approx(moved)
+        assert costs[1].forward[0][j] == costs[0].forward[0][j]

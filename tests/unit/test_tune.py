@@ -64,15 +64,21 @@ def test_compiled_replay_and_held_profile_are_the_simulators(name):
 
 
 def _exhaustive(query, gpu):
-    """Every candidate judged and projected the plain way: (iteration s, layout) that fit."""
+    """Every candidate judged and projected the plain way: (iteration s, layout) that fit, and
+    with the query's "both", the twin with the loss's backward at F of each that does not."""
     fitting = []
     for setup in candidates(query):
-        try:
-            estimate = estimate_memory(setup)
-        except ScheduleError:       # refused by its schedule: the planner skips it too
-            continue
-        if estimate.fits(gpu.memory_gib):
-            fitting.append((project(setup, gpu.device).iteration_s, layout_name(setup)))
+        for candidate in (setup, replace(setup, loss_backward_in_forward=True)):
+            try:
+                estimate = estimate_memory(candidate)
+            except ScheduleError:   # refused by its schedule: the planner skips it too
+                break
+            if estimate.fits(gpu.memory_gib):
+                fitting.append((project(candidate, gpu.device).iteration_s,
+                                layout_name(candidate)))
+                break
+            if query.loss_backward_in_forward != "both":
+                break
     return sorted(fitting)
 
 
@@ -88,6 +94,25 @@ def test_winner_is_the_best_of_an_exhaustive_evaluation():
         [seconds for seconds, _ in expected[:5]], rel=1e-12)
     if expected[1][0] > expected[0][0] * (1 + 1e-9):        # no tie for first place
         assert result.ranked[0].name == expected[0][1]
+
+
+def test_the_loss_backward_in_forward_is_chosen_where_only_it_makes_the_fastest_layout_fit():
+    gpu = resolve_gpu("a100", gpus_per_node=SMALL.gpus_per_node)
+    fastest = min(candidates(SMALL), key=lambda s: project(s, gpu.device).iteration_s)
+    twin = replace(fastest, loss_backward_in_forward=True)
+    stock, early = estimate_memory(fastest).peak_bytes, estimate_memory(twin).peak_bytes
+    assert early < stock
+    limit = replace(gpu, memory_gib=(stock + early) / 2 / 2 ** 30)
+    result = tune(SMALL, limit, top=3)
+    assert result.ranked[0].name == layout_name(twin) and layout_name(twin).endswith(" loss@F")
+    without = tune(replace(SMALL, loss_backward_in_forward="no"), limit, top=3)
+    assert not any(row.setup.loss_backward_in_forward for row in without.ranked)
+    assert without.ranked[0].projection.iteration_s > result.ranked[0].projection.iteration_s
+    # where the layout fits without the flag, it is listed without
+    roomy = tune(SMALL, gpu, top=3)
+    assert roomy.ranked[0].name == layout_name(fastest)
+    args = validate_args(parse_args(pretrain_flags(twin, SMALL.global_batch_size)), SMALL.gpus)
+    assert args.loss_backward_in_forward
 
 
 def _memory_argv(setup, gpu_memory):
@@ -107,6 +132,8 @@ def _memory_argv(setup, gpu_memory):
     if setup.decoder_last_pipeline_num_layers:
         argv += ["--decoder-last-pipeline-num-layers",
                  str(setup.decoder_last_pipeline_num_layers)]
+    if setup.loss_backward_in_forward:
+        argv.append("--loss-backward-in-forward")
     return argv
 
 
@@ -114,6 +141,8 @@ def test_memory_verdicts_are_plan_memory_s(capsys):
     gpu = resolve_gpu("a100", 3.0, gpus_per_node=4)
     result = tune(QUERY, gpu, top=3)
     rows = result.ranked + [r for r in tune(replace(QUERY, recomputes=("full",)), gpu, 2).ranked]
+    rows += tune(replace(QUERY, loss_backward_in_forward="yes"), gpu, 1).ranked
+    assert rows[-1].setup.loss_backward_in_forward
     assert rows
     for row in rows:
         assert plan.main(_memory_argv(row.setup, gpu.memory_gib)) == 0

@@ -58,7 +58,8 @@ def _vpp_layers(setup: TrainingSetup) -> int | None:
 
 
 def _script_gaps(setup: TrainingSetup) -> list[str]:
-    """The layout flags launch_pretrain.sh has no variable for: uneven stages, recompute."""
+    """The layout flags launch_pretrain.sh has no variable for: uneven stages, recompute, the
+    loss's backward at F."""
     flags = []
     if setup.decoder_first_pipeline_num_layers:
         flags += ["--decoder-first-pipeline-num-layers",
@@ -71,6 +72,8 @@ def _script_gaps(setup: TrainingSetup) -> list[str]:
         if setup.recompute_granularity == "full":
             flags += ["--recompute-method", setup.recompute_method,
                       "--recompute-num-layers", str(setup.recompute_num_layers)]
+    if setup.loss_backward_in_forward:
+        flags.append("--loss-backward-in-forward")
     return flags
 
 

@@ -20,6 +20,7 @@ def row_dict(row: Ranked) -> dict:
             "recompute": setup.recompute_granularity,
             "first_stage_layers": setup.decoder_first_pipeline_num_layers,
             "last_stage_layers": setup.decoder_last_pipeline_num_layers,
+            "loss_backward_in_forward": setup.loss_backward_in_forward,
             "span_lengths": projection.span_lengths,
             "stage_peak_gib": [stage.total_bytes / GIB for stage in row.estimate.stages],
             "peak_gib": row.estimate.peak_bytes / GIB,

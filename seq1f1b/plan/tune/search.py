@@ -10,7 +10,10 @@ fitting one is projected (`project`, as reproduce_paper.py). The search stops wh
 bound exceeds the top-N'th projected time, so the top N are exactly those an exhaustive
 evaluation would rank first (tests/unit/test_tune.py checks). Schedules are built, compiled
 (replay.py) and profiled (held.py) once per shape (schedule, P, m, k, V) and shared by every
-layout of that shape.
+layout of that shape. A layout out of memory on the rank of its last stage brings in its twin
+with the loss's backward at F (`--loss-backward-in-forward`, which lowers only that rank) at
+the twin's own bound, unless the query asks for the flag always or never: the flag is listed
+where only it makes a layout fit.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from seq1f1b.plan.tune.space import Query, candidates
 
 def layout_name(setup: TrainingSetup) -> str:
     """The layout in one token-ish line: TP, CP, PP, V, DP, m, schedule, k, partition,
-    recompute, uneven stages."""
+    recompute, uneven stages, the loss's backward at F ("loss@F")."""
     text = (f"TP{setup.tp} CP{setup.cp} PP{setup.pp} V{setup.chunks} DP{setup.dp} "
             f"m{setup.microbatches} {setup.schedule} k{setup.splits}")
     if setup.splits > 1:
@@ -41,6 +44,8 @@ def layout_name(setup: TrainingSetup) -> str:
     if setup.stage_layers.uneven:
         text += (f" first:{setup.decoder_first_pipeline_num_layers or '-'}"
                  f" last:{setup.decoder_last_pipeline_num_layers or '-'}")
+    if setup.loss_backward_in_forward:
+        text += " loss@F"
     return text
 
 
@@ -169,13 +174,19 @@ class _Bounds:
         info = registry.get(setup.plan_name)
         key = (setup.tp, setup.cp, setup.pp, setup.dp, setup.chunks, setup.splits,
                setup.partition, setup.recompute_granularity, setup.stage_layers,
-               info.placement, info.splits_backward)
+               setup.loss_backward_in_forward, info.placement, info.splits_backward)
         if key not in self.bounds:
             schedule = self._standin(setup)
             self.bounds[key] = None if schedule is None else _Bound.of(
                 schedule, pipeline_costs(setup, self.gpu.device, schedule))
         bound = self.bounds[key]
         return None if bound is None else bound.seconds(setup.microbatches)
+
+
+def _last_stage_is_fullest(estimate: MemoryEstimate, schedule: Schedule) -> bool:
+    """Whether the rank holding the last stage (the output layer's) has the peak."""
+    rank, _ = schedule.owner_of(schedule.num_stages - 1)
+    return estimate.stages[rank].total_bytes == estimate.peak_bytes
 
 
 def _without_recompute(setup: TrainingSetup) -> TrainingSetup:
@@ -226,6 +237,12 @@ def tune(query: Query, gpu: Gpu, top: int = 10) -> TuneResult:
             continue
         if not estimate.fits(gpu.memory_gib, gpu.reserve_ratio):
             counts.oom += 1
+            if query.loss_backward_in_forward == "both" and _last_stage_is_fullest(
+                    estimate, schedule) and not setup.loss_backward_in_forward:
+                # the flag lowers only the last stage's rank: its twin may fit
+                twin = replace(setup, loss_backward_in_forward=True)
+                counts.candidates += 1
+                heapq.heappush(queue, (bounds.seconds(twin), True, index, twin))
             continue
         projection = project(setup, gpu.device, simulator=shapes.simulate, schedule=schedule)
         counts.projected += 1

@@ -6,7 +6,11 @@ the layers (with V chunks per rank for the interleaved schedules and a V for the
 ones), DP the rest of the GPUs, the micro-batch count that makes the global batch, a schedule of
 the registry, k spans (Seq1F1B schedules; the others run whole sequences) cut evenly or by
 compute, activation recompute (none, selective, full), and uneven first and last stages
-(stage_layers.py) one layer lighter per chunk where the rest still deals evenly. Always: bf16,
+(stage_layers.py) one layer lighter per chunk where the rest still deals evenly. The loss's
+backward runs at B, or at the last stage's F (`--loss-backward-in-forward`: less memory on the
+rank of the last stage, its F longer by the output layer's backward) when the query says "yes";
+with "both" the search adds that twin where a layout runs out of memory on that rank
+(search.py). Always: bf16,
 sequence parallelism when TP > 1, the distributed optimizer (as the paper's runs).
 """
 from __future__ import annotations
@@ -26,6 +30,9 @@ ONE_RANK_TWINS = {"gpipe": "1f1b", "zb-h1": "1f1b", "seq1f1b-zb-h1": "seq1f1b"}
 """On one pipeline rank these run as their twin does (no neighbour to wait for, a split W
 right after its B): the planner keeps only the twin there."""
 PARTITIONS = ("even", "compute")
+LOSS_IN_FORWARD_CHOICES = ("no", "yes", "both")
+"""plan.py tune --loss-backward-in-forward: every layout without the flag, every one with it, or
+the flag where only it makes a layout fit (Query.loss_backward_in_forward)."""
 
 
 def default_schedules() -> tuple[str, ...]:
@@ -54,6 +61,7 @@ class Query:
     partitions: tuple[str, ...] = PARTITIONS
     recomputes: tuple[Optional[str], ...] = RECOMPUTES
     uneven: bool = True
+    loss_backward_in_forward: str = "both"     # one of LOSS_IN_FORWARD_CHOICES
 
     def __post_init__(self) -> None:
         for flag, value in (("--seq-length", self.seq_length), ("--gpus", self.gpus),
@@ -79,6 +87,9 @@ class Query:
             if value < 2:
                 raise ScheduleError(f"--chunks: V of an interleaved schedule is >= 2, got "
                                     f"{value}")
+        if self.loss_backward_in_forward not in LOSS_IN_FORWARD_CHOICES:
+            raise ScheduleError(f"--loss-backward-in-forward {self.loss_backward_in_forward!r}: "
+                                f"choose from {', '.join(LOSS_IN_FORWARD_CHOICES)}")
         for name in self.partitions:
             if name not in PARTITIONS:
                 raise ScheduleError(f"--partitions: {name!r}; choose from "
@@ -179,4 +190,5 @@ def _layouts(query: Query, schedule: str, tp: int, cp: int, pp: int, dp: int,
                             sequence_parallel=tp > 1, distributed_optimizer=True,
                             partition=partition, recompute_granularity=recompute,
                             decoder_first_pipeline_num_layers=split.first,
-                            decoder_last_pipeline_num_layers=split.last)
+                            decoder_last_pipeline_num_layers=split.last,
+                            loss_backward_in_forward=query.loss_backward_in_forward == "yes")
