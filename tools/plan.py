@@ -13,7 +13,8 @@
   plan.py show      --schedule seq1f1b-zbv --pp 4 --microbatches 8 --splits 2 --chunks 2 \
                     --csv > mine.csv      (edit it, then: plan.py simulate|comm|show
                                            --pipeline-schedule-file mine.csv ...)
-  plan.py search    --pp 4 --microbatches 8 --splits 2 --uniform-cost 1 1.5 0.5 --exact
+  plan.py search    --pp 4 --microbatches 8 --splits 2 --uniform-cost 1 1.5 0.5 --exact \
+                    --save-schedule best.csv      (train it: --pipeline-schedule-file best.csv)
   plan.py compare   --pp 4 --microbatches 8 --model 7b --seq-length 65536 --tp 8 \
                     --sequence-parallel --partition compute
   plan.py tune      --model 7b --seq-length 131072 --gpus 32 --gpu-memory 80GiB --top 10 \
@@ -515,6 +516,8 @@ def _searched_layout(args: argparse.Namespace, budget: ScheduleBudget) -> StageL
 def cmd_search(args: argparse.Namespace) -> None:
     if args.time_limit <= 0:
         raise UsageError("--time-limit must be positive (seconds)")
+    if args.save_schedule:
+        _check_writable("--save-schedule", args.save_schedule)
     args.schedule = "seq1f1b-zb-auto"
     if args.search_layout and _model(args) is None:
         raise UsageError("--search-layout needs a model (--model or its dimensions)")
@@ -543,8 +546,11 @@ def cmd_search(args: argparse.Namespace) -> None:
            "peak": max(r.peak_held_bytes for r in report.ranks),
            "lower_bound": searched_lower_bound(schedule, budget, cap), "layout": layout}
     out["lower_bound_gap"] = gap_to_bound(out["makespan"], out["lower_bound"])
+    best = schedule
     if args.exact:
         found = solve(schedule, costs, cap, args.time_limit, hint=schedule)
+        if found.schedule is not None and found.makespan < out["makespan"]:
+            best = found.schedule
         out["exact"] = {"status": found.status, "optimal": found.optimal,
                         "makespan": _finite(found.makespan), "peak": _finite(found.peak),
                         "bound": found.bound,
@@ -552,6 +558,12 @@ def cmd_search(args: argparse.Namespace) -> None:
                         if math.isfinite(found.makespan) else None,
                         "search_over_bound": out["makespan"] / found.bound - 1
                         if found.bound > 0 else None}
+    if args.save_schedule:
+        saved = replace(best, name="seq1f1b-zb-auto" if best is schedule else "cp-sat")
+        with open(args.save_schedule, "w") as file:
+            file.write(schedule_file.write(saved))
+        out["saved"] = {"path": args.save_schedule, "order": saved.name,
+                        "makespan": simulate(saved, costs).makespan}
     if args.json:
         print(json.dumps(out))
         return
@@ -569,6 +581,21 @@ def cmd_search(args: argparse.Namespace) -> None:
                  if exact["makespan"] is not None else "no order found in the time")
         print(f"exact (CP-SAT, {args.time_limit:g} s): {exact['status']}, {found}, proven "
               f"bound {bound}")
+    if args.save_schedule:
+        saved = out["saved"]
+        print(f"wrote {saved['path']}: {saved['order']}'s order, makespan "
+              f"{saved['makespan']:.6g} (train it: pretrain_gpt.py --pipeline-schedule-file "
+              f"{saved['path']}" + (f" --pipeline-model-parallel-layout '{layout}'"
+                                    if layout is not None else "") + ")")
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """Before any work: the file `path` can be written (its folder exists and is writable)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path}: {folder} is not a writable directory")
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory")
 
 
 def _finite(value: float) -> Optional[float]:
@@ -633,10 +660,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
     if model is None:
         raise UsageError("a model is required: --model or its dimensions")
     if args.emit_sbatch:
-        folder = os.path.dirname(os.path.abspath(args.emit_sbatch))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise UsageError(f"--emit-sbatch {args.emit_sbatch}: {folder} is not a writable "
-                             "directory")
+        _check_writable("--emit-sbatch", args.emit_sbatch)
     schedules = _names(args.schedules) if args.schedules else default_schedules()
     for name in schedules:
         registry.get(name)
@@ -820,6 +844,10 @@ def build_parser() -> Parser:
     search.add_argument("--exact", action="store_true",
                         help="also solve the same problem exactly (CP-SAT) within --time-limit")
     search.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS")
+    search.add_argument("--save-schedule", metavar="FILE.csv",
+                        help="write the shortest order found (with --exact, CP-SAT's where it is "
+                             "shorter) as a schedule file, for pretrain_gpt.py "
+                             "--pipeline-schedule-file")
     search.set_defaults(run=cmd_search)
 
     comp = commands.add_parser("compare", help="our schedules beside torch's ZB-V, DualPipeV "

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from seq1f1b.plan import schedule_file
 from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.budget import MemoryCap, ScheduleBudget
 from seq1f1b.plan.communication import communication_plan
@@ -261,6 +262,42 @@ def test_plan_search_reports_its_gap_and_the_exact_optimum(capsys):
         assert exact["search_over_exact"] == pytest.approx(0)
 
 
+def test_plan_search_saves_the_shorter_order_as_a_schedule_file(capsys, tmp_path):
+    """7B, P=2, m=2, k=2 under a cap (31955068928 B, seq1f1b-interleaved's peak there) where
+    CP-SAT proves an order shorter than the search's: --save-schedule writes CP-SAT's, and the
+    file reads back (validated, NCCL-checked) as that order, within the cap; without --exact it
+    writes the search's."""
+    shape = ["search", "--pp", "2", "--microbatches", "2", "--splits", "2", "--model", "7b",
+             "--seq-length", "65536", "--tp", "8", "--sequence-parallel", "--partition",
+             "compute", "--schedule-memory-cap", "31955068928", "--json"]
+    path = tmp_path / "best.csv"
+    assert plan_cli.main(shape + ["--exact", "--time-limit", "60", "--save-schedule",
+                                  str(path)]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["exact"]["optimal"] and found["exact"]["makespan"] < found["makespan"]
+    assert found["saved"]["order"] == "cp-sat"
+    assert found["saved"]["makespan"] == pytest.approx(found["exact"]["makespan"], rel=1e-12)
+    loaded = schedule_file.read(path)
+    assert (loaded.pp, loaded.microbatches, loaded.splits, loaded.chunks, loaded.placement) == (
+        2, 2, 2, 2, found["placement"])
+    spans = partition(65536, 2, "compute", preset("7b"), tp=8, sequence_parallel=True)
+    report = simulate(loaded, model_costs(loaded, preset("7b"), spans, tp=8,
+                                          sequence_parallel=True,
+                                          flops_per_second=plan_cli.A100_BF16_TFLOPS * 1e12))
+    assert report.makespan == pytest.approx(found["saved"]["makespan"], rel=1e-12)
+    assert max(r.peak_held_bytes for r in report.ranks) <= 31955068928
+
+    assert plan_cli.main(shape + ["--save-schedule", str(path)]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["saved"]["order"] == "seq1f1b-zb-auto"
+    assert found["saved"]["makespan"] == pytest.approx(found["makespan"], rel=1e-12)
+    loaded = schedule_file.read(path)
+    report = simulate(loaded, model_costs(loaded, preset("7b"), spans, tp=8,
+                                          sequence_parallel=True,
+                                          flops_per_second=plan_cli.A100_BF16_TFLOPS * 1e12))
+    assert report.makespan == pytest.approx(found["makespan"], rel=1e-12)
+
+
 def test_plan_search_json_is_strict_when_the_solver_runs_out_of_time(capsys):
     """An exact solve that ends without an order (P=4, m=8, k=2 in 0.05 s: UNKNOWN here) gives
     null, not JSON's missing Infinity; the search says the placement it took."""
@@ -293,8 +330,12 @@ def test_plan_compare_lists_ours_and_the_peers_on_one_table(capsys):
       "--model", "7b", "--seq-length", "4096"], "--uniform-cost"),
     (["compare", "--pp", "2", "--microbatches", "4", "--model", "7b"], "--seq-length"),
     (["compare", "--pp", "2", "--microbatches", "4", "--model", "7b", "--seq-length", "4096",
-      "--partition", "fit"], "--partition")])
+      "--partition", "fit"], "--partition"),
+    (["search", "--pp", "2", "--microbatches", "4", "--save-schedule", "/nonexistent/s.csv"],
+     "--save-schedule")])
 def test_search_and_compare_refuse_bad_input_in_one_line(capsys, argv, flag):
     code = plan_cli.main(argv)
-    err = capsys.readouterr().err.strip()
+    out, err = capsys.readouterr()
+    err = err.strip()
     assert code == 2 and flag in err and "\n" not in err, err
+    assert out == ""
