@@ -223,9 +223,12 @@ def print_tables(result: dict, models: Models) -> None:
 
 
 def _reach_table(rows: list[dict]) -> list[str]:
-    """One line per (panel, CP): the layout, then each schedule's reach."""
+    """One line per (panel, CP): the layout, then each run's reach (1F1B, Seq1F1B, Seq1F1B with
+    the loss's backward at F)."""
     lines = [f"{'model':>6} {'GPUs':>4} {'CP':>2} {'TP':>2} {'PP':>2}  "
-             f"{'1F1B: L, recompute, TFLOPS, tok/s':<40}  Seq1F1B: L, k, recompute, TFLOPS, tok/s"]
+             f"{'1F1B: L, recompute, TFLOPS, tok/s':<40}  "
+             f"{'Seq1F1B: L, k, recompute, TFLOPS, tok/s':<44}  "
+             "Seq1F1B, --loss-backward-in-forward"]
 
     def reach(row: Optional[dict]) -> str:
         if row is None or row["tp"] is None:
@@ -236,13 +239,14 @@ def _reach_table(rows: list[dict]) -> list[str]:
         return (f"{row['seq_length'] // 1024}K{k} {row['recompute'] or 'none'} "
                 f"{row['tflops_per_gpu']:.0f} TF {row['tokens_per_s']:.0f} tok/s")
 
-    by_key = {(r["model"], r["gpus"], r["cp"], r["schedule"]): r for r in rows}
+    by_key = {(r["model"], r["gpus"], r["cp"], r["schedule"], r["loss_backward_in_forward"]): r
+              for r in rows}
     for model, gpus, cp in dict.fromkeys((r["model"], r["gpus"], r["cp"]) for r in rows):
-        one, seq = by_key.get((model, gpus, cp, "1f1b")), by_key.get((model, gpus, cp, "seq1f1b"))
+        one, seq, early = (by_key.get((model, gpus, cp, *run)) for run in paper.REACH_RUNS)
         tp = "-" if one["tp"] is None else one["tp"]
         pp = "-" if one["pp"] is None else one["pp"]
         lines.append(f"{model:>6} {gpus:>4} {cp:>2} {tp:>2} {pp:>2}  {reach(one):<40}  "
-                     f"{reach(seq)}")
+                     f"{reach(seq):<44}  {reach(early)}")
     return lines
 
 

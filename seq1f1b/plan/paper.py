@@ -201,26 +201,34 @@ def cp_layout(panel: Panel, cp: int) -> Optional[tuple[int, int]]:
     return None
 
 
+REACH_RUNS = (("1f1b", False), ("seq1f1b", False), ("seq1f1b", True))
+"""The reach table's runs: (schedule, with the loss's backward at F; --loss-backward-in-forward,
+which frees the last stage of the loss's softmax over its k spans)."""
+
+
 def reach_setup(panel: Panel, layout: tuple[int, int], cp: int, schedule: str,
-                 seq_length: int, recompute: Optional[str]) -> TrainingSetup:
+                 seq_length: int, recompute: Optional[str],
+                 loss_backward_in_forward: bool = False) -> TrainingSetup:
     tp, pp = layout
     splits = min(max(seq_length // REACH_SPAN, SPLITS), 32) if _is_seq1f1b(schedule) else 1
     return TrainingSetup(
         model=preset(panel.model), seq_length=seq_length, schedule=schedule, pp=pp,
         microbatches=panel.microbatches, splits=splits, tp=tp, cp=cp, dp=1,
-        sequence_parallel=tp > 1, distributed_optimizer=True, recompute_granularity=recompute)
+        sequence_parallel=tp > 1, distributed_optimizer=True, recompute_granularity=recompute,
+        loss_backward_in_forward=loss_backward_in_forward)
 
 
 def reach_rows(models: Models) -> list[dict]:
-    """Per paper panel, CP size and schedule (1F1B, Seq1F1B): the longest context of
-    REACH_LENGTHS that fits its GPUs (DP = 1, the least recompute of RECOMPUTES that fits),
-    with the projected throughput there."""
+    """Per paper panel, CP size and run of REACH_RUNS (1F1B, Seq1F1B, Seq1F1B with the loss's
+    backward at F): the longest context of REACH_LENGTHS that fits its GPUs (DP = 1, the least
+    recompute of RECOMPUTES that fits), with the projected throughput there."""
     rows = []
     for panel in PANELS:
         for cp in CP_SIZES:
             layout = cp_layout(panel, cp)
-            for schedule in ("1f1b", "seq1f1b"):
+            for schedule, early in REACH_RUNS:
                 row = {"model": panel.model, "gpus": panel.gpus, "cp": cp, "schedule": schedule,
+                       "loss_backward_in_forward": early,
                        "tp": layout[0] if layout else None, "pp": layout[1] if layout else None,
                        "seq_length": None, "splits": None, "recompute": None,
                        "tflops_per_gpu": None, "tokens_per_s": None}
@@ -228,7 +236,7 @@ def reach_rows(models: Models) -> list[dict]:
                 for seq_length in REACH_LENGTHS if layout else ():
                     fitting = next((setup for recompute in RECOMPUTES
                                     for setup in [reach_setup(panel, layout, cp, schedule,
-                                                               seq_length, recompute)]
+                                                               seq_length, recompute, early)]
                                     if models.fits(estimate_memory(setup))), None)
                     if fitting is None:
                         break

@@ -132,21 +132,26 @@ def test_context_reach_keeps_the_gpus_and_finds_the_longest_fitting_length(small
     """7B on 32 GPUs at CP 1, 2, 4, 8 (DP 1): TP x CP x PP = 32 with heads C can shard, each
     schedule's reach the longest length that fits and the next one that does not."""
     rows = paper.reach_rows(paper.Models())
-    assert [(r["cp"], r["schedule"]) for r in rows] == [
-        (cp, name) for cp in paper.CP_SIZES for name in ("1f1b", "seq1f1b")]
+    assert [(r["cp"], r["schedule"], r["loss_backward_in_forward"]) for r in rows] == [
+        (cp, *run) for cp in paper.CP_SIZES for run in paper.REACH_RUNS]
     for row in rows:
         assert row["tp"] * row["cp"] * row["pp"] == 32
         assert 32 // row["tp"] % row["cp"] == 0          # 32 heads per TP rank over C
         assert row["seq_length"] in paper.REACH_LENGTHS and row["tflops_per_gpu"] > 0
         panel = paper.PANELS[0]
+        early = row["loss_backward_in_forward"]
         fitted = paper.reach_setup(panel, (row["tp"], row["pp"]), row["cp"], row["schedule"],
-                                 row["seq_length"], row["recompute"])
+                                   row["seq_length"], row["recompute"], early)
         assert paper.Models().fits(estimate_memory(fitted))
         longer = row["seq_length"] * 2
         if longer <= paper.REACH_LENGTHS[-1]:
             assert not any(paper.Models().fits(estimate_memory(paper.reach_setup(
-                panel, (row["tp"], row["pp"]), row["cp"], row["schedule"], longer, recompute)))
-                for recompute in paper.RECOMPUTES)
+                panel, (row["tp"], row["pp"]), row["cp"], row["schedule"], longer, recompute,
+                early))) for recompute in paper.RECOMPUTES)
+    # the loss's backward at F frees only memory: Seq1F1B reaches at least as far with it
+    reach = {(r["cp"], r["loss_backward_in_forward"]): r["seq_length"] for r in rows
+             if r["schedule"] == "seq1f1b"}
+    assert all(reach[cp, True] >= reach[cp, False] for cp in paper.CP_SIZES)
     assert paper.cp_layout(paper.Panel("13b", 32, tp=8, pp=4, microbatches=8, seq_lengths=(),
                                  why=""), 2) == (4, 4)     # 40 heads: TP 8 leaves 5 per rank
 
