@@ -575,6 +575,7 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
             if ranks[0].on_cuda:
                 row["compute_per_rank_s"], row["descheduled"] = row["busy_per_rank_s"], None
             else:
+                row["compute_s"] = [list(r.compute_s) for r in ranks]
                 row["compute_per_rank_s"] = statistics.mean(
                     statistics.median(r.compute_s) for r in ranks)
                 row["descheduled"] = max(0.0, 1 - row["compute_per_rank_s"]
@@ -599,6 +600,11 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
             row["work_ratio_to_first"] = row["compute_per_rank_s"] / base["compute_per_rank_s"]
             # the best ratio this work allows: the schedule's own gain over the work's growth
             row["ceiling"] = row["uniform_cost_ratio"] / row["work_ratio_to_first"]
+        row["paired_work_ratio_to_first"] = (statistics.mean(
+            statistics.median(mine / first for first, mine in zip(firsts, mines))
+            for firsts, mines in zip(base["compute_s"], row["compute_s"]))
+            if run.group == runs[0].group and "compute_s" in row and "compute_s" in base
+            else None)
     control = _control(runs, plans)
     if control is not None:
         control = {"label": rows[control]["label"], "ratio": rows[control]["ratio_to_first"],
@@ -696,16 +702,18 @@ def markdown(result: dict) -> str:
              "round (same V and placement only: each such group runs its own rounds); best-of "
              "ratio: of the fastest iterations (interference only adds time); work: compute per "
              "rank (main-thread CPU time of the actions; on a GPU their CUDA-event time) over "
-             "the first schedule's; wall work: the same of the actions' busy wall time; "
+             "the first schedule's; paired work: per rank the median over rounds of that ratio "
+             "in the same round, averaged over ranks (CPU only; a slow stretch of the machine "
+             "then weighs on both); wall work: the same of the actions' busy wall time; "
              "descheduled: the share of that wall time that was not our compute (the machine's "
              "other processes); bubble ideal: every span its share of the micro-batch; bubble "
              "sim: the measured per-span costs replayed; gap pp: (sim - ideal) from the costs / "
              "(meas - sim) from the runtime", "",
              "| schedule | k | V | iter ms | tokens/s | ratio | ceiling | paired ratio | "
-             "best-of ratio | sim ratio | uniform-cost ratio | work | wall work | descheduled | "
-             "bubble ideal | bubble sim | bubble meas | gap pp costs/runtime | "
+             "best-of ratio | sim ratio | uniform-cost ratio | work | paired work | wall work | "
+             "descheduled | bubble ideal | bubble sim | bubble meas | gap pp costs/runtime | "
              "makespan meas/sim | rank-0 peak MiB | rank-0 est MiB |",
-             "|" + "---|" * 21]
+             "|" + "---|" * 22]
     for r in result["runs"]:
         makespans = (f"{r['measured_makespan_s'] * 1e3:.0f}/{r['simulated_makespan_s'] * 1e3:.0f}"
                      if "measured_makespan_s" in r else "-")
@@ -715,6 +723,7 @@ def markdown(result: dict) -> str:
             f"{ratio(r.get('paired_ratio_to_first'))} | {r['best_ratio_to_first']:.3f} | "
             f"{ratio(r.get('simulated_ratio_to_first'))} | {r['uniform_cost_ratio']:.3f} | "
             f"{ratio(r.get('work_ratio_to_first'))} | "
+            f"{ratio(r.get('paired_work_ratio_to_first'))} | "
             f"{ratio(r.get('wall_work_ratio_to_first'))} | {pct(r.get('descheduled'))} | "
             f"{pct(r.get('uniform_cost_bubble'))} | {pct(r.get('simulated_bubble'))} | "
             f"{pct(r.get('measured_bubble'))} | {gap(r)} | {makespans} | "

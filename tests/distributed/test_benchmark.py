@@ -94,6 +94,15 @@ def test_traced_schedules_have_bubbles_predictions_and_memory(benchmark):
             run["compute_per_rank_s"] / result["runs"][0]["compute_per_rank_s"])
         assert run["ceiling"] == pytest.approx(run["uniform_cost_ratio"]
                                                / run["work_ratio_to_first"])
+        # paired work: per rank the median over rounds (2 here) of its compute over the
+        # first schedule's in the same round, then the mean over ranks
+        first = result["runs"][0]["compute_s"]
+        if run["chunks"] != 1:
+            assert run["paired_work_ratio_to_first"] is None
+        else:
+            assert run["paired_work_ratio_to_first"] == pytest.approx(sum(
+                (mine[0] / base[0] + mine[1] / base[1]) / 2
+                for mine, base in zip(run["compute_s"], first)) / len(first))
         assert 0 <= run["uniform_cost_bubble"] < 1
         assert run["uniform_cost_bubble"] + run["bubble_gap_from_costs"] + run[
             "bubble_gap_from_runtime"] == pytest.approx(run["measured_bubble"])
