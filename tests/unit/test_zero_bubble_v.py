@@ -277,13 +277,18 @@ def test_plan_search_saves_the_shorter_order_as_a_schedule_file(capsys, tmp_path
     assert found["exact"]["optimal"] and found["exact"]["makespan"] < found["makespan"]
     assert found["saved"]["order"] == "cp-sat"
     assert found["saved"]["makespan"] == pytest.approx(found["exact"]["makespan"], rel=1e-12)
-    loaded = schedule_file.read(path)
-    assert (loaded.pp, loaded.microbatches, loaded.splits, loaded.chunks, loaded.placement) == (
-        2, 2, 2, 2, found["placement"])
     spans = partition(65536, 2, "compute", preset("7b"), tp=8, sequence_parallel=True)
-    report = simulate(loaded, model_costs(loaded, preset("7b"), spans, tp=8,
-                                          sequence_parallel=True,
-                                          flops_per_second=plan_cli.A100_BF16_TFLOPS * 1e12))
+
+    def replayed():
+        """The saved file read back and replayed on the search's costs."""
+        loaded = schedule_file.read(path)
+        assert (loaded.pp, loaded.microbatches, loaded.splits, loaded.chunks,
+                loaded.placement) == (2, 2, 2, 2, found["placement"])
+        return simulate(loaded, model_costs(loaded, preset("7b"), spans, tp=8,
+                                            sequence_parallel=True,
+                                            flops_per_second=plan_cli.A100_BF16_TFLOPS * 1e12))
+
+    report = replayed()
     assert report.makespan == pytest.approx(found["saved"]["makespan"], rel=1e-12)
     assert max(r.peak_held_bytes for r in report.ranks) <= 31955068928
 
@@ -291,11 +296,7 @@ def test_plan_search_saves_the_shorter_order_as_a_schedule_file(capsys, tmp_path
     found = json.loads(capsys.readouterr().out)
     assert found["saved"]["order"] == "seq1f1b-zb-auto"
     assert found["saved"]["makespan"] == pytest.approx(found["makespan"], rel=1e-12)
-    loaded = schedule_file.read(path)
-    report = simulate(loaded, model_costs(loaded, preset("7b"), spans, tp=8,
-                                          sequence_parallel=True,
-                                          flops_per_second=plan_cli.A100_BF16_TFLOPS * 1e12))
-    assert report.makespan == pytest.approx(found["makespan"], rel=1e-12)
+    assert replayed().makespan == pytest.approx(found["makespan"], rel=1e-12)
 
 
 def test_plan_search_json_is_strict_when_the_solver_runs_out_of_time(capsys):

@@ -186,7 +186,7 @@ class _Bounds:
 def _last_stage_is_fullest(estimate: MemoryEstimate, schedule: Schedule) -> bool:
     """Whether the rank holding the last stage (the output layer's) has the peak."""
     rank, _ = schedule.owner_of(schedule.num_stages - 1)
-    return estimate.stages[rank].total_bytes == estimate.peak_bytes
+    return next(stage for stage in estimate.stages if stage.rank == rank) is estimate.peak_stage
 
 
 def _without_recompute(setup: TrainingSetup) -> TrainingSetup:
