@@ -206,6 +206,13 @@ def test_cli_json_top_and_sbatch(tmp_path, capsys):
     assert len(shown["layouts"]) == 2 and shown["gpu"]["memory_gib"] == 80
     assert shown["winner_flags"][:2] == ["--num-layers", "8"]
     assert "launch_pretrain.sh" in out.read_text()
+    # the query as searched: every knob, defaults included
+    assert {key: shown["query"][key] for key in (
+        "max_splits", "min_span", "chunks", "partitions", "recomputes", "uneven",
+        "loss_backward_in_forward")} == {
+        "max_splits": 4, "min_span": 1024, "chunks": [2, 4], "partitions": ["even", "compute"],
+        "recomputes": ["none", "selective", "full"], "uneven": True,
+        "loss_backward_in_forward": "both"}
 
 
 @pytest.mark.parametrize("extra, message", [
