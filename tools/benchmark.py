@@ -586,11 +586,13 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
         rows.append(row)
     base = rows[0]
     for run, row in zip(runs, rows):
+        # paired: per round, over the first schedule's figure in the same round (only runs of
+        # its group share its rounds), the median over rounds
+        same_rounds = run.group == runs[0].group
         row["ratio_to_first"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["best_ratio_to_first"] = base["best_iteration_s"] / row["best_iteration_s"]
-        row["paired_ratio_to_first"] = (statistics.median(
-            first / mine for first, mine in zip(base["iterations_s"], row["iterations_s"]))
-            if run.group == runs[0].group else None)
+        row["paired_ratio_to_first"] = (_paired(base["iterations_s"], row["iterations_s"])
+                                        if same_rounds else None)
         if "simulated_makespan_s" in row and "simulated_makespan_s" in base:
             row["simulated_ratio_to_first"] = (base["simulated_makespan_s"]
                                                / row["simulated_makespan_s"])
@@ -601,10 +603,8 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
             # the best ratio this work allows: the schedule's own gain over the work's growth
             row["ceiling"] = row["uniform_cost_ratio"] / row["work_ratio_to_first"]
         row["paired_work_ratio_to_first"] = (statistics.mean(
-            statistics.median(mine / first for first, mine in zip(firsts, mines))
-            for firsts, mines in zip(base["compute_s"], row["compute_s"]))
-            if run.group == runs[0].group and "compute_s" in row and "compute_s" in base
-            else None)
+            _paired(mines, firsts) for firsts, mines in zip(base["compute_s"], row["compute_s"]))
+            if same_rounds and "compute_s" in row and "compute_s" in base else None)
     control = _control(runs, plans)
     if control is not None:
         control = {"label": rows[control]["label"], "ratio": rows[control]["ratio_to_first"],
@@ -613,6 +613,11 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
     return {"config": {**config, "dp": dp, "tokens_per_iteration": tokens,
                        "processor": machine_load.processor(), "control": control,
                        **_noise(args, rounds or [])}, "runs": rows}, pairs
+
+
+def _paired(numerators: list[float], denominators: list[float]) -> float:
+    """The median over rounds of numerator / denominator of the same round."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators))
 
 
 def _control(runs: list[Run], plans: list) -> Optional[int]:

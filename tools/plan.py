@@ -35,6 +35,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.training.writable import check_output_file  # noqa: E402
 from seq1f1b.model_flags import (COST_FLAGS, LOSS_BACKWARD_IN_FORWARD_HELP,  # noqa: E402
                                  add_model_shape_args, model_of_flags)
 from seq1f1b.plan import registry, schedule_file  # noqa: E402
@@ -546,11 +547,12 @@ def cmd_search(args: argparse.Namespace) -> None:
            "peak": max(r.peak_held_bytes for r in report.ranks),
            "lower_bound": searched_lower_bound(schedule, budget, cap), "layout": layout}
     out["lower_bound_gap"] = gap_to_bound(out["makespan"], out["lower_bound"])
-    best = schedule
+    # what --save-schedule writes: the search's order, or CP-SAT's where it is shorter
+    best = ("seq1f1b-zb-auto", schedule, out["makespan"])
     if args.exact:
         found = solve(schedule, costs, cap, args.time_limit, hint=schedule)
         if found.schedule is not None and found.makespan < out["makespan"]:
-            best = found.schedule
+            best = ("cp-sat", found.schedule, found.makespan)
         out["exact"] = {"status": found.status, "optimal": found.optimal,
                         "makespan": _finite(found.makespan), "peak": _finite(found.peak),
                         "bound": found.bound,
@@ -559,11 +561,10 @@ def cmd_search(args: argparse.Namespace) -> None:
                         "search_over_bound": out["makespan"] / found.bound - 1
                         if found.bound > 0 else None}
     if args.save_schedule:
-        saved = replace(best, name="seq1f1b-zb-auto" if best is schedule else "cp-sat")
+        order, saved, makespan = best
         with open(args.save_schedule, "w") as file:
             file.write(schedule_file.write(saved))
-        out["saved"] = {"path": args.save_schedule, "order": saved.name,
-                        "makespan": simulate(saved, costs).makespan}
+        out["saved"] = {"path": args.save_schedule, "order": order, "makespan": makespan}
     if args.json:
         print(json.dumps(out))
         return
@@ -590,12 +591,11 @@ def cmd_search(args: argparse.Namespace) -> None:
 
 
 def _check_writable(flag: str, path: str) -> None:
-    """Before any work: the file `path` can be written (its folder exists and is writable)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise UsageError(f"{flag} {path}: {folder} is not a writable directory")
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a directory")
+    """Before any work: `path` names a file this user can write (writable.check_output_file)."""
+    try:
+        check_output_file(path, flag)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _finite(value: float) -> Optional[float]:
