@@ -199,7 +199,8 @@ def _schedule(args: argparse.Namespace, costs_of=None, uniform=None):
     for flag in ("pp", "microbatches"):
         if getattr(args, flag) is None:
             raise UsageError(f"--{flag} is required with --schedule")
-    args.splits, args.chunks = args.splits or 1, args.chunks or 1
+    args.splits = 1 if args.splits is None else args.splits
+    args.chunks = 1 if args.chunks is None else args.chunks
     if not registry.get(args.schedule).searched:
         if args.schedule_memory_cap:
             raise UsageError(f"--schedule-memory-cap: schedule {args.schedule} is not searched")
@@ -211,6 +212,7 @@ def _schedule(args: argparse.Namespace, costs_of=None, uniform=None):
 
 def _search_budget(args: argparse.Namespace, costs_of, uniform) -> ScheduleBudget:
     """The searched schedule's costs and cap (see _schedule), said on stderr."""
+    registry.check_sizes(args.pp, args.microbatches, args.splits, args.chunks)
     cap = MemoryCap.parse(args.schedule_memory_cap) if args.schedule_memory_cap else None
     if costs_of is not None:
         budget = model_budget(args.schedule, args.pp, args.microbatches, args.splits,
@@ -604,6 +606,7 @@ def _finite(value: float) -> Optional[float]:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
+    registry.check_sizes(args.pp, args.microbatches, args.splits)
     model = _model(args)
     if model is not None and args.seq_length is None:
         raise UsageError("--seq-length is required with a model")

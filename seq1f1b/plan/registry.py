@@ -72,6 +72,14 @@ def get(name: str) -> ScheduleInfo:
             f"--schedule: unknown schedule {name!r}; choose from {', '.join(_REGISTRY)}") from None
 
 
+def check_sizes(pp: int, microbatches: int, splits: int = 1, chunks: int = 1) -> None:
+    """Refuses a problem size that is not a positive integer, naming its flag."""
+    for flag, value in (("--pp", pp), ("--microbatches", microbatches), ("--splits", splits),
+                        ("--chunks", chunks)):
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{flag} must be a positive integer, got {value!r}")
+
+
 def build(name: str, pp: int, microbatches: int, splits: int = 1, chunks: int = 1, *,
           budget: Optional[ScheduleBudget] = None) -> Schedule:
     """The schedule `name` for P=pp ranks, m micro-batches, k=splits spans, V=chunks chunks;
@@ -80,10 +88,7 @@ def build(name: str, pp: int, microbatches: int, splits: int = 1, chunks: int = 
     if budget is not None and not info.searched:
         raise ScheduleError(f"--schedule-memory-cap: schedule {name!r} is not searched; it takes "
                             "no memory cap (seq1f1b-zb-auto does)")
-    for flag, value in (("--pp", pp), ("--microbatches", microbatches), ("--splits", splits),
-                        ("--chunks", chunks)):
-        if not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{flag} must be a positive integer, got {value!r}")
+    check_sizes(pp, microbatches, splits, chunks)
     if info.any_chunks:
         if chunks > 2:
             raise ScheduleError(f"--chunks: schedule {name!r} runs one or two model chunks per "

@@ -148,6 +148,12 @@ BAD_INPUTS = [
       "7b", "--seq-length", "4096", "--loss-backward-in-forward"], "--loss-backward-in-forward"),
     (["tune", "--model", "7b", "--seq-length", "4096", "--gpus", "8",
       "--loss-backward-in-forward", "maybe"], "--loss-backward-in-forward"),
+    # 0 is a value, not an absent flag (it ran k = 1), and nothing is said before the error
+    (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--splits", "0",
+      "--uniform-cost", "1", "2"], "--splits"),
+    (["search", "--pp", "0", "--microbatches", "4"], "--pp"),
+    (["search", "--pp", "2", "--microbatches", "4", "--chunks", "0"], "--chunks"),
+    (["compare", "--pp", "4", "--microbatches", "0"], "--microbatches"),
 ]
 
 
