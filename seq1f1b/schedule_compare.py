@@ -11,6 +11,7 @@ one rank weigh 1 and there is no K/V. So schedules of any k and V are priced ali
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -18,6 +19,7 @@ from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.bounds import gap_to_bound, lower_bound
 from seq1f1b.plan.budget import ScheduleBudget, searched_lower_bound, searched_placements
+from seq1f1b.plan.context_parallel import span_alignment
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.plan.partition import partition
 from seq1f1b.plan.schedules.zero_bubble_v import searched_cap
@@ -40,14 +42,18 @@ class CostModel:
     sequence_parallel: bool = False
     flops_per_second: float = 312e12
     partition: str = "compute"
+    cp: int = 1                     # context-parallel size: spans are multiples of it
+    align: int = 1                  # spans are multiples of this too
 
     def costs(self, schedule: Schedule) -> SpanCosts:
         if self.model is not None:
             spans = partition(self.seq_length, schedule.splits, self.partition, self.model,
-                              tp=self.tp, sequence_parallel=self.sequence_parallel)
+                              tp=self.tp, sequence_parallel=self.sequence_parallel,
+                              align=math.lcm(self.align, span_alignment(
+                                  self.cp, self.tp, self.sequence_parallel)))
             return model_costs(schedule, self.model, spans,
                                flops_per_second=self.flops_per_second, tp=self.tp,
-                               sequence_parallel=self.sequence_parallel)
+                               sequence_parallel=self.sequence_parallel, cp=self.cp)
         share = 1.0 / (schedule.chunks * schedule.splits)
 
         def table(value: float) -> Table:

@@ -47,6 +47,7 @@ from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa
 from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
                                 ModelConfig)
 from seq1f1b.plan.communication import SEND, communication_plan  # noqa: E402
+from seq1f1b.plan.context_parallel import check_heads, span_alignment  # noqa: E402
 from seq1f1b.plan.memory import (FRAMEWORK_OVERHEAD_GIB, GIB, MEGATRON_PLANS,  # noqa: E402
                                  PRECISIONS, MemoryEstimate, TrainingSetup, estimate_memory)
 from seq1f1b.plan.nccl import MODES, validate_modes  # noqa: E402
@@ -163,9 +164,12 @@ def _add_span_args(parser: argparse.ArgumentParser, method_flag: str) -> None:
 
 def _model(args: argparse.Namespace) -> ModelConfig | None:
     try:
-        return model_of_flags(args)
+        model = model_of_flags(args)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if model is not None and getattr(args, "cp", 1) != 1:
+        check_heads(model.num_attention_heads, model.num_query_groups, args.tp, args.cp, "--cp")
+    return model
 
 
 def _time_fit(args: argparse.Namespace) -> SpanTimeFit | None:
@@ -179,10 +183,10 @@ def _time_fit(args: argparse.Namespace) -> SpanTimeFit | None:
 
 
 def _spans(args: argparse.Namespace, model: ModelConfig | None, splits: int) -> list[int]:
-    cp_unit = args.cp * (args.tp if args.sequence_parallel else 1)
     return partition(args.seq_length, splits, args.method, model, tp=args.tp,
                      sequence_parallel=args.sequence_parallel,
-                     align=math.lcm(args.align, cp_unit),
+                     align=math.lcm(args.align, span_alignment(args.cp, args.tp,
+                                                               args.sequence_parallel)),
                      lengths=args.span_lengths, fit=_time_fit(args))
 
 
@@ -376,8 +380,11 @@ def cmd_memory(args: argparse.Namespace) -> None:
         raise UsageError("a model is required: --model or its dimensions")
     if args.seq_length is None:
         raise UsageError("--seq-length is required")
-    if args.gpu_memory <= 0:
-        raise UsageError("--gpu-memory must be positive")
+    if not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
+        raise UsageError(f"--gpu-memory must be a finite positive number, got {args.gpu_memory}")
+    if args.align != 1:
+        raise UsageError("--align: memory cuts spans as pretrain_gpt.py does (multiples of --tp "
+                         "with --sequence-parallel and of --cp), which takes no --align")
     setup = TrainingSetup(
         model=model, seq_length=args.seq_length, schedule=args.schedule, pp=args.pp,
         microbatches=args.microbatches, splits=args.splits, chunks=args.chunks, tp=args.tp,
@@ -487,7 +494,8 @@ def _run_costs(args: argparse.Namespace, split: StageLayers | None = None):
         layers = split if split is not None else _stage_layers(args)
         return model_costs(schedule, model, spans, flops_per_second=args.device_tflops * 1e12,
                            tp=args.tp, sequence_parallel=args.sequence_parallel,
-                           stage_layers=layers.for_reference() if whole else layers)
+                           stage_layers=layers.for_reference() if whole else layers,
+                           cp=args.cp)
     return costs_of, None
 
 
@@ -592,10 +600,11 @@ def cmd_search(args: argparse.Namespace) -> None:
                                     if layout is not None else "") + ")")
 
 
-def _check_writable(flag: str, path: str) -> None:
-    """Before any work: `path` names a file this user can write (writable.check_output_file)."""
+def _check_writable(flag: str, path: str, suffix: Optional[str] = None) -> None:
+    """Before any work: `path` names a file this user can write, ending in `suffix` when given
+    (writable.check_output_file)."""
     try:
-        check_output_file(path, flag)
+        check_output_file(path, flag, suffix)
     except ValueError as err:
         raise UsageError(str(err)) from None
 
@@ -615,7 +624,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     costs = CostModel(tuple(args.uniform_cost or UNIT)) if model is None else CostModel(
         model=model, seq_length=args.seq_length, tp=args.tp,
         sequence_parallel=args.sequence_parallel, flops_per_second=args.device_tflops * 1e12,
-        partition=args.method)
+        partition=args.method, cp=args.cp, align=args.align)
     if args.method in ("fit", "explicit"):
         raise UsageError("--partition: compare cuts every k by the even or compute method")
     rows = compare(args.pp, args.microbatches, args.splits, costs)
@@ -644,13 +653,19 @@ def _gpu_memory(text: str) -> float:
         value = float(number) * units[unit]
     except (ValueError, KeyError):
         raise UsageError(f"--gpu-memory {text!r}: give GiB, e.g. 80GiB, 79.25 or 80GB") from None
-    if value <= 0:
-        raise UsageError(f"--gpu-memory {text!r} must be positive")
+    if not (math.isfinite(value) and value > 0):
+        raise UsageError(f"--gpu-memory {text!r} must be a finite positive size")
     return value
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(name for name in text.split(",") if name)
+def _names(flag: str, text: str) -> tuple[str, ...]:
+    """A comma-separated list, refused when it names nothing (`--schedules ,` searched no
+    schedule and then blamed the memory)."""
+    names = tuple(name for name in text.split(",") if name)
+    if not names:
+        raise UsageError(f"{flag} {text!r} names nothing: give a comma-separated list or leave "
+                         "the flag out")
+    return names
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
@@ -664,22 +679,25 @@ def cmd_tune(args: argparse.Namespace) -> None:
         raise UsageError("a model is required: --model or its dimensions")
     if args.emit_sbatch:
         _check_writable("--emit-sbatch", args.emit_sbatch)
-    schedules = _names(args.schedules) if args.schedules else default_schedules()
+    schedules = (_names("--schedules", args.schedules) if args.schedules is not None
+                 else default_schedules())
     for name in schedules:
         registry.get(name)
     try:
-        chunks = tuple(int(v) for v in _names(args.chunks))
+        chunks = tuple(int(v) for v in _names("--chunks", args.chunks))
     except ValueError:
         raise UsageError(f"--chunks {args.chunks!r}: give integers, e.g. 2,4") from None
-    recomputes = tuple(None if name == "none" else name for name in _names(args.recompute))
+    recomputes = tuple(None if name == "none" else name
+                       for name in _names("--recompute", args.recompute))
     for name in recomputes:
         if name not in (None, "selective", "full"):
             raise UsageError(f"--recompute: {name!r}; choose from none, selective, full")
     query = Query(model, args.seq_length, args.gpus, args.gpus_per_node,
                   args.global_batch_size, args.micro_batch_size, schedules, args.max_splits,
-                  args.min_span, chunks, _names(args.partitions), recomputes,
+                  args.min_span, chunks, _names("--partitions", args.partitions), recomputes,
                   not args.even_stages, args.loss_backward_in_forward)
-    gpu = resolve_gpu(args.gpu, _gpu_memory(args.gpu_memory) if args.gpu_memory else None,
+    gpu = resolve_gpu(args.gpu, _gpu_memory(args.gpu_memory) if args.gpu_memory is not None
+                      else None,
                       args.gpus_per_node)
     result = tune(query, gpu, args.top)
     if args.emit_sbatch and result.ranked:
@@ -864,9 +882,48 @@ def build_parser() -> Parser:
     return parser
 
 
+PATH_FLAGS = ("pipeline_schedule_file", "calibration", "device_check", "plot", "trace",
+              "save_schedule", "emit_sbatch", "schedule_memory_cap", "gpu_memory")
+"""Flags whose value is a name or a quantity: an empty one is a mistake, not "not given"."""
+
+POSITIVE_INTS = ("tp", "cp", "align", "dp", "micro_batch_size")
+NON_NEGATIVE_FLOATS = ("p2p_latency", "overhead_gb")
+POSITIVE_FLOATS = ("device_tflops",)
+
+
+def check_common_flags(args: argparse.Namespace) -> None:
+    """What every subcommand's flags must be before any work, whichever subcommand has them:
+    named values not empty, sizes positive integers (`--align -4` was taken as 4 and `--cp -1`
+    gave a negative makespan), rates and sizes finite numbers of the right sign, and the
+    picture and trace files writable, named as what is written (PNG, JSON)."""
+    for name in PATH_FLAGS:
+        if getattr(args, name, None) == "":
+            raise UsageError(f"--{name.replace('_', '-')} is empty: give a value or leave the "
+                             "flag out")
+    for name in POSITIVE_INTS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got "
+                             f"{value}")
+    for names, least, word in ((NON_NEGATIVE_FLOATS, 0.0, "non-negative"),
+                               (POSITIVE_FLOATS, None, "positive")):
+        for name in names:
+            value = getattr(args, name, None)
+            if value is not None and not (math.isfinite(value) and (
+                    value > 0 if least is None else value >= least)):
+                raise UsageError(f"--{name.replace('_', '-')} must be a finite {word} number, "
+                                 f"got {value}")
+    if getattr(args, "calibration", None) is not None and args.method != "fit":
+        raise UsageError(f"--calibration is read by the fit method, not {args.method!r}")
+    for flag, suffix in (("plot", ".png"), ("trace", ".json")):
+        if getattr(args, flag, None) is not None:
+            _check_writable(f"--{flag}", getattr(args, flag), suffix)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        check_common_flags(args)
         return args.run(args) or 0
     except (UsageError, ScheduleError, CalibrationError) as err:
         print(f"plan.py: error: {err}", file=sys.stderr)

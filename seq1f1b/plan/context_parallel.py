@@ -32,6 +32,12 @@ def check_heads(num_attention_heads: int, num_query_groups: int, tp: int, cp: in
                             "divide it")
 
 
+def span_alignment(cp: int, tp: int, sequence_parallel: bool) -> int:
+    """The multiple every span must be under context parallelism: C, so each CP rank holds an
+    equal contiguous part, times TP under sequence parallelism (each part is cut over TP)."""
+    return cp * tp if sequence_parallel else cp
+
+
 def kv_replication(model: ModelConfig, tp: int, cp: int) -> float:
     """A CP rank's K/V cache over 1/C of the whole TP rank's cache: 1 when the groups per TP rank
     divide by C, C / groups when each rank keeps one (replicated) group."""

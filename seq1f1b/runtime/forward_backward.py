@@ -22,6 +22,7 @@ from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.budget import ScheduleBudget
+from seq1f1b.plan.context_parallel import span_alignment
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.runtime.executor import Executor, StepInputs
 from seq1f1b.runtime.trace import ExecutionTrace
@@ -109,7 +110,7 @@ def check_context_parallel_spans(lengths: Sequence[int], cp: int, tp: int,
                                  sequence_parallel: bool) -> None:
     """Every span must split evenly over the CP ranks (and, under sequence parallelism, each
     rank's part over TP); raises ValueError naming the span lengths."""
-    unit = cp * tp if sequence_parallel else cp
+    unit = span_alignment(cp, tp, sequence_parallel)
     if any(length % unit for length in lengths):
         what = f"--context-parallel-size {cp}" + (f" x TP {tp} (sequence parallel)"
                                                   if sequence_parallel and tp > 1 else "")
@@ -127,7 +128,7 @@ def _spans(settings: SpanSettings, seq_length: int, model: Optional[ModelConfig]
     lengths = span_partition.partition(
         seq_length, settings.splits, settings.partition, model=model, tp=tp,
         sequence_parallel=sequence_parallel, lengths=settings.span_lengths,
-        align=cp * tp if sequence_parallel else cp)
+        align=span_alignment(cp, tp, sequence_parallel))
     return tuple(span_partition.span_bounds(lengths))
 
 

@@ -154,7 +154,58 @@ BAD_INPUTS = [
     (["search", "--pp", "0", "--microbatches", "4"], "--pp"),
     (["search", "--pp", "2", "--microbatches", "4", "--chunks", "0"], "--chunks"),
     (["compare", "--pp", "4", "--microbatches", "0"], "--microbatches"),
+    # signs, emptiness, formats and flags a command would have ignored
+    (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "4", "--splits", "2",
+      "--model", "1.3b", "--seq-length", "4096", "--cp", "-1"], "--cp"),
+    (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "4", "--splits", "2",
+      "--model", "1.3b", "--seq-length", "4096", "--cp", "3"], "--cp 3"),
+    (["partition", "--seq-length", "100", "--splits", "2", "--align", "-4"], "--align"),
+    (["partition", "--seq-length", "100", "--splits", "2", "--cp", "0"], "--cp"),
+    (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--uniform-cost",
+      "1", "2", "--plot", "timeline.txt"], "--plot"),
+    (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--uniform-cost",
+      "1", "2", "--trace", "/proc/trace.json"], "--trace"),
+    (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--uniform-cost",
+      "1", "2", "--trace", ""], "--trace"),
+    (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--uniform-cost",
+      "1", "2", "--p2p-latency", "-1"], "--p2p-latency"),
+    (["search", "--pp", "2", "--microbatches", "2", "--device-tflops", "nan"], "--device-tflops"),
+    (["search", "--pp", "2", "--microbatches", "2", "--save-schedule", ""], "--save-schedule"),
+    (["show", "--schedule", "seq1f1b-zb-auto", "--pp", "2", "--microbatches", "2",
+      "--schedule-memory-cap", ""], "--schedule-memory-cap"),
+    (["memory", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--model", "1.3b",
+      "--seq-length", "4096", "--align", "3"], "--align"),
+    (["memory", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--model", "1.3b",
+      "--seq-length", "4096", "--calibration", "timings.json"], "--calibration"),
+    (["memory", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--model", "1.3b",
+      "--seq-length", "4096", "--gpu-memory", "nan"], "--gpu-memory"),
+    (["memory", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--model", "1.3b",
+      "--seq-length", "4096", "--overhead-gb", "nan"], "--overhead-gb"),
+    (["tune", "--model", "7b", "--seq-length", "4096", "--gpus", "8", "--gpu-memory", "inf"],
+     "--gpu-memory"),
+    (["tune", "--model", "7b", "--seq-length", "4096", "--gpus", "8", "--gpu-memory", ""],
+     "--gpu-memory"),
+    (["tune", "--model", "7b", "--seq-length", "4096", "--gpus", "8", "--schedules", ","],
+     "--schedules"),
+    (["tune", "--model", "7b", "--seq-length", "4096", "--gpus", "8", "--schedules", ""],
+     "--schedules"),
+    (["tune", "--model", "7b", "--seq-length", "4096", "--gpus", "8", "--recompute", ""],
+     "--recompute"),
+    (["tune", "--model", "7b", "--seq-length", "4096", "--gpus", "8", "--emit-sbatch", ""],
+     "--emit-sbatch"),
 ]
+
+
+@pytest.mark.parametrize("command", ["search", "compare"])
+def test_search_and_compare_price_context_parallelism(capsys, command):
+    """--cp divides every rank's compute by C (it was accepted and ignored here while simulate
+    priced it): the makespans halve at C = 2."""
+    def makespans(cp):
+        data = run_json(capsys, command, "--pp", "2", "--microbatches", "2", "--splits", "2",
+                        "--model", "1.3b", "--seq-length", "8192", "--cp", str(cp))
+        return [data["makespan"]] if command == "search" else [r["makespan"] for r in data]
+    for whole, halved in zip(makespans(1), makespans(2)):
+        assert halved < 0.6 * whole
 
 
 @pytest.mark.parametrize("argv, flag", BAD_INPUTS)
