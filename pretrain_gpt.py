@@ -117,14 +117,11 @@ if __name__ == "__mp_main__":      # a helper a rank spawned (megatron-core's ch
     ignore_batch_signals()
 
 if __name__ == "__main__":
-    import warnings
-
     from megatron.training.arguments import parse_and_validate_args
+    from seq1f1b.import_notices import hide_import_notices
 
     arguments = parse_and_validate_args(None)
-    # megatron-core warns about each optional kernel library (TE, Apex) it falls back from.
-    warnings.filterwarnings("ignore", message=r"(?s).*(Transformer Engine|Apex).*not installed")
-    warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron's own default
+    hide_import_notices()
     from megatron.training.training import pretrain
 
     pretrain(arguments, train_valid_test_datasets_provider, model_provider, forward_step)

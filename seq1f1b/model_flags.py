@@ -126,11 +126,57 @@ SIZE_FLAG_TOKENS = 6
 """How many leading entries of `shape_flags` the three sizes take (flag and value each)."""
 
 
+SIZE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
+              "rotary_base", "rotary_seq_len_interpolation_factor")
+"""The shape flags that count something: each, when given, must be at least 1."""
+
+
+def flag_of(dest: str) -> str:
+    """The command-line spelling of an argparse dest (num_query_groups -> --num-query-groups)."""
+    return "--" + dest.replace("_", "-")
+
+
+def positive_error(flag: str, value: Optional[float]) -> Optional[str]:
+    """The one-line error of a count below 1 (None: fine, or not given). A 0 or a negative size
+    otherwise reaches a modulo, a division or a tensor shape far from the flag and ends in a
+    traceback that does not name it."""
+    if value is not None and value < 1:
+        return f"{flag} must be a positive integer, got {value!r}"
+    return None
+
+
+def sizes_error(args: argparse.Namespace, names: tuple[str, ...] = SIZE_FLAGS) -> Optional[str]:
+    """positive_error of the first of the flags `names` (by dest; absent ones skipped) that is
+    below 1, or None."""
+    for name in names:
+        error = positive_error(flag_of(name), getattr(args, name, None))
+        if error is not None:
+            return error
+    return None
+
+
+def heads_error(args: argparse.Namespace) -> Optional[str]:
+    """The one-line error of a hidden size the attention heads do not divide (None: fine): each
+    head takes hidden / heads channels, so a remainder has no head to go to."""
+    error = sizes_error(args, ("hidden_size", "num_attention_heads"))
+    if error is not None or args.hidden_size is None or args.num_attention_heads is None:
+        return error
+    if args.hidden_size % args.num_attention_heads:
+        return (f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                f"{args.num_attention_heads}")
+    return None
+
+
 def query_groups_error(args: argparse.Namespace) -> Optional[str]:
     """The one-line error of Megatron-LM's grouped-query flags (None: they are consistent):
     --group-query-attention needs --num-query-groups, which must divide the attention heads.
     The tools also take --num-query-groups alone, as they did before they took Megatron's
-    spelling; pretrain_gpt.py refuses it (arguments._validate_architecture)."""
+    spelling; pretrain_gpt.py refuses it (arguments._validate_architecture). A head count below
+    1 is refused first: the divisibility test would divide by it."""
+    error = sizes_error(args, ("num_attention_heads", "num_query_groups"))
+    if error is not None:
+        return error
     if getattr(args, "group_query_attention", False):
         if args.num_query_groups is None:
             return "--group-query-attention needs --num-query-groups"
@@ -142,9 +188,13 @@ def query_groups_error(args: argparse.Namespace) -> Optional[str]:
 
 
 def kv_channels_error(args: argparse.Namespace) -> Optional[str]:
-    """The one-line error of a --kv-channels other than hidden / heads (None: fine)."""
+    """The one-line error of a --kv-channels other than hidden / heads (None: fine); sizes
+    below 1 first, which hidden / heads would divide by or turn into a meaningless width."""
     if args.kv_channels is None:
         return None
+    error = sizes_error(args, ("hidden_size", "num_attention_heads", "kv_channels"))
+    if error is not None:
+        return error
     head_channels = args.hidden_size // args.num_attention_heads
     if args.kv_channels != head_channels:
         return (f"--kv-channels {args.kv_channels}: only --hidden-size / --num-attention-heads "
@@ -154,6 +204,9 @@ def kv_channels_error(args: argparse.Namespace) -> Optional[str]:
 
 def swiglu_ffn_error(args: argparse.Namespace) -> Optional[str]:
     """The one-line error of --swiglu whose default FFN width rounds to 0 (None: fine)."""
+    error = sizes_error(args, ("hidden_size",))
+    if error is not None:
+        return error
     if args.swiglu and args.ffn_hidden_size is None and args.hidden_size < 48:
         return (f"--swiglu with --hidden-size {args.hidden_size}: the default FFN size rounds "
                 "to 0; give --ffn-hidden-size")

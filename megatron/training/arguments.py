@@ -30,7 +30,7 @@ from typing import NoReturn, Optional, Sequence
 from megatron.training import checkpoint_model, lr_schedule, megatron_lm_flags, writable
 from megatron.training.checkpoint_common import read_common_state, starting_point
 from megatron.training.data import DataConfig, check_data_config, check_token_ids, parse_split
-from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer
+from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer, unread_flag_error
 from seq1f1b import checkpoint_layout
 from seq1f1b.model_flags import (LOSS_BACKWARD_IN_FORWARD_HELP, SHAPE_FLAGS,
                                  add_model_shape_args, default_ffn_hidden_size, kv_channels_error,
@@ -533,7 +533,7 @@ def _require(args: argparse.Namespace, *names: str) -> None:
             _fail(f"--{name.replace('_', '-')} is required")
 
 
-def _check_range(args: argparse.Namespace, name: str, low: float, high: Optional[float] = None,
+def check_range(args: argparse.Namespace, name: str, low: float, high: Optional[float] = None,
                  low_inclusive: bool = True) -> None:
     """getattr(args, name), when set, must lie in [low, high) (or (low, high))."""
     value = getattr(args, name)
@@ -576,18 +576,23 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "kv_channels", "train_samples", "lr_decay_samples",
                  "distributed_timeout_minutes",
                  "rotary_seq_len_interpolation_factor"):
-        _check_range(args, name, 1)
-    _check_range(args, "exit_duration_in_mins", 0, low_inclusive=False)
+        check_range(args, name, 1)
+    check_range(args, "exit_duration_in_mins", 0, low_inclusive=False)
     for name in ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad",
                  "lr_warmup_samples", "lr_warmup_init", "decoupled_lr", "decoupled_min_lr"):
-        _check_range(args, name, 0)
-    _check_range(args, "lr_warmup_fraction", 0, 1)
+        check_range(args, name, 0)
+    check_range(args, "lr_warmup_fraction", 0, 1)
     for name in ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"):
-        _check_range(args, name, 0, 1)
+        check_range(args, name, 0, 1)
     for name in ("init_method_std", "adam_eps", "p2p_timeout", "norm_epsilon",
                  "rope_scaling_factor", "loss_scale", "initial_loss_scale", "min_loss_scale",
                  "loss_scale_window", "hysteresis"):
-        _check_range(args, name, 0, low_inclusive=False)
+        check_range(args, name, 0, low_inclusive=False)
+    check_rotary_percent(args)
+
+
+def check_rotary_percent(args: argparse.Namespace) -> None:
+    """--rotary-percent is the share of each head's channels that rotate: in (0, 1]."""
     if not 0 < args.rotary_percent <= 1:
         _fail(f"--rotary-percent must be > 0 and <= 1, got {args.rotary_percent:g}")
 
@@ -942,6 +947,7 @@ def _validate_stage_layers(args: argparse.Namespace, placement: Optional[str] = 
     uniform full recompute every chunk's count is a multiple of --recompute-num-layers.
     `placement`: the one to check (default: the schedule's, a searched one's own)."""
     from seq1f1b.plan.actions import ScheduleError
+    from seq1f1b.plan.costs import Recompute
     from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
 
     split = StageLayers.of_flags(args)     # a layout parsed by _layout_chunks already
@@ -957,11 +963,13 @@ def _validate_stage_layers(args: argparse.Namespace, placement: Optional[str] = 
                                           placement, split)
     except ScheduleError as err:
         _fail(str(err))
-    if args.recompute_method == "uniform":
-        bad = [count for count in counts if count % args.recompute_num_layers]
-        if bad:
-            _fail(f"--recompute-num-layers {args.recompute_num_layers} must divide the {bad[0]} "
-                  f"layers of a model chunk with --recompute-method uniform")
+    recompute = Recompute.from_flags(args.recompute_granularity, args.recompute_method,
+                                     args.recompute_num_layers)
+    if recompute is not None:
+        try:
+            recompute.check_chunk_layers(counts)
+        except ScheduleError as err:
+            _fail(str(err))
 
 
 def _validate_memory_cap(args: argparse.Namespace) -> None:
@@ -1042,13 +1050,9 @@ def _validate_data(args: argparse.Namespace) -> None:
         _fail("--mock-data contradicts --data-path; give one")
     if not args.mock_data and not args.data_path:
         _fail("--data-path is required (or --mock-data)")
-    for flag, tokenizer_type in (("vocab_file", "GPT2BPETokenizer"),
-                                 ("merge_file", "GPT2BPETokenizer"),
-                                 ("tokenizer_model", "HuggingFaceTokenizer"),
-                                 ("vocab_size", "NullTokenizer")):
-        if getattr(args, flag) is not None and args.tokenizer_type != tokenizer_type:
-            _fail(f"--{flag.replace('_', '-')} is only read by --tokenizer-type {tokenizer_type}, "
-                  f"not {args.tokenizer_type}")
+    unread = unread_flag_error(args, args.tokenizer_type)
+    if unread is not None:
+        _fail(unread)
     if args.reset_attention_mask and args.attention_backend == "te":
         _fail(f"--reset-attention-mask: --attention-backend {args.attention_backend} cannot mask "
               f"documents; use eager, sdpa, flex or flash")
@@ -1196,7 +1200,7 @@ def _validate_observability(args: argparse.Namespace) -> None:
     if args.profile:
         if not args.tensorboard_dir:
             _fail("--profile writes its traces to --tensorboard-dir; give one")
-        _check_range(args, "profile_step_start", 0)
+        check_range(args, "profile_step_start", 0)
         if args.profile_step_end <= args.profile_step_start:
             _fail(f"--profile-step-end {args.profile_step_end} must exceed "
                   f"--profile-step-start {args.profile_step_start}")

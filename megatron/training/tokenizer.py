@@ -20,6 +20,21 @@ TOKENIZER_TYPES = ("ByteLevelTokenizer", "GPT2BPETokenizer", "HuggingFaceTokeniz
 DEFAULT_TOKENIZER_TYPE = "ByteLevelTokenizer"
 
 
+FLAG_READERS = {"vocab_file": "GPT2BPETokenizer", "merge_file": "GPT2BPETokenizer",
+                "tokenizer_model": "HuggingFaceTokenizer", "vocab_size": "NullTokenizer"}
+"""Each file-or-size tokenizer flag and the one --tokenizer-type that reads it."""
+
+
+def unread_flag_error(args: object, tokenizer_type: str) -> Optional[str]:
+    """The one-line error for a tokenizer flag `tokenizer_type` never reads (build_tokenizer
+    ignores it, so the text would be tokenised otherwise than asked), or None."""
+    for flag, reader in FLAG_READERS.items():
+        if getattr(args, flag, None) is not None and tokenizer_type != reader:
+            return (f"--{flag.replace('_', '-')} is only read by --tokenizer-type {reader}, "
+                    f"not {tokenizer_type}")
+    return None
+
+
 def add_tokenizer_args(group) -> None:
     """Megatron's tokenizer flags, shared by pretrain_gpt.py and tools/preprocess_data.py."""
     group.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE, choices=TOKENIZER_TYPES)

@@ -11,6 +11,7 @@ d = h/n, f FFN hidden, Vv vocabulary, N layers, TP tensor-parallel size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from seq1f1b.plan.actions import ScheduleError
 
@@ -326,6 +327,17 @@ class Recompute:
             _refuse_full_only_flags(method, num_layers)
             return None
         return cls(granularity, method, num_layers)
+
+    def check_chunk_layers(self, counts: Sequence[int]) -> None:
+        """Uniform groups must divide every model chunk's layer count (`counts`): megatron-core
+        would index past a chunk's last layer. ScheduleError, one line naming the flag."""
+        if self.method != "uniform":
+            return
+        bad = [count for count in counts if count % self.num_layers]
+        if bad:
+            raise ScheduleError(f"--recompute-num-layers {self.num_layers} must divide the "
+                                f"{bad[0]} layers of a model chunk with --recompute-method "
+                                "uniform")
 
     def describe(self) -> str:
         """One line for tool output, e.g. "full recompute, uniform groups of 2 layers"."""
