@@ -29,8 +29,9 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.distributed import release_model_parallel
 from seq1f1b.model_flags import (LOSS_BACKWARD_IN_FORWARD_HELP, SHAPE_FLAGS,
-                                 add_model_shape_args, default_ffn_hidden_size,
-                                 kv_channels_error, query_groups_error, swiglu_ffn_error)
+                                 add_model_shape_args, default_ffn_hidden_size, heads_error,
+                                 kv_channels_error, query_groups_error, sizes_error,
+                                 swiglu_ffn_error)
 from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan import registry, schedule_file
 from seq1f1b.plan.actions import Schedule
@@ -173,9 +174,11 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
 def settle_shape_flags(args) -> None:
     """Fill in the model-shape flags of add_model_flags as pretrain_gpt.py does (the SwiGLU FFN
     width), or raise ValueError (one line naming the flag) for what a case cannot build:
-    inconsistent grouped-query flags, --kv-channels other than hidden / heads, a position table
-    other than --seq-length (the case builds one of that size)."""
-    error = query_groups_error(args) or kv_channels_error(args) or swiglu_ffn_error(args)
+    a size below 1, inconsistent grouped-query flags, --kv-channels other than hidden / heads, a
+    hidden size the heads do not divide, a position table other than --seq-length (the case
+    builds one of that size)."""
+    error = (sizes_error(args) or query_groups_error(args) or kv_channels_error(args)
+             or swiglu_ffn_error(args) or heads_error(args))
     if error is not None:
         raise ValueError(error)
     if args.ffn_hidden_size is None:
@@ -203,10 +206,7 @@ def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
     if case.schedule in MEGATRON_SCHEDULES or not registry.get(case.schedule).searched:
         return None
     model = cost_model(case)
-    lengths = span_partition.partition(
-        case.seq_length, case.splits, "explicit" if case.span_lengths else case.partition, model,
-        tp=case.tp, sequence_parallel=case.sequence_parallel, lengths=case.span_lengths)
-    shape = RunShape(model, case.seq_length, tuple(lengths), tp=case.tp,
+    shape = RunShape(model, case.seq_length, tuple(case_spans(case)), tp=case.tp,
                      sequence_parallel=case.sequence_parallel,
                      micro_batch_size=case.micro_batch_size, bytes_per_element=4,
                      recompute=Recompute.from_flags(case.recompute_granularity,
@@ -217,7 +217,16 @@ def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
                      loss_backward_in_forward=case.loss_backward_in_forward)
     return run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
                       MemoryCap.parse(case.schedule_memory_cap)
-                      if case.schedule_memory_cap else None, shape)
+                      if case.schedule_memory_cap is not None else None, shape)
+
+
+def case_spans(case: "EquivalenceCase") -> list[int]:
+    """The span lengths of the case's cut (ScheduleError, one line naming the flag, for a cut
+    the sequence cannot take: more spans than tokens, bad --span-lengths)."""
+    return span_partition.partition(
+        case.seq_length, case.splits, "explicit" if case.span_lengths else case.partition,
+        cost_model(case), tp=case.tp, sequence_parallel=case.sequence_parallel,
+        lengths=case.span_lengths)
 
 
 def case_placement(case: "EquivalenceCase") -> str:
@@ -227,12 +236,28 @@ def case_placement(case: "EquivalenceCase") -> str:
 
 
 def check_stage_layers(case: "EquivalenceCase") -> None:
-    """Uneven first / last stages that cannot be dealt on the case's layout, refused before any
-    work (ScheduleError, one line naming the flag)."""
-    split = stage_layers(case)
-    if split.uneven:
-        layers_per_virtual_stage(case.num_layers, case.pp, case.chunks,
-                                 case_placement(case), split)
+    """Layers that cannot be dealt on the case's layout (uneven first / last stages, or even
+    ones that pp x chunks does not divide), refused before any work (ScheduleError, one line
+    naming the flag) rather than by megatron inside the ranks."""
+    layers_per_virtual_stage(case.num_layers, case.pp, case.chunks, case_placement(case),
+                             stage_layers(case))
+
+
+def check_layout(case: "EquivalenceCase") -> None:
+    """What the ranks would refuse only after the reference run, refused before any work
+    (ValueError, one line naming the flag): chunks a schedule does not run on, a cut the
+    sequence cannot take, layers the stages cannot share."""
+    check_chunks(case)
+    case_spans(case)
+    check_stage_layers(case)
+
+
+def check_chunks(case: "EquivalenceCase") -> None:
+    """--chunks that the case's schedule or its --against baseline does not run on (ValueError,
+    one line)."""
+    for name in filter(None, (case.schedule, case.against)):
+        if is_chunked(name) not in (None, case.chunks > 1):
+            raise ValueError(f"--chunks {case.chunks} does not fit schedule {name!r}")
 
 
 def check_budget(case: "EquivalenceCase") -> None:
@@ -593,9 +618,7 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
                          f" x --cp {case.cp}")
     dp = world // (case.tp * case.pp * case.cp)
     chunked = case.chunks > 1
-    for name in filter(None, (case.schedule, case.against)):
-        if is_chunked(name) not in (None, chunked):
-            raise ValueError(f"--chunks {case.chunks} does not fit schedule {name!r}")
+    check_chunks(case)
     if (case.hidden_dropout or case.attention_dropout) and not (case.against or
                                                                 case.against_no_recompute):
         raise ValueError("--hidden-dropout/--attention-dropout > 0 draw other masks than the "

@@ -16,16 +16,25 @@ import argparse
 import json
 import os
 import sys
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+PROG = "check_equivalence.py"
+COUNT_FLAGS = ("vocab_size", "micro_batch_size", "num_microbatches", "tp", "pp", "cp", "chunks",
+               "splits", "recompute_num_layers")
+"""The layout and batch flags that count something (the model's own: model_flags.SIZE_FLAGS)."""
 
-def parse_args(argv=None) -> argparse.Namespace:
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    from megatron.training.arguments import ArgumentParser
     from seq1f1b.equivalence import add_model_flags
     from seq1f1b.runtime.forward_backward import schedule_names
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    # megatron's parser: a parse error is one line and exit code 2, as the checks below
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            allow_abbrev=True)
     add = parser.add_argument
     add("--schedule", default=None, choices=schedule_names(),
         help="the schedule to check (default: seq1f1b)")
@@ -56,21 +65,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.span_lengths:
         args.partition = "explicit"
-    from seq1f1b.equivalence import (check_budget, check_documents, check_placement,
-                                     check_stage_layers, settle_shape_flags)
+    from seq1f1b.equivalence import (check_budget, check_documents, check_layout,
+                                     check_placement, settle_shape_flags)
     try:
+        check_numbers(args)
         settle_shape_flags(args)
         if args.pipeline_schedule_file is not None:
             _take_schedule_file(args, parser)
         args.schedule = args.schedule or "seq1f1b"
         check_documents(case_from_args(args))
         check_placement(args.schedule, args.untie_embeddings)
-        check_stage_layers(case_from_args(args))
+        check_layout(case_from_args(args))
         check_budget(case_from_args(args))
     except ValueError as err:      # one line, before any process group exists (ScheduleError too)
-        print(f"check_equivalence.py: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         sys.exit(2)
     return args
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Refuse (ValueError, one line naming the flag) a number no case can run with, before any
+    process group or reference run: a count below 1 would divide by zero or shape an empty
+    tensor inside the ranks, a negative tolerance could never pass, an empty memory cap would
+    read as none."""
+    from megatron.training.arguments import check_range
+    from seq1f1b.model_flags import sizes_error
+    from seq1f1b.plan.budget import MemoryCap
+
+    error = sizes_error(args, COUNT_FLAGS)
+    if error is not None:
+        raise ValueError(error)
+    check_range(args, "init_method_std", 0, low_inclusive=False)
+    for name in ("hidden_dropout", "attention_dropout"):
+        check_range(args, name, 0, 1)
+    for name in ("loss_tolerance", "grad_tolerance"):
+        check_range(args, name, 0)
+    if args.schedule_memory_cap is not None:
+        MemoryCap.parse(args.schedule_memory_cap)
 
 
 def _take_schedule_file(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -96,7 +127,10 @@ def case_from_args(args: argparse.Namespace):
     return EquivalenceCase(**case_fields(args))
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
+    from seq1f1b.import_notices import hide_import_notices
+
+    hide_import_notices()          # a refusal's one line would come after a dozen of them
     args = parse_args(argv)
     from seq1f1b.distributed import init_distributed
     from seq1f1b.equivalence import run_case
@@ -108,7 +142,7 @@ def main(argv=None) -> int:
         result = run_case(case_from_args(args))
     except ValueError as err:
         if dist.get_rank() == 0:
-            print(f"check_equivalence.py: error: {err}", file=sys.stderr)
+            print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     if dist.get_rank() == 0:
         payload = {k: v for k, v in vars(result).items() if k != "case"}

@@ -89,9 +89,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import warnings
+    from seq1f1b.import_notices import hide_import_notices
 
-    warnings.filterwarnings("ignore", message=r"(?s).*(Transformer Engine|Apex).*not installed")
-    warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron's own default
-    warnings.filterwarnings("ignore", category=FutureWarning)   # torch's DCP API in megatron-core
+    hide_import_notices(future_warnings=True)
     sys.exit(main())

@@ -22,6 +22,7 @@ the search or the memory is to blame. The summary gives the worst gap to a prove
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -29,6 +30,8 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.training.arguments import ArgumentParser  # noqa: E402
+from seq1f1b.model_flags import positive_error  # noqa: E402
 from seq1f1b.plan.budget import ScheduleBudget, searched_placements  # noqa: E402
 from seq1f1b.plan.costs import preset  # noqa: E402
 from seq1f1b.plan.exact import solve  # noqa: E402
@@ -42,8 +45,14 @@ COSTS = {"unit": CostModel(UNIT), "skewed": CostModel(SKEWED),
          "model": CostModel(model=preset("7b"), seq_length=65536, tp=8, sequence_parallel=True)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+PROG = "peer_grid.py"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The grid, refused (one line naming the flag on stderr, exit code 2) before any case
+    runs when a parse fails or a number cannot make a case."""
+    # megatron's parser: a parse error is one line, not the usage block
+    parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], allow_abbrev=True)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--microbatches-per-rank", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -53,6 +62,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exact-actions", type=int, default=400,
                         help="largest case (F, B and W actions in all) solved exactly")
     args = parser.parse_args(argv)
+    error = grid_error(args)
+    if error is not None:
+        parser.error(error)
+    return args
+
+
+def grid_error(args: argparse.Namespace) -> str | None:
+    """The one-line error of a grid no case can be built from (None: fine): a count below 1
+    fails deep in the schedule builders, a time limit of 0 s or less proves nothing (a gap of
+    -100%) and one without end never returns, and an --exact-actions below 1 would quietly
+    solve nothing."""
+    for flag, values in (("--pp", args.pp), ("--microbatches-per-rank", args.microbatches_per_rank),
+                         ("--splits", args.splits), ("--exact-actions", [args.exact_actions])):
+        error = next(filter(None, (positive_error(flag, value) for value in values)), None)
+        if error is not None:
+            return error
+    if args.exact is not None and not 0 < args.exact < math.inf:
+        return f"--exact must be a positive number of seconds, got {args.exact:g}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     failed, worst, worst_exact = 0, (0.0, ""), (-1.0, "none proven")
     for kind in args.costs:
         costs = COSTS[kind]

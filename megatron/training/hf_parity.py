@@ -65,6 +65,7 @@ def check_case(case: ParityCase, world_size: int):
     from seq1f1b.runtime.forward_backward import MEGATRON_SCHEDULES, schedule_names
     from seq1f1b.equivalence import is_chunked
 
+    check_batch_shape(case)
     _, spec = hf_config.read_spec(case.hf_dir)
     path = os.path.join(case.hf_dir, hf_config.CONFIG_FILE)
     hf_config.check_layout(spec, hf_config.Layout(case.tp, case.pp, case.vpp), path)
@@ -84,6 +85,19 @@ def check_case(case: ParityCase, world_size: int):
         raise ConversionError(f"--seq-length {case.seq_length} exceeds {path} sliding_window "
                               f"{spec.sliding_window}: Seq1F1B has no sliding window")
     return spec
+
+
+def check_batch_shape(case: ParityCase) -> None:
+    """--seq-length and --micro-batch-size below 1, refused first and each by its own name: the
+    --splits range is read against --seq-length, and a batch of no rows divides by zero (or of
+    negative rows fails as a tensor shape) inside the ranks."""
+    from seq1f1b.model_flags import positive_error
+
+    for flag, value in (("--seq-length", case.seq_length),
+                        ("--micro-batch-size", case.micro_batch_size)):
+        error = positive_error(flag, value)
+        if error is not None:
+            raise ConversionError(error)
 
 
 def _tokens(case: ParityCase, spec) -> torch.Tensor:

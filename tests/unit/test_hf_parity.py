@@ -59,6 +59,9 @@ def test_a_model_without_the_rope_scaling_fails(folders, bare_world, monkeypatch
     (dict(schedule="megatron-1f1b", splits=2), ["--splits 2"]),
     (dict(schedule="nope"), ["--schedule"]),
     (dict(seq_length=80), ["--seq-length 80", "config.json", "sliding_window 64"]),
+    (dict(seq_length=0), ["--seq-length must be a positive integer, got 0"]),
+    (dict(micro_batch_size=0), ["--micro-batch-size must be a positive integer, got 0"]),
+    (dict(micro_batch_size=-1), ["--micro-batch-size must be a positive integer, got -1"]),
 ])
 def test_bad_cases_are_refused_before_any_work(folders, changes, names):
     case = parity.ParityCase(hf_dir=str(folders["mistral"]), **changes)

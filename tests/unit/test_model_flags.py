@@ -100,3 +100,28 @@ def test_a_shape_the_checking_tools_cannot_build_is_refused(tools, capsys, flags
     assert message in capsys.readouterr().err
     with pytest.raises(tools["benchmark"].UsageError, match=message):
         tools["benchmark"].parse_args(flags)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-query-groups", "0"], "--num-query-groups must be a positive integer, got 0"),
+    (["--group-query-attention", "--num-query-groups", "-2"],
+     "--num-query-groups must be a positive integer, got -2"),
+    (["--num-attention-heads", "0", "--kv-channels", "8"],
+     "--num-attention-heads must be a positive integer, got 0"),
+])
+def test_a_head_count_below_one_is_refused_by_name_not_divided_by(tools, capsys, flags, message):
+    """query_groups_error and kv_channels_error divide by the head counts: each checks them
+    first, so every tool names the flag instead of raising ZeroDivisionError."""
+    with pytest.raises(SystemExit) as exit_info:
+        tools["check_equivalence"].parse_args(flags)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and message in err and "\n" not in err, err
+    with pytest.raises(tools["benchmark"].UsageError, match=message):
+        tools["benchmark"].parse_args(flags + ["--schedules", "seq1f1b"])
+
+
+def test_the_planner_names_a_zero_query_group_count(tools):
+    argv = ["simulate", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--num-query-groups", "0"]
+    with pytest.raises(ValueError, match="--num-query-groups must be a positive integer, got 0"):
+        model_of_flags(tools["plan"].build_parser().parse_args(argv))

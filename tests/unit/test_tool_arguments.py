@@ -1,0 +1,102 @@
+"""Bad command lines of tools/check_equivalence.py and tools/peer_grid.py: refused in one line on
+stderr naming the flag, exit code 2, before any process group, reference run or case starts (no
+traceback from inside the ranks, no value quietly read as another)."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_args", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def check_equivalence():
+    return _tool("check_equivalence")
+
+
+@pytest.fixture(scope="module")
+def peer_grid():
+    return _tool("peer_grid")
+
+
+def _refusal(capsys, call, argv) -> str:
+    """The one line `call(argv)` prints on stderr as it exits with code 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        call(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2, err
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pp", "0"], "--pp must be a positive integer, got 0"),
+    (["--pp", "-1"], "--pp must be a positive integer, got -1"),
+    (["--tp", "0"], "--tp must be a positive integer, got 0"),
+    (["--cp", "0"], "--cp must be a positive integer, got 0"),
+    (["--num-microbatches", "0"], "--num-microbatches must be a positive integer, got 0"),
+    (["--chunks", "0"], "--chunks must be a positive integer, got 0"),
+    (["--splits", "0"], "--splits must be a positive integer, got 0"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be a positive integer, got 0"),
+    (["--seq-length", "0"], "--seq-length must be a positive integer, got 0"),
+    (["--num-layers", "0"], "--num-layers must be a positive integer, got 0"),
+    (["--vocab-size", "0"], "--vocab-size must be a positive integer, got 0"),
+    (["--num-attention-heads", "0"], "--num-attention-heads must be a positive integer, got 0"),
+    (["--num-query-groups", "0"], "--num-query-groups must be a positive integer, got 0"),
+    (["--hidden-size", "30"], "--hidden-size 30 is not divisible by --num-attention-heads 4"),
+    (["--init-method-std", "-1"], "--init-method-std must be > 0, got -1"),
+    (["--loss-tolerance", "-1"], "--loss-tolerance must be >= 0, got -1"),
+    (["--schedule-memory-cap", ""], "--schedule-memory-cap '': give bytes"),
+    (["--splits", "30"], "--splits 30 is more than the 24 spans"),
+    (["--chunks", "2"], "--chunks 2 does not fit schedule 'seq1f1b'"),
+    (["--pp", "3"], "the model's 4 layers are not divisible by pp*chunks = 3*1"),
+    (["--pp", "x"], "argument --pp: invalid int value: 'x'"),
+])
+def test_check_equivalence_refuses_a_bad_number_in_one_line(check_equivalence, capsys, argv,
+                                                            message):
+    err = _refusal(capsys, check_equivalence.parse_args, argv)
+    assert err.startswith("check_equivalence.py: error: ") and message in err, err
+
+
+def test_check_equivalence_still_takes_a_good_case(check_equivalence):
+    args = check_equivalence.parse_args(["--pp", "2", "--splits", "2", "--num-layers", "2"])
+    assert (args.pp, args.splits, args.schedule) == (2, 2, "seq1f1b")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pp", "0"], "--pp must be a positive integer, got 0"),
+    (["--pp", "2", "-2"], "--pp must be a positive integer, got -2"),
+    (["--microbatches-per-rank", "0"], "--microbatches-per-rank must be a positive integer, got 0"),
+    (["--microbatches-per-rank", "-1"],
+     "--microbatches-per-rank must be a positive integer, got -1"),
+    (["--splits", "0"], "--splits must be a positive integer, got 0"),
+    (["--exact", "0"], "--exact must be a positive number of seconds, got 0"),
+    (["--exact", "-1"], "--exact must be a positive number of seconds, got -1"),
+    (["--exact-actions", "-5"], "--exact-actions must be a positive integer, got -5"),
+    (["--costs", "nope"], "argument --costs: invalid choice: 'nope'"),
+])
+def test_peer_grid_refuses_a_bad_grid_in_one_line(peer_grid, capsys, argv, message):
+    err = _refusal(capsys, peer_grid.main, argv)
+    assert err.startswith("peer_grid.py: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("tool, argv, message", [
+    ("check_equivalence.py", ["--pp", "x"], "argument --pp: invalid int value: 'x'"),
+    ("check_equivalence.py", ["--num-query-groups", "0"],
+     "--num-query-groups must be a positive integer, got 0"),
+    ("peer_grid.py", ["--pp", "x"], "argument --pp: invalid int value: 'x'"),
+])
+def test_the_command_line_gets_exactly_one_line_and_exit_2(tool, argv, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / tool), *argv],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr == f"{tool}: error: {message}\n", proc.stderr
