@@ -154,6 +154,10 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
                  "iterations", "threads"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+    try:
+        _check_model(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if args.warmup < 0:
         raise UsageError("--warmup must be >= 0")
     if args.noise_threshold < 0:
@@ -181,6 +185,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
         if name in MEGATRON_SCHEDULES and k != 1:
             raise UsageError(f"--schedules {entry}: megatron's schedules run whole sequences "
                              "(k = 1)")
+        if args.span_lengths and k == 1:
+            raise UsageError(f"--schedules {entry}: k = 1 runs the whole sequence; "
+                             "--span-lengths cuts entries of k >= 2")
         if args.span_lengths and k != len(args.span_lengths):
             raise UsageError(f"--schedules {entry}: k = {k} but --span-lengths gives "
                              f"{len(args.span_lengths)} spans")
@@ -229,7 +236,69 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
                 raise UsageError(f"--schedules {run.label}: {err}") from None
     if any(run.partition == "fit" for run in runs) and args.warmup < 1:
         raise UsageError("a fit partition calibrates from the warm-up: --warmup must be >= 1")
+    _check_runs(args, runs)
     return args, runs
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    """The model flags pretrain_gpt.py refuses (megatron/training/arguments.py), refused alike
+    before any process starts: RoPE and norm values, heads and widths tensor parallelism does
+    not divide, activation recompute (seq1f1b.plan.costs.Recompute). settle_shape_flags has
+    refused sizes below 1 and a hidden size the heads do not divide. Raises ValueError, one
+    line naming the flag."""
+    from megatron.training.arguments import check_range, check_rotary_percent
+    from seq1f1b.plan.costs import Recompute
+
+    for name in ("norm_epsilon", "rope_scaling_factor"):
+        check_range(args, name, 0, low_inclusive=False)
+    check_rotary_percent(args)
+    for flag, value in (("--num-attention-heads", args.num_attention_heads),
+                        ("--num-query-groups", args.num_query_groups),
+                        ("--ffn-hidden-size", args.ffn_hidden_size)):
+        if value is not None and value % args.tp:
+            raise ValueError(f"{flag} {value} is not divisible by --tp {args.tp}")
+    Recompute.from_flags(args.recompute_granularity, args.recompute_method,
+                         args.recompute_num_layers)
+
+
+def _check_runs(args: argparse.Namespace, runs: list[Run]) -> None:
+    """What the runs' processes would refuse only after they start, refused before: the
+    documents (seq1f1b.equivalence.check_documents, as check_equivalence.py), every span cut
+    (seq1f1b/plan/partition.py, as the runtime cuts it) and uniform full recompute groups that
+    do not divide a model chunk's layers (megatron-core would index past its last layer)."""
+    from seq1f1b.equivalence import check_documents, cost_model, stage_layers
+    from seq1f1b.plan import partition as span_partition
+    from seq1f1b.plan.costs import Recompute
+    from seq1f1b.plan.stage_layers import layers_per_virtual_stage
+    from seq1f1b.runtime.forward_backward import MEGATRON_SCHEDULES
+
+    try:
+        check_documents(_case(args, runs[0]))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    model = cost_model(args)
+    for run in runs:
+        if run.schedule in MEGATRON_SCHEDULES:      # whole sequences, not cut by our runtime
+            continue
+        explicit = run.partition == "explicit"
+        try:        # a fit entry's warm-up runs the compute cut
+            span_partition.partition(
+                args.seq_length, run.splits, "compute" if run.partition == "fit" else
+                run.partition, model, tp=args.tp, sequence_parallel=args.sequence_parallel,
+                lengths=list(args.span_lengths) if explicit else None)
+        except ValueError as err:
+            raise UsageError(str(err) if explicit else f"--schedules {run.label}: {err}") from None
+    recompute = Recompute.from_flags(args.recompute_granularity, args.recompute_method,
+                                     args.recompute_num_layers)
+    if recompute is None:
+        return
+    for run in runs:
+        counts = layers_per_virtual_stage(args.num_layers, args.pp, run.chunks, run.group[1],
+                                          stage_layers(_case(args, run)))
+        try:
+            recompute.check_chunk_layers(counts)
+        except ValueError as err:
+            raise UsageError(f"{err} (--schedules {run.label})") from None
 
 
 def _file_run(args: argparse.Namespace) -> Run:
@@ -655,8 +724,9 @@ def _recompute_text(config: dict) -> str:
     granularity = config.get("recompute_granularity")
     if granularity != "full":
         return granularity or "none"
+    layers = config.get("recompute_num_layers")      # None: the default, 1 layer
     return (f"full/{config.get('recompute_method') or 'uniform'}/"
-            f"{config.get('recompute_num_layers') or 1}")
+            f"{1 if layers is None else layers}")
 
 
 def _noise_text(config: dict) -> str:
@@ -737,6 +807,9 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from seq1f1b.import_notices import hide_import_notices
+
+    hide_import_notices()          # a refusal's one line would come after a dozen of them
     first_rank = os.environ.get("RANK", "0") == "0"
     try:
         args, runs = parse_args(argv)

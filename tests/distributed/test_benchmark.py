@@ -286,3 +286,83 @@ def test_bad_output_paths_are_refused_before_the_run(tmp_path, flag, path):
     with pytest.raises(tool.UsageError, match=f"^{flag}") as err:
         tool.parse_args(["--schedules", "1f1b", flag, path.format(tmp=tmp_path)])
     assert "\n" not in str(err.value)
+
+
+def _benchmark_tool():
+    """tools/benchmark.py as a module (registered first: its dataclasses look it up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_tool", ROOT / "tools" / "benchmark.py")
+    tool = sys.modules["benchmark_tool"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+TINY = ["--pp", "1", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--vocab-size", "64", "--num-microbatches", "1", "--iterations", "1",
+        "--warmup", "0"]
+
+
+@pytest.mark.parametrize("schedules, extra, flag", [
+    # activation recompute, as pretrain_gpt.py (-1 ran away on memory, 0 failed after the run)
+    (["1f1b"], ["--recompute-granularity", "full", "--recompute-num-layers", "-1"],
+     "--recompute-num-layers"),
+    (["1f1b"], ["--recompute-granularity", "full", "--recompute-num-layers", "0"],
+     "--recompute-num-layers"),
+    (["1f1b"], ["--recompute-num-layers", "1"], "--recompute-num-layers"),
+    (["1f1b"], ["--recompute-method", "block"], "--recompute-method"),
+    (["1f1b"], ["--recompute-granularity", "full", "--recompute-num-layers", "3"],
+     "--recompute-num-layers"),       # uniform groups of 3 in a chunk of 2 layers
+    # span cuts (the ranks raised ScheduleError after they started)
+    (["seq1f1b:2"], ["--span-lengths", "8", "4"], "--span-lengths"),
+    (["seq1f1b:2"], ["--span-lengths", "16", "0"], "--span-lengths"),
+    (["1f1b"], ["--span-lengths", "16"], "--span-lengths"),
+    # shape divisibility (a traceback from megatron-core)
+    (["1f1b"], ["--hidden-size", "30"], "--hidden-size"),
+    (["1f1b"], ["--tp", "2", "--num-attention-heads", "3", "--hidden-size", "24"],
+     "--num-attention-heads"),
+    (["1f1b"], ["--tp", "2", "--num-query-groups", "1"], "--num-query-groups"),
+    # documents, as check_equivalence.py (were accepted)
+    (["1f1b"], ["--document-lengths", "8", "4", "--reset-attention-mask"], "--document-lengths"),
+    (["1f1b"], ["--document-lengths", "16", "0"], "--document-lengths"),
+    (["1f1b"], ["--reset-position-ids"], "--reset-position-ids"),
+    # RoPE and norm values, as pretrain_gpt.py (were accepted)
+    (["1f1b"], ["--rotary-base", "0"], "--rotary-base"),
+    (["1f1b"], ["--rotary-percent", "0"], "--rotary-percent"),
+    (["1f1b"], ["--use-rope-scaling", "--rope-scaling-factor", "0"], "--rope-scaling-factor"),
+    (["1f1b"], ["--norm-epsilon", "0"], "--norm-epsilon"),
+    (["1f1b"], ["--norm-epsilon", "-1"], "--norm-epsilon"),
+    # an empty output path was taken as none: nothing written, exit 0
+    (["1f1b"], ["--output", ""], "--output"),
+])
+def test_bad_model_flags_are_refused_while_parsing(schedules, extra, flag):
+    """What the ranks refused only after they started (a traceback, or memory run away), or did
+    not refuse at all, is one line naming the flag before any process starts."""
+    tool = _benchmark_tool()
+    with pytest.raises(tool.UsageError) as err:
+        tool.parse_args(["--schedules", *schedules, *TINY, *extra])
+    assert flag in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_bad_flag_exits_2_with_one_line(capsys):
+    assert _benchmark_tool().main(["--schedules", "1f1b", *TINY, "--norm-epsilon", "0"]) == 2
+    assert capsys.readouterr().err == "benchmark.py: error: --norm-epsilon must be > 0, got 0\n"
+
+
+def test_the_recompute_shown_is_the_one_given():
+    tool = _benchmark_tool()
+    assert tool._recompute_text({"recompute_granularity": "full"}) == "full/uniform/1"
+    assert tool._recompute_text({"recompute_granularity": "full", "recompute_method": "block",
+                                 "recompute_num_layers": 2}) == "full/block/2"
+    assert tool._recompute_text({"recompute_granularity": "full",
+                                 "recompute_num_layers": 0}) == "full/uniform/0"
+
+
+@pytest.mark.parametrize("extra", [
+    [], ["--recompute-granularity", "full", "--recompute-num-layers", "2"],
+    ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+     "1"], ["--document-lengths", "10", "6", "--reset-attention-mask", "--reset-position-ids"],
+    ["--span-lengths", "10", "6"], ["--tp", "2", "--num-query-groups", "2"]])
+def test_good_model_flags_still_parse(extra):
+    schedules = ["seq1f1b:2"] if "--span-lengths" in extra else ["1f1b", "seq1f1b:2"]
+    _benchmark_tool().parse_args(["--schedules", *schedules, *TINY, *extra])
