@@ -648,6 +648,28 @@ def run_gpu_suite(shapes: Shapes, tiny: bool) -> dict:
     return result
 
 
+DEFAULT_BUDGET_S = 420.0
+"""--budget-s when not given: the stage suite's parts that would start later are skipped."""
+RESULT_FILE = "device_check.json"
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Before any measuring (minutes on a GPU): a budget that lets a part run, one the suite
+    reads, and an OUTDIR the result can be written into (writable.check_output_dir). Raises
+    ValueError, one line naming the flag."""
+    from megatron.training.writable import check_output_dir, check_output_file
+
+    if args.budget_s is not None:
+        if args.suite == "gpu":
+            raise ValueError("--budget-s belongs to --suite stage (the gpu suite's parts have "
+                             "their own budgets)")
+        if not math.isfinite(args.budget_s) or args.budget_s <= 0:
+            raise ValueError(f"--budget-s must be a positive number of seconds, got "
+                             f"{args.budget_s:g} (every part would be skipped)")
+    check_output_dir(args.outdir, "OUTDIR")
+    check_output_file(os.path.join(args.outdir, RESULT_FILE), "OUTDIR", makes_folders=True)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("outdir", help="folder for device_check.json (created)")
@@ -659,13 +681,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "run's evidence under the keys numerics, training, memory, "
                              "attention and documents, each part with its own budget (under 9 "
                              "minutes)")
-    parser.add_argument("--budget-s", type=float, default=420.0,
+    parser.add_argument("--budget-s", type=float, default=None,
                         help="--suite stage: skip the parts that would start after this many "
-                             "seconds (default 420)")
+                             f"seconds (default {DEFAULT_BUDGET_S:g})")
     args = parser.parse_args(argv)
     if args.suite == "gpu" and args.skip_stage:
         parser.error("--skip-stage belongs to --suite stage (the gpu suite's parts have their "
                      "own budgets)")
+    try:
+        check_arguments(args)
+    except ValueError as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    if args.budget_s is None:
+        args.budget_s = DEFAULT_BUDGET_S
     import torch
 
     if not args.tiny and not torch.cuda.is_available():
@@ -688,7 +717,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["attention"] = check_attention(shapes, deadline)
         result["span_kernels"] = check_span_kernels(shapes, Deadline(KERNELS_BUDGET_S))
     result["wall_s"] = time.perf_counter() - started
-    path = outdir / "device_check.json"
+    path = outdir / RESULT_FILE
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path} in {result['wall_s']:.0f} s")
     return 0

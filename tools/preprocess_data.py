@@ -25,7 +25,8 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 from megatron.training.arguments import ArgumentParser  # noqa: E402
 from megatron.training.tokenizer import (  # noqa: E402
-    TokenizerConfig, add_tokenizer_args, build_tokenizer)
+    TokenizerConfig, add_tokenizer_args, build_tokenizer, unread_flag_error)
+from megatron.training.writable import check_output_prefix  # noqa: E402
 
 
 class InputError(ValueError):
@@ -115,12 +116,24 @@ def output_prefixes(output_prefix: str, json_keys: Sequence[str]) -> dict[str, s
     return {key: f"{output_prefix}_{key}_document" for key in json_keys}
 
 
+def check_tokenizer_flags(args) -> None:
+    """Refuse a tokenizer flag the chosen tokenizer never reads (e.g. --vocab-size under the
+    default byte-level tokenizer), as pretrain_gpt.py does."""
+    unread = unread_flag_error(args, TokenizerConfig.from_args(args).tokenizer_type)
+    if unread is not None:
+        raise InputError(unread)
+
+
 def check_paths(args) -> None:
+    """Before any work: the input exists, the output prefix names files in a writable folder
+    (writable.check_output_prefix), the keys are distinct and every tokenizer flag is read."""
     if not os.path.isfile(args.input):
         raise InputError(f"--input: {args.input} does not exist")
-    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    if not os.path.isdir(out_dir):
-        raise InputError(f"--output-prefix: directory {out_dir} does not exist")
+    try:
+        check_output_prefix(args.output_prefix, "--output-prefix")
+    except ValueError as err:
+        raise InputError(str(err)) from None
+    check_tokenizer_flags(args)
     if len(set(args.json_keys)) != len(args.json_keys):
         raise InputError(f"--json-keys: repeated key in {' '.join(args.json_keys)}")
 

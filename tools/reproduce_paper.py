@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import shlex
 import re
@@ -71,6 +72,10 @@ REPO = Path(__file__).resolve().parents[1]
 JOB_RESULTS = REPO / "examples" / "slurm" / "job_results.py"
 SLURM_TIME = re.compile(r"^(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|INFINITE)$")
 """The time limits sbatch --time accepts."""
+TRAIN_ITERS = 10
+"""--launch's iterations per job when --train-iters is not given."""
+TIME_LIMIT = "00:30:00"
+"""--launch's sbatch --time when --time is not given."""
 
 
 class UsageError(Exception):
@@ -363,7 +368,7 @@ def collect_runs(folder: Path) -> list[dict]:
         raise UsageError(f"--collect: {folder} holds no {MANIFEST}: not a --launch folder")
     results = _job_results()
     runs = []
-    for sweep in json.loads(manifest.read_text()):
+    for sweep in read_manifest(manifest):
         if not (folder / sweep["folder"] / "jobs.tsv").exists():
             continue                                     # not submitted
         for job in results.collect(folder / sweep["folder"]):
@@ -372,6 +377,32 @@ def collect_runs(folder: Path) -> list[dict]:
         raise UsageError(f"--collect: no submitted job under {folder} "
                          f"(submit with {folder / SWEEP_FILE})")
     return runs
+
+
+def read_manifest(manifest: Path) -> list[dict]:
+    """The sweeps of a launch folder's sweeps.json, each checked against what --launch writes
+    (Sweep.record(): its keys and their types), so a damaged or foreign file is refused in one
+    line naming it instead of failing mid-collection."""
+    try:
+        entries = json.loads(manifest.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--collect: {manifest} is not valid JSON ({err.msg}, line "
+                         f"{err.lineno}): not written by --launch") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--collect: {manifest} is not UTF-8 text: not written by --launch") \
+            from None
+    expected = sweeps()[0].record()
+    if not isinstance(entries, list) or not entries:
+        raise UsageError(f"--collect: {manifest} should be a non-empty list of sweeps, as "
+                         f"--launch writes it")
+    for number, entry in enumerate(entries, 1):
+        if not isinstance(entry, dict):
+            raise UsageError(f"--collect: {manifest}: sweep {number} is not a JSON object")
+        for key, value in expected.items():
+            if not isinstance(entry.get(key), type(value)):
+                raise UsageError(f"--collect: {manifest}: sweep {number} has no {key!r} "
+                                 f"{type(value).__name__}: not written by --launch")
+    return entries
 
 
 def _run(sweep: dict, job: dict[str, str]) -> dict:
@@ -451,19 +482,35 @@ def build_parser() -> Parser:
     parser.add_argument("--submit", action="store_true",
                         help=f"with --launch: run DIR/{SWEEP_FILE} now (sbatch) and print the "
                              "job ids")
-    parser.add_argument("--train-iters", type=int, default=10,
-                        help="with --launch: iterations per job (default 10; the first is not "
-                             "timed)")
-    parser.add_argument("--time", default="00:30:00",
+    parser.add_argument("--train-iters", type=int,
+                        help=f"with --launch: iterations per job (default {TRAIN_ITERS}; the "
+                             "first is not timed)")
+    parser.add_argument("--time",
                         help="with --launch: the jobs' time limit (sbatch --time; default "
-                             "00:30:00)")
+                             f"{TIME_LIMIT})")
     parser.add_argument("sbatch_options", nargs="*", metavar="--SBATCH-OPTION=VALUE",
                         help="with --launch --submit, after --: sbatch options for every job "
                              "(e.g. -- --partition=gpu --account=me)")
     return parser
 
 
+def _check_given(args: argparse.Namespace) -> None:
+    """An empty --launch, --collect or --device-check (an unset shell variable) is refused, not
+    taken as "not given": that would silently print the estimated tables instead. The --launch
+    settings are refused without --launch, which alone reads them."""
+    for flag in ("launch", "collect", "device_check"):
+        if getattr(args, flag) == "":
+            raise UsageError(f"--{flag.replace('_', '-')}: empty value; name the "
+                             f"{'file' if flag == 'device_check' else 'folder'}")
+    if not args.launch:
+        for flag in ("train_iters", "time"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} only with --launch (the jobs' "
+                                 f"setting)")
+
+
 def _check(args: argparse.Namespace) -> None:
+    _check_given(args)
     if (args.submit or args.sbatch_options) and not args.launch:
         raise UsageError("--submit and sbatch options need --launch DIR")
     if args.sbatch_options and not args.submit:
@@ -471,9 +518,10 @@ def _check(args: argparse.Namespace) -> None:
     for option in args.sbatch_options:
         if not (option.startswith("--") and "=" in option):
             raise UsageError(f"sbatch option {option!r}: give it as --name=value after --")
-    if args.gpu_memory <= 0:
-        raise UsageError("--gpu-memory must be positive")
-    if args.train_iters < 2:
+    if not math.isfinite(args.gpu_memory) or args.gpu_memory <= 0:
+        raise UsageError(f"--gpu-memory must be a positive number of GiB, got "
+                         f"{args.gpu_memory:g}")
+    if args.train_iters is not None and args.train_iters < 2:
         raise UsageError("--train-iters must be >= 2 (the first iteration is not timed)")
     if args.device_check and (args.launch or args.collect):
         raise UsageError("--device-check applies to the estimated tables, not to --launch or "
@@ -481,7 +529,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.collect and not Path(args.collect).is_dir():
         raise UsageError(f"--collect: {args.collect} is not a directory")
     if args.launch:
-        if not SLURM_TIME.match(args.time):
+        if args.time is not None and not SLURM_TIME.match(args.time):
             raise UsageError(f"--time {args.time!r} is not a Slurm time limit (MINUTES, "
                              f"MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS[:MINUTES"
                              f"[:SECONDS]] or UNLIMITED)")
@@ -493,7 +541,9 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace) -> None:
-    script = launch(Path(args.launch), args.train_iters, args.time)
+    script = launch(Path(args.launch),
+                    TRAIN_ITERS if args.train_iters is None else args.train_iters,
+                    TIME_LIMIT if args.time is None else args.time)
     if not args.submit:
         plan = sweeps()
         print(f"wrote {script}: {sum(sweep.jobs for sweep in plan)} jobs of the shipped "

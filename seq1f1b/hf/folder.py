@@ -97,8 +97,18 @@ def copy_companions(source_dir: str, target_dir: str, with_config: bool = False)
 
 
 def check_new_folder(path: str, flag: str) -> None:
-    """Refuse an output folder that exists with something in it (nothing is overwritten)."""
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+    """Refuse, before any work, an output folder write_hf_folder could not put in place: empty
+    (it would stage into the current folder's parent), existing with something in it (nothing
+    is overwritten), or one whose parent this user cannot write (it is staged beside `path` and
+    renamed there: writable.check_output_dir)."""
+    from megatron.training.writable import check_output_dir
+
+    try:
+        check_output_dir(path, flag)
+        check_output_dir(os.path.dirname(os.path.abspath(path)), flag)
+    except ValueError as err:
+        raise ConversionError(str(err)) from None
+    if os.path.exists(path) and os.listdir(path):
         raise ConversionError(f"{flag}: {path} exists and is not an empty directory")
 
 

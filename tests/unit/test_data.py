@@ -91,6 +91,15 @@ def test_preprocess_with_workers_writes_the_same_bytes(corpus, tmp_path, capsys)
     (['{"text": "ok"}'], ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                           "nope.json"], "--tokenizer-model", "nope.json"),
     (['{"text": "ok"}'], ["--output-prefix", "no/such/dir/x"], "--output-prefix", "no/such/dir"),
+    (['{"text": "ok"}'], ["--output-prefix", "/proc/x"], "--output-prefix",
+     "/proc is not writable"),
+    (['{"text": "ok"}'], ["--output-prefix", ""], "--output-prefix", "empty path"),
+    (['{"text": "ok"}'], ["--output-prefix", "./"], "--output-prefix", "names a folder"),
+    (['{"text": "ok"}'], ["--vocab-size", "7"], "--vocab-size", "ByteLevelTokenizer"),
+    (['{"text": "ok"}'], ["--tokenizer-model", "/nonexistent/x"], "--tokenizer-model",
+     "ByteLevelTokenizer"),
+    (['{"text": "ok"}'], ["--tokenizer-type", "NullTokenizer", "--vocab-size", "9",
+                          "--vocab-file", "v.json"], "--vocab-file", "NullTokenizer"),
 ])
 def test_preprocess_bad_input_is_one_line_exit_2_and_leaves_nothing(
         tmp_path, capsys, monkeypatch, lines, extra, flag, detail):

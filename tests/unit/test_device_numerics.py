@@ -40,3 +40,39 @@ def test_an_error_a_few_percent_past_bf16_is_out_of_bounds(monkeypatch, tensor):
     entry = _sdpa(monkeypatch, corrupt)
     assert not entry["within_bound"]
     assert entry["span_errors"][tensor] > entry["bounds"][tensor]
+
+
+def _device_check_tool():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "device_check.py"
+    spec = importlib.util.spec_from_file_location("device_check_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module     # its dataclasses resolve their annotations there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("outdir, extra, needle", [
+    ("/proc", [], "OUTDIR: /proc is not writable"),
+    ("/proc/x", [], "OUTDIR: /proc/x cannot be created"),
+    ("a_file", [], "OUTDIR: a_file exists and is not a directory"),
+    ("", [], "OUTDIR: empty path"),
+    ("out", ["--budget-s", "-1"], "--budget-s"),
+    ("out", ["--budget-s", "0"], "--budget-s"),
+    ("out", ["--budget-s", "nan"], "--budget-s"),
+    ("out", ["--suite", "gpu", "--budget-s", "60"], "--budget-s belongs to --suite stage"),
+])
+def test_device_check_refuses_bad_arguments_before_measuring(tmp_path, monkeypatch, capsys,
+                                                             outdir, extra, needle):
+    """One line, exit code 2, nothing written: not a traceback after minutes of measuring."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    tool = _device_check_tool()
+    monkeypatch.setattr(tool, "_setup_process", lambda: pytest.fail("measuring started"))
+    assert tool.main([outdir, "--tiny", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

@@ -238,6 +238,27 @@ def test_bad_layouts_and_outputs_are_refused(models, tmp_path, capsys):
              [tmp_path / "ckpt" / "release"])
 
 
+def test_unwritable_or_empty_save_is_refused_before_reading(models, tmp_path, capsys,
+                                                            monkeypatch):
+    """--save '' would write into the current folder; an unwritable --save failed only after
+    the whole model was read and converted."""
+    monkeypatch.chdir(tmp_path)
+    source = models["llama"]
+    assert _run(capsys, "hf-to-megatron", "--hf-dir", source, "--save", tmp_path / "ckpt")[0] == 0
+    monkeypatch.setattr("seq1f1b.hf.folder.read_hf_weights",
+                        lambda *a: pytest.fail("read the weights"))
+    monkeypatch.setattr("seq1f1b.hf.checkpoint.load_whole_model",
+                        lambda *a: pytest.fail("read the checkpoint"))
+    (tmp_path / "a_file").write_text("x")
+    for direction, given in (("hf-to-megatron", ["--hf-dir", source]),
+                             ("megatron-to-hf", ["--load", tmp_path / "ckpt"])):
+        for save, names in (("/proc/x", ["--save", "/proc/x", "/proc is not writable"]),
+                            ("", ["--save", "empty path"]),
+                            (tmp_path / "a_file", ["--save", "a_file", "not"])):
+            _refused(capsys, tmp_path, [direction, *given, "--save", save], names)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "ckpt"]
+
+
 def test_tokenizer_flag_takes_the_folder(models):
     from megatron.training.tokenizer import HuggingFaceTokenizer
 

@@ -494,6 +494,11 @@ def test_a_refused_submission_is_one_line_exit_1(tmp_path, monkeypatch, capsys):
     (["--launch", "x", "--", "--partition=gpu"], "without --submit"),
     (["--launch", "x", "--submit", "--", "-p"], "'-p'"),
     (["--", "--partition=gpu"], "need --launch"),
+    (["--gpu-memory", "nan"], "--gpu-memory"), (["--gpu-memory", "inf"], "--gpu-memory"),
+    (["--launch", ""], "--launch: empty"), (["--collect", ""], "--collect: empty"),
+    (["--device-check", ""], "--device-check: empty"),
+    (["--train-iters", "5"], "--train-iters only with --launch"),
+    (["--time", "bogus"], "--time only with --launch"),
 ])
 def test_errors_are_one_line(capsys, argv, needle):
     assert rp.main(argv) == 2
@@ -513,3 +518,14 @@ def test_launch_refuses_a_bad_time_or_folder_before_writing(tmp_path, capsys, ar
     assert not (tmp_path / "l").exists()
     for good in ("30", "0:30", "00:30:00", "1-0", "2-12:00", "1-00:00:00", "UNLIMITED"):
         assert rp.SLURM_TIME.match(good), good
+
+
+@pytest.mark.parametrize("manifest, needle", [
+    ("hello", "is not valid JSON"), ('[{"x": 1}]', "has no 'folder'"), ("[]", "non-empty list"),
+    ('{"folder": "a"}', "non-empty list"), ("[1]", "sweep 1 is not a JSON object"),
+])
+def test_collect_refuses_a_damaged_sweeps_json_naming_it(tmp_path, capsys, manifest, needle):
+    (tmp_path / rp.MANIFEST).write_text(manifest)
+    assert rp.main(["--collect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(tmp_path / rp.MANIFEST) in err and needle in err, err

@@ -82,12 +82,32 @@ def _tokenizer_vocab(hf_dir: str):
         raise ConversionError(str(err).replace("--tokenizer-model: ", "")) from None
 
 
+def check_save(args: argparse.Namespace) -> None:
+    """Before anything is read: --save is a folder this run can write (an empty value is refused,
+    not taken as the current folder), as each direction writes it: hf-to-megatron stages
+    `release` inside it (writable.check_output_dir), megatron-to-hf stages the folder beside it
+    and renames it into place (folder.check_new_folder). Otherwise the whole model is read and
+    converted before the first write fails."""
+    if args.direction == "megatron-to-hf":
+        from seq1f1b.hf.folder import check_new_folder
+
+        check_new_folder(args.save, "--save")
+        return
+    from megatron.training.writable import check_output_dir
+
+    try:
+        check_output_dir(args.save, "--save")
+    except ValueError as err:
+        raise ConversionError(str(err)) from None
+
+
 def hf_to_megatron(args: argparse.Namespace) -> str:
     """Validate everything, write the release checkpoint; returns the text to print."""
     from seq1f1b import checkpoint_layout
     from seq1f1b.hf import config as hf_config
     from seq1f1b.hf.folder import read_hf_weights
 
+    check_save(args)
     raw, spec = hf_config.read_spec(args.hf_dir)
     config_path = os.path.join(args.hf_dir, hf_config.CONFIG_FILE)
     layout = hf_config.Layout(args.tp, args.pp, args.vpp)
@@ -96,8 +116,6 @@ def hf_to_megatron(args: argparse.Namespace) -> str:
     flags = hf_config.training_flags(spec, layout, load_dir=os.path.abspath(args.save),
                                      tokenizer_model=tokenizer_model,
                                      tokenizer_vocab=tokenizer_vocab)
-    if os.path.exists(args.save) and not os.path.isdir(args.save):
-        raise ConversionError(f"--save: {args.save} exists and is not a directory")
     if os.path.exists(checkpoint_layout.tracker_path(args.save)):
         raise ConversionError(f"--save: {args.save} already holds a checkpoint")
     tensors = read_hf_weights(args.hf_dir, spec)
@@ -191,8 +209,7 @@ def megatron_to_hf(args: argparse.Namespace) -> str:
     """Validate everything, write the Hugging Face folder; returns the text to print."""
     from seq1f1b import checkpoint_layout
     from seq1f1b.hf import config as hf_config
-    from seq1f1b.hf.folder import check_new_folder
-
+    check_save(args)
     if not os.path.isdir(args.load):
         raise ConversionError(f"--load: {args.load} is not a directory")
     try:
@@ -211,7 +228,6 @@ def megatron_to_hf(args: argparse.Namespace) -> str:
     config_path = os.path.join(template, hf_config.CONFIG_FILE)
     _record_training(raw, template_spec, _trained_args(folder), args, config_path)
     spec = hf_config.spec_from_config(raw, config_path)
-    check_new_folder(args.save, "--save")
 
     from seq1f1b.hf import checkpoint, weights
     from seq1f1b.hf.folder import TORCH_DTYPES, write_hf_folder
@@ -241,9 +257,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import warnings
+    from seq1f1b.import_notices import hide_import_notices
 
-    warnings.filterwarnings("ignore", message=r"(?s).*(Transformer Engine|Apex).*not installed")
-    warnings.filterwarnings("ignore", message="full scope is deprecated")  # megatron's own default
-    warnings.filterwarnings("ignore", category=FutureWarning)   # torch's DCP API in megatron-core
+    hide_import_notices(future_warnings=True)
     sys.exit(main())
