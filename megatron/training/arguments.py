@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import signal
 import sys
@@ -535,10 +536,13 @@ def _require(args: argparse.Namespace, *names: str) -> None:
 
 def check_range(args: argparse.Namespace, name: str, low: float, high: Optional[float] = None,
                  low_inclusive: bool = True) -> None:
-    """getattr(args, name), when set, must lie in [low, high) (or (low, high))."""
+    """getattr(args, name), when set, must be a finite number in [low, high) (or (low, high)):
+    NaN fails every comparison and would pass, infinity passes an open upper end."""
     value = getattr(args, name)
     if value is None:
         return
+    if not math.isfinite(value):
+        _fail(f"--{name.replace('_', '-')} must be a finite number, got {value:g}")
     too_low = value < low if low_inclusive else value <= low
     if too_low or (high is not None and value >= high):
         bound = f"{'>=' if low_inclusive else '>'} {low:g}" + ("" if high is None else
@@ -589,6 +593,8 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "loss_scale_window", "hysteresis"):
         check_range(args, name, 0, low_inclusive=False)
     check_rotary_percent(args)
+    if getattr(args, "accumulate_allreduce_grads_in_fp32", False) and args.grad_reduce_in_bf16:
+        _fail("--accumulate-allreduce-grads-in-fp32 contradicts --grad-reduce-in-bf16; give one")
 
 
 def check_rotary_percent(args: argparse.Namespace) -> None:
@@ -694,6 +700,13 @@ def _validate_parallelism(args: argparse.Namespace, world_size: int) -> None:
               f"{world_size}")
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp * cp)
+    highest_seed = 2**32 - 1 - 100 * (pp - 1)      # stage s seeds numpy with seed + 100 s
+    if not 0 <= args.seed <= highest_seed:
+        _fail(f"--seed must lie in 0 .. {highest_seed} (pipeline stage s seeds seed + 100 x s; "
+              f"numpy takes 0 .. 2**32 - 1), got {args.seed}")
+    if args.cp_comm_type not in MEGATRON_CP_COMM_TYPES:     # given at CP 1 too: a typo
+        _fail(f"--cp-comm-type {args.cp_comm_type!r} is unknown; Megatron's are "
+              f"{', '.join(MEGATRON_CP_COMM_TYPES)} (span schedules run a2a)")
     if cp > 1:
         _validate_context_parallel(args)
     if args.num_attention_heads % tp:
@@ -759,6 +772,9 @@ def _validate_training_length(args: argparse.Namespace) -> None:
         _fail("--lr-warmup-fraction contradicts --lr-warmup-iters / --lr-warmup-samples; give one")
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         _fail("--decoupled-min-lr needs --decoupled-lr")
+    if args.decoupled_min_lr is not None and args.decoupled_min_lr > args.decoupled_lr:
+        _fail(f"--decoupled-min-lr {args.decoupled_min_lr:g} must be <= --decoupled-lr "
+              f"{args.decoupled_lr:g}")
 
 
 def _validate_context_parallel(args: argparse.Namespace) -> None:
@@ -766,9 +782,6 @@ def _validate_context_parallel(args: argparse.Namespace) -> None:
     checked with the schedule's)."""
     from seq1f1b.runtime.context_parallel import check_comm_type, check_heads
 
-    if args.cp_comm_type not in MEGATRON_CP_COMM_TYPES:
-        _fail(f"--cp-comm-type {args.cp_comm_type!r} is unknown; Megatron's are "
-              f"{', '.join(MEGATRON_CP_COMM_TYPES)} (span schedules run a2a)")
     try:
         check_comm_type(args.cp_comm_type)
         check_heads(args.num_attention_heads, args.num_query_groups or args.num_attention_heads,
@@ -803,7 +816,8 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     spans = args.seq1f1b_span_lengths
     if args.pipeline_schedule_file is not None:
         _load_schedule_file(args)
-    args.pipeline_schedule = args.pipeline_schedule or DEFAULT_SCHEDULE
+    if args.pipeline_schedule is None:
+        args.pipeline_schedule = DEFAULT_SCHEDULE
     if spans is not None:
         args.seq1f1b_partition = args.seq1f1b_partition or "explicit"
         args.seq1f1b_splits = args.seq1f1b_splits or len(spans)

@@ -21,6 +21,7 @@ process): argument validation calls the checks here and must stay instant.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import struct
@@ -123,8 +124,11 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], Optional[list[
         raise ValueError("--data-path: expected prefixes, or WEIGHT PREFIX pairs, got "
                          f"{' '.join(items)}")
     for weight, prefix in zip(weights, items[1::2]):
-        if not weight > 0:
-            raise ValueError(f"--data-path: weight {weight:g} of {prefix} must be positive")
+        if not 0 < weight < math.inf:
+            raise ValueError(f"--data-path: weight {weight:g} of {prefix} must be a finite "
+                             "positive number")
+    if not math.isfinite(sum(weights)):      # normalised by their sum
+        raise ValueError("--data-path: the weights' sum overflows; give relative weights")
     return items[1::2], weights
 
 
@@ -138,9 +142,10 @@ def parse_split(split: str) -> list[float]:
     except ValueError:
         raise ValueError(f"--split: expected up to three numbers like 949,50,1, got {split!r}") \
             from None
-    if not 1 <= len(values) <= 3 or any(not v >= 0 for v in values) or sum(values) <= 0:
-        raise ValueError(f"--split: expected up to three non-negative numbers with a positive sum, "
-                         f"got {split!r}")
+    if not 1 <= len(values) <= 3 or any(not 0 <= v < math.inf for v in values) or \
+            not 0 < sum(values) < math.inf:
+        raise ValueError(f"--split: expected up to three finite non-negative numbers with a "
+                         f"positive sum, got {split!r}")
     vector = numpy.array(values + [0.0] * (3 - len(values)), dtype=numpy.float64)
     return (vector / numpy.sum(vector)).tolist()
 

@@ -411,10 +411,25 @@ def status(flag: UpstreamFlag, defined: frozenset[str]) -> tuple[str, str]:
     return "refused", f"not implemented here (Megatron-LM's {flag.group} options)"
 
 
+NO_OP_VALUES: dict[str, tuple[str, ...]] = {
+    "--dataloader-type": ("single",),
+    "--distributed-backend": ("nccl", "gloo"),
+}
+"""No-op flags whose other values mean something not done here (upstream's cyclic and external
+data loaders, a backend that does not exist): those values are refused, not ignored."""
+
+
 class _NoOp(argparse.Action):
-    """Accept the flag (and its values) and keep what was given under its name."""
+    """Accept the flag (and its values) and keep what was given under its name; a value
+    `NO_OP_VALUES` does not list is noted as a refusal."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
+        allowed = NO_OP_VALUES.get(self.option_strings[0])
+        if allowed is not None and values not in allowed:
+            found = dict(getattr(namespace, REFUSED_KEY, None) or {})
+            found[f"{option_string} {values}"] = f"only {' or '.join(allowed)} runs here"
+            setattr(namespace, REFUSED_KEY, found)
+            return
         setattr(namespace, self.dest, True if self.nargs == 0 else values)
 
 
@@ -432,7 +447,13 @@ class _Refused(argparse.Action):
 
 
 def _nargs(arity: str):
-    return 0 if arity == "0" else None if arity == "1" else arity
+    """argparse's nargs of a table arity: "0" a switch, "1" one value, a count ("3") that many
+    values (an int: argparse multiplies by it), "+"/"*"/"?" as they are."""
+    if arity == "0":
+        return 0
+    if arity == "1":
+        return None
+    return int(arity) if arity.isdigit() else arity
 
 
 def add_upstream_flags(parser: argparse.ArgumentParser) -> None:

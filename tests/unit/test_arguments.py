@@ -203,6 +203,17 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
     ({"context_parallel_size": 2, "seq1f1b_partition": "fit"}, WORLD, "--seq1f1b-partition fit"),
     ({"context_parallel_size": 2, "pipeline_schedule": "megatron-1f1b", "seq1f1b_splits": None},
      WORLD, "--pipeline-schedule megatron-1f1b"),
+    # NaN passes every comparison and infinity an open upper end: both reached the ranks
+    ({"lr": "nan"}, WORLD, "--lr must be a finite"),
+    ({"hidden_dropout": "nan"}, WORLD, "--hidden-dropout"),
+    ({"p2p_timeout": "inf"}, WORLD, "--p2p-timeout"),
+    ({"seed": -1}, WORLD, "--seed"),
+    ({"seed": 2**32 - 1}, WORLD, "--seed"),            # stage 1 seeds 100 more than numpy takes
+    ({"pipeline_schedule": ""}, WORLD, "--pipeline-schedule"),
+    ({"decoupled_lr": 1e-3, "decoupled_min_lr": 1e-2}, WORLD, "--decoupled-min-lr"),
+    ({"cp_comm_type": "bogus"}, WORLD, "--cp-comm-type"),
+    ({"bf16": True, "grad_reduce_in_bf16": True, "accumulate_allreduce_grads_in_fp32": True},
+     WORLD, "--accumulate-allreduce-grads-in-fp32"),
 ]
 
 

@@ -234,7 +234,9 @@ def test_missing_or_corrupt_files_are_named(corpus, tmp_path, damage):
     ([], "no dataset prefix"),
     (["0.5", "a", "b"], "WEIGHT PREFIX"),
     (["1", "a", "x", "b"], "WEIGHT PREFIX"),
-    (["-1", "a", "2", "b"], "must be positive"),
+    (["-1", "a", "2", "b"], "must be a finite positive"),
+    (["inf", "a", "2", "b"], "must be a finite positive"),
+    (["1e308", "a", "1e308", "b"], "sum overflows"),
 ])
 def test_bad_data_path_forms(paths, match):
     with pytest.raises(ValueError, match=match):
@@ -330,3 +332,11 @@ def test_token_ids_beyond_the_vocabulary_are_refused_at_validation(corpus, tmp_p
     with pytest.raises(ArgumentError, match=rf"^--data-path: {copy}.bin holds token id {rows}, "
                                             rf"outside the model's vocabulary of {rows} rows"):
         validate_args(parse_args(argv), 1)
+
+
+@pytest.mark.parametrize("split", ["inf,1,1", "1e400,1", "nan,1,1", "1e308,1e308"])
+def test_a_split_of_infinite_or_overflowing_parts_is_refused(split):
+    """An infinite part normalised to NaN fractions (a message naming no flag, or a run that
+    trained on them with --mock-data)."""
+    with pytest.raises(ValueError, match="--split: expected up to three finite"):
+        data.parse_split(split)

@@ -53,6 +53,22 @@ def test_no_ops_are_accepted_with_their_values(capsys):
     assert not hasattr(args, "optimizer") and not hasattr(args, "use_persistent_ckpt_worker")
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["--dataloader-type", "cyclic"], "--dataloader-type cyclic (only single"),
+    (["--distributed-backend", "mpi"], "--distributed-backend mpi (only nccl or gloo"),
+    (["--rampup-batch-size", "1", "1", "10"], "--rampup-batch-size (batch-size ramp-up"),
+])
+def test_a_no_op_flags_other_values_and_counted_values_are_refused_in_one_line(capsys, argv,
+                                                                                 named):
+    """A no-op's other values mean something not done here (upstream's cyclic loader); a flag
+    of three values was handed to argparse as the string "3" (a traceback)."""
+    with pytest.raises(SystemExit) as stop:
+        parse_args(argv)
+    line = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "\n" not in line and named in line, line
+    assert parse_args(["--dataloader-type", "single", "--distributed-backend", "nccl"])
+
+
 def test_refused_flags_are_named_in_one_line_with_why(capsys):
     with pytest.raises(SystemExit) as stop:
         parse_args(["--num-experts", "8", "--fp8-format", "hybrid", "--inference-max-requests",
