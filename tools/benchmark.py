@@ -128,7 +128,7 @@ def build_parser() -> Parser:
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, list[Run]]:
     """Parse and check everything that can be checked before the processes meet."""
-    from megatron.training.writable import check_output_file
+    from seq1f1b.writable import check_output_file
     from seq1f1b.equivalence import check_placement, settle_shape_flags
     from seq1f1b.plan.actions import ScheduleError
     from seq1f1b.plan.budget import MemoryCap

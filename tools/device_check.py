@@ -657,7 +657,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Before any measuring (minutes on a GPU): a budget that lets a part run, one the suite
     reads, and an OUTDIR the result can be written into (writable.check_output_dir). Raises
     ValueError, one line naming the flag."""
-    from megatron.training.writable import check_output_dir, check_output_file
+    from seq1f1b.writable import check_output_dir, check_output_file
 
     if args.budget_s is not None:
         if args.suite == "gpu":

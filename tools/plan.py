@@ -35,7 +35,7 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training.writable import check_output_file  # noqa: E402
+from seq1f1b.writable import check_output_file  # noqa: E402
 from seq1f1b.model_flags import (COST_FLAGS, LOSS_BACKWARD_IN_FORWARD_HELP,  # noqa: E402
                                  add_model_shape_args, model_of_flags)
 from seq1f1b.plan import registry, schedule_file  # noqa: E402

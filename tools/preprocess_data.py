@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 from megatron.training.arguments import ArgumentParser  # noqa: E402
 from megatron.training.tokenizer import (  # noqa: E402
     TokenizerConfig, add_tokenizer_args, build_tokenizer, unread_flag_error)
-from megatron.training.writable import check_output_prefix  # noqa: E402
+from seq1f1b.writable import check_output_prefix  # noqa: E402
 
 
 class InputError(ValueError):

@@ -533,7 +533,7 @@ def _check(args: argparse.Namespace) -> None:
             raise UsageError(f"--time {args.time!r} is not a Slurm time limit (MINUTES, "
                              f"MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS[:MINUTES"
                              f"[:SECONDS]] or UNLIMITED)")
-        from megatron.training.writable import check_output_dir
+        from seq1f1b.writable import check_output_dir
         try:
             check_output_dir(args.launch, "--launch")
         except ValueError as err:

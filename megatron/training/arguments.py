@@ -28,11 +28,11 @@ import sys
 from dataclasses import dataclass
 from typing import NoReturn, Optional, Sequence
 
-from megatron.training import checkpoint_model, lr_schedule, megatron_lm_flags, writable
+from megatron.training import checkpoint_model, lr_schedule, megatron_lm_flags
 from megatron.training.checkpoint_common import read_common_state, starting_point
 from megatron.training.data import DataConfig, check_data_config, check_token_ids, parse_split
 from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer, unread_flag_error
-from seq1f1b import checkpoint_layout
+from seq1f1b import checkpoint_layout, writable
 from seq1f1b.model_flags import (LOSS_BACKWARD_IN_FORWARD_HELP, SHAPE_FLAGS,
                                  add_model_shape_args, default_ffn_hidden_size, kv_channels_error,
                                  query_groups_error, swiglu_ffn_error)

@@ -16,6 +16,7 @@ import torch
 from seq1f1b.hf import ConversionError
 from seq1f1b.hf.config import CONFIG_FILE, ModelSpec, read_json
 from seq1f1b.hf.weights import check_hf_tensors
+from seq1f1b.writable import check_output_dir
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -101,8 +102,6 @@ def check_new_folder(path: str, flag: str) -> None:
     (it would stage into the current folder's parent), existing with something in it (nothing
     is overwritten), or one whose parent this user cannot write (it is staged beside `path` and
     renamed there: writable.check_output_dir)."""
-    from megatron.training.writable import check_output_dir
-
     try:
         check_output_dir(path, flag)
         check_output_dir(os.path.dirname(os.path.abspath(path)), flag)

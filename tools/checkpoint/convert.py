@@ -93,7 +93,7 @@ def check_save(args: argparse.Namespace) -> None:
 
         check_new_folder(args.save, "--save")
         return
-    from megatron.training.writable import check_output_dir
+    from seq1f1b.writable import check_output_dir
 
     try:
         check_output_dir(args.save, "--save")
