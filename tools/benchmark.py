@@ -132,6 +132,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
     from seq1f1b.equivalence import check_placement, settle_shape_flags
     from seq1f1b.plan.actions import ScheduleError
     from seq1f1b.plan.budget import MemoryCap
+    from seq1f1b.model_flags import sizes_error
     from seq1f1b.runtime.forward_backward import MEGATRON_SCHEDULES, schedule_names
 
     args = build_parser().parse_args(argv)
@@ -149,11 +150,11 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
             raise UsageError(str(err)) from None
     if args.span_lengths:
         args.partition = "explicit"
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
-                 "micro_batch_size", "num_microbatches", "tp", "pp", "chunks", "splits",
-                 "iterations", "threads"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1")
+    error = sizes_error(args, ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                               "seq_length", "micro_batch_size", "num_microbatches", "tp", "pp",
+                               "chunks", "splits", "iterations", "threads"))
+    if error is not None:
+        raise UsageError(error)
     try:
         _check_model(args)
     except ValueError as err:

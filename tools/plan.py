@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from seq1f1b.writable import check_output_file  # noqa: E402
 from seq1f1b.model_flags import (COST_FLAGS, LOSS_BACKWARD_IN_FORWARD_HELP,  # noqa: E402
-                                 add_model_shape_args, model_of_flags)
+                                 add_model_shape_args, model_of_flags, sizes_error)
 from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
 from seq1f1b.plan.budget import (MemoryCap, ScheduleBudget, model_budget,  # noqa: E402
@@ -173,8 +173,7 @@ def _model(args: argparse.Namespace) -> ModelConfig | None:
 
 
 def _time_fit(args: argparse.Namespace) -> SpanTimeFit | None:
-    if args.calibration is not None and args.method != "fit":
-        raise UsageError(f"--calibration is read by the fit method, not {args.method!r}")
+    """The fit method's span costs (a --calibration without it: check_common_flags)."""
     if args.method != "fit":
         return None
     if args.calibration is None:
@@ -900,11 +899,9 @@ def check_common_flags(args: argparse.Namespace) -> None:
         if getattr(args, name, None) == "":
             raise UsageError(f"--{name.replace('_', '-')} is empty: give a value or leave the "
                              "flag out")
-    for name in POSITIVE_INTS:
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got "
-                             f"{value}")
+    error = sizes_error(args, POSITIVE_INTS)
+    if error is not None:
+        raise UsageError(error)
     for names, least, word in ((NON_NEGATIVE_FLOATS, 0.0, "non-negative"),
                                (POSITIVE_FLOATS, None, "positive")):
         for name in names:

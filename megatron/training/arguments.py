@@ -535,7 +535,7 @@ def _require(args: argparse.Namespace, *names: str) -> None:
 
 
 def check_range(args: argparse.Namespace, name: str, low: float, high: Optional[float] = None,
-                 low_inclusive: bool = True) -> None:
+                low_inclusive: bool = True) -> None:
     """getattr(args, name), when set, must be a finite number in [low, high) (or (low, high)):
     NaN fails every comparison and would pass, infinity passes an open upper end."""
     value = getattr(args, name)
@@ -975,15 +975,12 @@ def _validate_stage_layers(args: argparse.Namespace, placement: Optional[str] = 
         counts = layers_per_virtual_stage(args.num_layers, args.pipeline_model_parallel_size,
                                           args.virtual_pipeline_model_parallel_size or 1,
                                           placement, split)
+        recompute = Recompute.from_flags(args.recompute_granularity, args.recompute_method,
+                                         args.recompute_num_layers)
+        if recompute is not None:
+            recompute.check_chunk_layers(counts)
     except ScheduleError as err:
         _fail(str(err))
-    recompute = Recompute.from_flags(args.recompute_granularity, args.recompute_method,
-                                     args.recompute_num_layers)
-    if recompute is not None:
-        try:
-            recompute.check_chunk_layers(counts)
-        except ScheduleError as err:
-            _fail(str(err))
 
 
 def _validate_memory_cap(args: argparse.Namespace) -> None:
