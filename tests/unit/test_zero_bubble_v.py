@@ -340,3 +340,53 @@ def test_search_and_compare_refuse_bad_input_in_one_line(capsys, argv, flag):
     err = err.strip()
     assert code == 2 and flag in err and "\n" not in err, err
     assert out == ""
+
+
+def test_refine_retiming_after_a_move_equals_timing_every_action():
+    """refine.py times a moved order only from the moved place on, keeping every action that
+    started before the rank's previous action ended. That must give the very start and end of
+    every action a full timing gives (and the same deadlocks), for any move on any rank: over
+    skewed durations with spans of their own costs, and with W and some stages' F free
+    (zero-length actions end when they start, the edge of the kept set), from a replayed order
+    and from orders already moved."""
+    import random
+    from dataclasses import replace
+
+    from seq1f1b.plan.schedules.refine import _Orders
+    rng = random.Random(7)
+    compared = deadlocked = 0
+    for pp, m, k, placement in ((2, 4, 2, "vshape"), (4, 4, 3, "vshape"), (3, 6, 2, "loop")):
+        problem = Problem(pp, m, k, 2, placement)
+        unit = unit_costs(problem)
+        skewed = replace(unit, forward=tuple(tuple(1.0 + 0.1 * s for s in range(k))
+                                             for _ in unit.forward),
+                         backward=tuple((1.5,) * k for _ in unit.backward),
+                         weight=tuple((0.5,) * k for _ in unit.weight))
+        free = replace(unit, weight=tuple((0.0,) * k for _ in unit.weight),
+                       forward=tuple((0.0,) * k if stage % 2 else (1.0,) * k
+                                     for stage in range(len(unit.forward))))
+        for costs in (skewed, free):
+            placer = Placer(problem, costs)
+            orders_of = _Orders(placer)
+            orders = orders_of.steps(placer.place(float("inf"), Policy(False)).programs)
+            timing = orders_of.timing(orders)
+            for _ in range(150):
+                rank = rng.randrange(pp)
+                source = rng.randrange(len(orders[rank]))
+                # near moves as the search makes them, and far ones (which mostly deadlock)
+                target = min(max(source + rng.choice((-1, 1)) * rng.randint(1, 8), 0),
+                             len(orders[rank]) - 1) if rng.random() < 0.8 else \
+                    rng.randrange(len(orders[rank]))
+                moved = list(orders[rank])
+                moved.insert(target, moved.pop(source))
+                candidate = orders[:rank] + [moved] + orders[rank + 1:]
+                full = orders_of.timing(candidate)
+                retimed = orders_of.timing(candidate, timing, rank, min(source, target))
+                if full is None:
+                    assert retimed is None
+                    deadlocked += 1
+                    continue
+                assert (retimed.start, retimed.end) == (full.start, full.end)
+                compared += 1
+                orders, timing = candidate, retimed     # the next move starts from this one
+    assert compared > 300 and deadlocked > 0            # both outcomes occur
