@@ -55,6 +55,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 from seq1f1b.plan.actions import Action, Schedule, ScheduleError, dependencies
@@ -156,11 +157,19 @@ class _Plan:
                 * p.microbatches + microbatch)
 
     def action(self, step: int) -> Action:
-        p = self.problem
-        rest, i = divmod(step, p.microbatches)
-        rest, j = divmod(rest, p.splits)
-        rest, op = divmod(rest, 3)
-        return Action(_OPS[op], i, j, rest % p.chunks)
+        return self.actions[step]
+
+    @cached_property
+    def actions(self) -> list[Action]:
+        """The action of every step, made once: each replay returns its programs as actions,
+        and a search makes hundreds of replays."""
+        p, actions = self.problem, []
+        for step in range(len(self.duration)):
+            rest, i = divmod(step, p.microbatches)
+            rest, j = divmod(rest, p.splits)
+            rest, op = divmod(rest, 3)
+            actions.append(Action(_OPS[op], i, j, rest % p.chunks))
+        return actions
 
     def op(self, step: int) -> str:
         p = self.problem
@@ -313,16 +322,29 @@ class Placer:
             return None
 
         wake = [(0.0, rank) for rank in range(problem.pp)]
-        asleep: dict[int, float] = {}   # rank -> when it looks again (inf: when something ends)
-        ends: list[float] = []          # finish times of placed actions still to come, a heap
+        asleep: dict[int, float] = {}   # rank -> when it looks again (inf: when woken)
+        watchers: dict[int, list[int]] = {}   # unplaced step -> ranks asleep until it is placed
         makespan = 0.0
 
-        def sleep(rank: int, now: float) -> None:
-            while ends and ends[0] <= now:
-                heapq.heappop(ends)
-            asleep[rank] = ends[0] if ends else math.inf
-            if ends:
-                heapq.heappush(wake, (ends[0], rank))
+        def sleep(rank: int, now: float, heads: list[int]) -> None:
+            """Idle `rank` until one of `heads` (the actions it waits for) may have become
+            ready: at the soonest ready time after `now` among them, or when a dependency of
+            one not ready yet is placed. Nothing else changes what `choose` returns: the
+            rank's own bytes and queues change only when it runs an action, and a head once
+            ready stays ready. (Waking every idle rank at every action's end instead gave the
+            same programs at P times the cost.)"""
+            soonest = math.inf
+            for head in heads:
+                ready = plan.ready_at(head)
+                if ready == math.inf:
+                    for need in plan.needs[head]:
+                        if plan.finished[need] == math.inf:
+                            watchers.setdefault(need, []).append(rank)
+                elif now < ready < soonest:
+                    soonest = ready
+            asleep[rank] = soonest
+            if soonest < math.inf:
+                heapq.heappush(wake, (soonest, rank))
 
         while wake:
             now, rank = heapq.heappop(wake)
@@ -339,7 +361,7 @@ class Placer:
                     state.current.extend(unit)
             if not state.current:
                 if not state.done():
-                    sleep(rank, now)
+                    sleep(rank, now, [q[0][0] for q in state.backwards + state.forwards if q])
                 continue
             step = state.current[0]
             start = plan.ready_at(step)
@@ -347,7 +369,7 @@ class Placer:
                 if start < math.inf:
                     heapq.heappush(wake, (start, rank))
                 else:
-                    sleep(rank, now)
+                    sleep(rank, now, [step])
                 continue
             state.current.popleft()
             end = now + plan.duration[step]
@@ -366,9 +388,8 @@ class Placer:
             if op == "B" and not state.current:
                 state.owed.append(tuple(s + to_weight for s in state.program[-size:]))
             heapq.heappush(wake, (end, rank))
-            heapq.heappush(ends, end)
-            for other, when in list(asleep.items()):   # something ends sooner: look again then
-                if end < when:
+            for other in watchers.pop(step, ()):     # it waited for this: look again then
+                if asleep.get(other, -1.0) > end:
                     asleep[other] = end
                     heapq.heappush(wake, (end, other))
         stuck = [rank for rank, state in enumerate(ranks) if not state.done()]
