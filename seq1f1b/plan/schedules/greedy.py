@@ -322,7 +322,7 @@ class Placer:
             return None
 
         wake = [(0.0, rank) for rank in range(problem.pp)]
-        asleep: dict[int, float] = {}   # rank -> when it looks again (inf: when woken)
+        asleep: dict[int, float] = {}   # rank -> when it looks again (inf: woken by `watchers`)
         watchers: dict[int, list[int]] = {}   # unplaced step -> ranks asleep until it is placed
         makespan = 0.0
 
@@ -332,7 +332,7 @@ class Placer:
             one not ready yet is placed. Nothing else changes what `choose` returns: the
             rank's own bytes and queues change only when it runs an action, and a head once
             ready stays ready. (Waking every idle rank at every action's end instead gave the
-            same programs at P times the cost.)"""
+            same programs, with a `choose` per idle rank per action placed.)"""
             soonest = math.inf
             for head in heads:
                 ready = plan.ready_at(head)
