@@ -79,11 +79,11 @@ class _Orders:
                 for rank, program in enumerate(programs)]
 
     def timing(self, orders: list[list[int]], since: Optional[_Timed] = None,
-               rank: int = 0, place: int = 0) -> Optional[_Timed]:
+               moved: int = 0, place: int = 0) -> Optional[_Timed]:
         """The start and end of every step, or None when the orders deadlock.
 
-        With `since` (the timing of orders that differ from these only in `rank`'s program
-        from `place` on), every action that started before `rank`'s action at `place - 1`
+        With `since` (the timing of orders that differ from these only in rank `moved`'s
+        program from `place` on), every action that started before its action at `place - 1`
         ended keeps its times and is not timed again: what changed starts no earlier than
         that, and such an action depends only on actions that started before it (each on its
         rank's previous action and its dependencies, which ended when or before it started).
@@ -96,8 +96,8 @@ class _Orders:
             cursor, free = [0] * len(orders), [0.0] * len(orders)
         else:
             start, end = list(since.start), list(since.end)
-            after = since.end[orders[rank][place - 1]] if place > 0 else 0.0
-            # the first place on each rank that started at or after `after` (on `rank` at most
+            after = since.end[orders[moved][place - 1]] if place > 0 else 0.0
+            # the first place on each rank that started at or after `after` (on `moved` at most
             # `place`: the action there started when its previous one ended, or later)
             cursor = [bisect_left(starts, after) for starts in since.starts_by_rank]
             free = [end[order[at - 1]] if at > 0 else 0.0 for order, at in zip(orders, cursor)]
