@@ -40,8 +40,8 @@ from seq1f1b.model_flags import (COST_FLAGS, LOSS_BACKWARD_IN_FORWARD_HELP,  # n
                                  add_model_shape_args, model_of_flags, sizes_error)
 from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from seq1f1b.plan.actions import ScheduleError  # noqa: E402
-from seq1f1b.plan.budget import (MemoryCap, ScheduleBudget, model_budget,  # noqa: E402
-                                 resolve_budget, searched_lower_bound,
+from seq1f1b.plan.budget import (NOMINAL_FLOPS_PER_SECOND, MemoryCap, ScheduleBudget,  # noqa: E402
+                                 model_budget, resolve_budget, searched_lower_bound,
                                  searched_placements)
 from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
 from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
@@ -66,7 +66,8 @@ from seq1f1b.plan.bounds import gap_to_bound, lower_bound  # noqa: E402
 from seq1f1b.plan.exact import solve  # noqa: E402
 from seq1f1b.schedule_compare import UNIT, CostModel, compare  # noqa: E402
 
-A100_BF16_TFLOPS = 312.0
+A100_BF16_TFLOPS = NOMINAL_FLOPS_PER_SECOND / 1e12
+"""The default rate: an A100's bf16 peak, the one pretrain_gpt.py searches on (budget.py)."""
 
 
 class UsageError(Exception):

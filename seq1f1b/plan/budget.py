@@ -183,8 +183,12 @@ class RunShape:
     loss_backward_in_forward: bool = False   # the output layer's backward at F (early_loss)
 
 
-NOMINAL_FLOPS_PER_SECOND = 1e12
-"""The rate the model's FLOPs become durations at: only their proportions steer the search."""
+NOMINAL_FLOPS_PER_SECOND = 312e12
+"""The rate the model's FLOPs become durations at for a searched schedule: an A100's bf16 peak,
+also `plan.py simulate`'s and `plan.py search`'s default and the estimator's. Only the
+durations' proportions steer the search, but in floating point its ties (two orders of the
+same makespan) break by rounding, which depends on the rate: every tool that shows or prices
+the order pretrain_gpt.py will search must compute its durations at this one rate."""
 
 
 def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional[MemoryCap],

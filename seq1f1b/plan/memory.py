@@ -40,7 +40,7 @@ from typing import Callable, Optional, Sequence
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule, ScheduleError
-from seq1f1b.plan.budget import MemoryCap, model_budget
+from seq1f1b.plan.budget import NOMINAL_FLOPS_PER_SECOND, MemoryCap, model_budget
 from seq1f1b.plan.context_parallel import all_to_all_bytes, check_heads
 from seq1f1b.plan.costs import (ModelConfig, Recompute, backward_workspace_bytes,
                                 padded_vocab_size, recomputed_activation_bytes, stage_parameters)
@@ -269,36 +269,50 @@ def _simulated_peaks(schedule: Schedule, costs: SpanCosts) -> Sequence[RankRepor
     return simulate(schedule, costs).ranks
 
 
+def setup_costs(setup: TrainingSetup) -> Callable[..., SpanCosts]:
+    """`costs_of(schedule, whole=False)`: the model's per-action costs of `setup`'s spans (of the
+    unsplit sequence when `whole`: a memory cap's reference is stock 1F1B's peak), durations at
+    the rate pretrain_gpt.py searches on (budget.NOMINAL_FLOPS_PER_SECOND, so a searched
+    schedule is the order the trainer runs), bytes at the setup's precision."""
+    model = replace(setup.model, vocab_size=setup.padded_vocab_size)
+    spans = setup.spans(model)
+    bytes_per_element = PRECISIONS[setup.precision].activation
+
+    def costs_of(schedule: Schedule, whole: bool = False) -> SpanCosts:
+        return model_costs(schedule, model, [setup.seq_length] if whole else spans,
+                           flops_per_second=NOMINAL_FLOPS_PER_SECOND, tp=setup.tp,
+                           sequence_parallel=setup.sequence_parallel,
+                           batch=setup.micro_batch_size, bytes_per_element=bytes_per_element,
+                           recompute=setup.recompute, stage_layers=setup.stage_layers,
+                           cp=setup.cp,
+                           loss_backward_in_forward=setup.loss_backward_in_forward and not whole)
+
+    return costs_of
+
+
+def plan_schedule(setup: TrainingSetup) -> Schedule:
+    """`setup`'s plan as its run builds it: the registry's order, or for a searched schedule
+    (seq1f1b-zb-auto) the order searched on the setup's model costs under its
+    --schedule-memory-cap (its default cap without one), as pretrain_gpt.py searches it."""
+    cap = MemoryCap.parse(setup.schedule_memory_cap) if setup.schedule_memory_cap else None
+    budget = model_budget(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
+                          setup.chunks, cap, setup_costs(setup))
+    return registry.build(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
+                          setup.chunks, budget=budget)
+
+
 def estimate_memory(setup: TrainingSetup, held_peaks: HeldPeaks = _simulated_peaks,
                     schedule: Optional[Schedule] = None) -> MemoryEstimate:
     """The per-rank memory of `setup` (see the module docstring for what is counted);
-    `schedule`: its plan built already (not for a searched schedule, built on its costs)."""
+    `schedule`: its plan built already (`plan_schedule`'s)."""
     if setup.seq_length is None:
         raise ScheduleError("--seq-length is required")
     model = replace(setup.model, vocab_size=setup.padded_vocab_size)
     precision = PRECISIONS[setup.precision]
     spans = setup.spans(model)
     local = max(spans) // setup.cp      # a CP rank's tokens of the longest span
-
-    from seq1f1b.plan.projection import A100     # projection imports this module
-
-    def costs_of(schedule: Schedule, whole: bool = False) -> SpanCosts:
-        # Durations at an A100's rate (plan.py simulate's default): a searched schedule is then
-        # the one `plan.py simulate` shows; the bytes are this setup's.
-        return model_costs(schedule, model, [setup.seq_length] if whole else spans,
-                           flops_per_second=A100.peak_tflops * 1e12, tp=setup.tp,
-                           sequence_parallel=setup.sequence_parallel,
-                           batch=setup.micro_batch_size, bytes_per_element=precision.activation,
-                           recompute=setup.recompute, stage_layers=setup.stage_layers,
-                           cp=setup.cp,
-                           # a cap's reference (whole) is stock 1F1B's peak
-                           loss_backward_in_forward=setup.loss_backward_in_forward and not whole)
-
-    cap = MemoryCap.parse(setup.schedule_memory_cap) if setup.schedule_memory_cap else None
-    budget = model_budget(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
-                          setup.chunks, cap, costs_of)
-    schedule = schedule or registry.build(setup.plan_name, setup.pp, setup.microbatches,
-                                          setup.splits, setup.chunks, budget=budget)
+    schedule = schedule or plan_schedule(setup)
+    costs_of = setup_costs(setup)
     costs = costs_of(schedule)
     ranks = held_peaks(schedule, costs)
     layers = layers_per_stage(model, schedule, setup.stage_layers)

@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Optional
 
-from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.context_parallel import all_to_all_bytes
 from seq1f1b.plan.costs import ModelConfig, iteration_flops, stage_parameters
-from seq1f1b.plan.memory import TrainingSetup
+from seq1f1b.plan.memory import TrainingSetup, plan_schedule
 from seq1f1b.plan.overheads import (AttentionEfficiency, GemmEfficiency, Link, SpanFixedCost,
                                     describe)
 from seq1f1b.plan.simulate import (Efficiency, SimulationReport, SpanCosts, Table,
@@ -262,10 +261,9 @@ def pipeline_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule
 def project(setup: TrainingSetup, device: DeviceModel = A100, *,
             simulator: Simulator = simulate, schedule: Optional[Schedule] = None) -> Projection:
     """Replay `setup`'s plan with the device model's durations (bf16 training); `schedule`:
-    that plan built already (the registry's for the setup's name, P, m, k, V)."""
+    that plan built already (`memory.plan_schedule`'s)."""
     model = replace(setup.model, vocab_size=setup.padded_vocab_size)
-    schedule = schedule or registry.build(setup.plan_name, setup.pp, setup.microbatches,
-                                          setup.splits, setup.chunks)
+    schedule = schedule or plan_schedule(setup)
     spans = setup.spans(model)
     report = simulator(schedule, _span_costs(setup, device, schedule, model, spans))
     layers = layers_per_stage(model, schedule, setup.stage_layers)

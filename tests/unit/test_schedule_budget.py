@@ -6,11 +6,12 @@ import itertools
 import pytest
 
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.schedule_budget import schedule_budget, starting_span_lengths
+from megatron.training.schedule_budget import cost_model, schedule_budget, starting_span_lengths
 from seq1f1b.plan import registry
 from seq1f1b.plan.budget import MemoryCap, RunShape, run_budget
 from seq1f1b.plan.communication import communication_plan
 from seq1f1b.plan.costs import ModelConfig
+from seq1f1b.plan.memory import TrainingSetup, plan_schedule
 from seq1f1b.plan.nccl import validate_modes
 from seq1f1b.plan.partition import span_bounds
 from seq1f1b.plan.simulate import simulate
@@ -85,3 +86,20 @@ def test_under_context_parallelism_the_budget_counts_one_gpus_bytes():
     alone, shared = schedule_budget(_args(2, 4, 2, "1x")), schedule_budget(_args(2, 4, 2, "1x", 2))
     assert shared.costs.activation_bytes[0][0] == pytest.approx(
         alone.costs.activation_bytes[0][0] / 2)
+
+
+@pytest.mark.parametrize("pp, m, k, cap", [(2, 4, 2, "1x"), (4, 8, 1, "0.75x"), (4, 8, 4, "1x"),
+                                           (4, 4, 1, "0.9x"), (2, 8, 4, "0.75x")])
+def test_the_estimator_prices_the_order_the_trainer_searches(pp, m, k, cap):
+    """plan.py memory, the planner and the projection build a searched schedule from a
+    TrainingSetup (memory.plan_schedule); the trainer from its flags. Both must find the same
+    order: the search's ties break by floating-point rounding, so both compute durations at
+    one rate (budget.NOMINAL_FLOPS_PER_SECOND)."""
+    args = _args(pp, m, k, cap)
+    trainer = registry.build("seq1f1b-zb-auto", pp, m, k, 2, budget=schedule_budget(args))
+    setup = TrainingSetup(cost_model(args), 256, schedule="seq1f1b-zb-auto", pp=pp,
+                          microbatches=m, splits=k, chunks=2, precision="fp32",
+                          partition=args.seq1f1b_partition, schedule_memory_cap=cap)
+    assert starting_span_lengths(args) == tuple(setup.spans())
+    estimated = plan_schedule(setup)
+    assert (estimated.placement, estimated.programs) == (trainer.placement, trainer.programs)
