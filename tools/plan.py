@@ -673,10 +673,13 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from seq1f1b.plan.tune.devices import resolve_gpu
     from seq1f1b.plan.tune.launch import sbatch_script
     from seq1f1b.plan.tune.search import tune
+    from seq1f1b.plan.tune.searched import search_top
     from seq1f1b.plan.tune.space import Query, default_schedules
     model = _model(args)
     if model is None:
         raise UsageError("a model is required: --model or its dimensions")
+    if args.searched < 0:
+        raise UsageError(f"--searched must not be negative, got {args.searched}")
     if args.emit_sbatch:
         _check_writable("--emit-sbatch", args.emit_sbatch)
     schedules = (_names("--schedules", args.schedules) if args.schedules is not None
@@ -700,8 +703,9 @@ def cmd_tune(args: argparse.Namespace) -> None:
                       else None,
                       args.gpus_per_node)
     result = tune(query, gpu, args.top)
+    search_top(result, args.searched)
     if args.emit_sbatch and result.ranked:
-        winner = result.ranked[0]
+        winner = result.winner
         with open(args.emit_sbatch, "w") as out:
             out.write(sbatch_script(winner.setup, query.gpus,
                                     query.gpus_per_node,
@@ -754,6 +758,10 @@ def _add_tune_args(tune: argparse.ArgumentParser) -> None:
                            "--loss-backward-in-forward: less memory on that rank): never, "
                            "always, or both: where only it makes a layout fit (default)")
     tune.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    tune.add_argument("--searched", type=int, default=3, metavar="N",
+                      help="also plan seq1f1b-zb-auto on the top N layouts, each under the "
+                           "held bytes its ranks have room for; the winner is the fastest of "
+                           "those and the top layout (default 3; 0: none)")
     tune.add_argument("--emit-sbatch", metavar="FILE",
                       help="write the winner as an sbatch script (examples/slurm's shape, "
                            "sourcing launch_pretrain.sh)")

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from megatron.training.arguments import parse_args, validate_args
+from megatron.training.schedule_budget import schedule_budget
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import ScheduleError
+from seq1f1b.plan.budget import MemoryCap
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.plan.memory import TrainingSetup, estimate_memory
 from seq1f1b.plan.projection import A100, project, pipeline_costs
@@ -21,6 +23,7 @@ from seq1f1b.plan.tune.held import HeldProfile
 from seq1f1b.plan.tune.launch import pretrain_flags, sbatch_script
 from seq1f1b.plan.tune.replay import CompiledSchedule
 from seq1f1b.plan.tune.search import layout_name, tune
+from seq1f1b.plan.tune.searched import held_room, search_top, searched_twin
 from seq1f1b.plan.tune.space import Query, candidates, default_schedules
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "plan.py"
@@ -183,6 +186,45 @@ def test_winner_flags_pass_the_trainers_validation(query, tmp_path):
     assert batch == [str(query.global_batch_size), str(setup.cp)]
 
 
+def test_the_searched_schedule_on_the_top_layouts_is_the_trainers_order_and_fits():
+    # V layouts on two and four ranks between one-rank ones, which are not searched
+    query = replace(QUERY, schedules=("seq1f1b-zbv", "zbv", "seq1f1b-zb-h1", "seq1f1b"))
+    gpu = resolve_gpu("a100", 3.0, gpus_per_node=4)
+    result = tune(query, gpu, top=4)
+    search_top(result, 4)
+    assert list(result.searched) == [0, 1, 2, 3]
+    twins = {i: twin for i, twin in result.searched.items() if twin is not None}
+    assert {result.ranked[i].setup.pp for i in twins} == {2, 4}
+    assert {result.ranked[i].setup.chunks for i in twins} == {2}
+    for index, twin in twins.items():
+        listed = result.ranked[index]
+        assert twin.setup == replace(listed.setup, schedule="seq1f1b-zb-auto",
+                                     schedule_memory_cap=twin.setup.schedule_memory_cap)
+        cap = MemoryCap.parse(twin.setup.schedule_memory_cap)
+        assert not cap.relative and cap.value <= held_room(listed.estimate, gpu)
+        assert all(stage.held_for_backward_bytes <= cap.value for stage in twin.estimate.stages)
+        assert twin.estimate.fits(gpu.memory_gib, gpu.reserve_ratio)
+        assert twin.estimate.peak_bytes == pytest.approx(
+            estimate_memory(twin.setup).peak_bytes, rel=1e-12)
+        # pretrain_gpt.py, given the twin's flags, searches the same order
+        args = validate_args(parse_args(pretrain_flags(twin.setup, query.global_batch_size)),
+                             query.gpus)
+        schedule = twin.projection.schedule
+        assert args.pipeline_placement == schedule.placement
+        built = registry.build("seq1f1b-zb-auto", args.pipeline_model_parallel_size,
+                               args.num_micro_batches, args.seq1f1b_splits,
+                               args.virtual_pipeline_model_parallel_size or 1,
+                               budget=schedule_budget(args))
+        assert built.programs == schedule.programs
+    for index in set(result.searched) - set(twins):
+        assert result.ranked[index].setup.pp == 1
+    # here the search beats the listed zbv on its own layout, and so wins
+    assert result.winner is twins[0]
+    assert twins[0].projection.iteration_s < result.ranked[0].projection.iteration_s
+    # a GPU that leaves the layout no room for held bytes: nothing to search under
+    assert searched_twin(result.ranked[0], replace(gpu, memory_gib=1.0)) is None
+
+
 def test_uneven_stages_and_cp_reach_the_flags():
     found = {(s.cp > 1, s.stage_layers.uneven) for s in candidates(QUERY)}
     assert (True, True) in found
@@ -205,6 +247,13 @@ def test_cli_json_top_and_sbatch(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert len(shown["layouts"]) == 2 and shown["gpu"]["memory_gib"] == 80
     assert shown["winner_flags"][:2] == ["--num-layers", "8"]
+    # seq1f1b-zb-auto on the top 3 (the default): each beside the listed layout it searched
+    assert [row["on_layout"] for row in shown["searched"]] == [1, 2]
+    fastest = min([shown["layouts"][0]] + [row for row in shown["searched"] if row["layout"]],
+                  key=lambda row: row["iteration_s"])
+    assert shown["winner"] == fastest["layout"]
+    assert (fastest.get("schedule_memory_cap") is not None) == (
+        "--schedule-memory-cap" in shown["winner_flags"])
     assert "launch_pretrain.sh" in out.read_text()
     # the query as searched: every knob, defaults included
     assert {key: shown["query"][key] for key in (
@@ -223,6 +272,7 @@ def test_cli_json_top_and_sbatch(tmp_path, capsys):
     (["--partitions", "odd"], "--partitions"),
     (["--recompute", "half"], "--recompute"),
     (["--top", "0"], "--top"),
+    (["--searched", "-1"], "--searched"),
     (["--gpus", "6"], "--gpus"),
     (["--emit-sbatch", "/nonexistent/dir/x.sbatch"], "--emit-sbatch"),
 ])

@@ -59,7 +59,7 @@ def _vpp_layers(setup: TrainingSetup) -> int | None:
 
 def _script_gaps(setup: TrainingSetup) -> list[str]:
     """The layout flags launch_pretrain.sh has no variable for: uneven stages, recompute, the
-    loss's backward at F."""
+    loss's backward at F, a searched schedule's memory cap."""
     flags = []
     if setup.decoder_first_pipeline_num_layers:
         flags += ["--decoder-first-pipeline-num-layers",
@@ -74,6 +74,8 @@ def _script_gaps(setup: TrainingSetup) -> list[str]:
                       "--recompute-num-layers", str(setup.recompute_num_layers)]
     if setup.loss_backward_in_forward:
         flags.append("--loss-backward-in-forward")
+    if setup.schedule_memory_cap:
+        flags += ["--schedule-memory-cap", setup.schedule_memory_cap]
     return flags
 
 

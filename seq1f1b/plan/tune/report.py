@@ -7,6 +7,7 @@ from dataclasses import asdict
 from seq1f1b.plan.memory import GIB
 from seq1f1b.plan.tune.launch import pretrain_flags
 from seq1f1b.plan.tune.search import Ranked, TuneResult
+from seq1f1b.plan.tune.searched import not_searched
 
 TERMS = (("fixed", "span_fixed"), ("p2p", "p2p"), ("GEMM", "gemm"), ("attn", "attention"))
 """The k-dependent overhead terms (projection.TERMS), by column heading."""
@@ -29,9 +30,21 @@ def row_dict(row: Ranked) -> dict:
             "data_parallel_s": projection.data_parallel_s, "overheads_s": row.overheads_s}
 
 
+def _searched_dicts(result: TuneResult) -> list[dict]:
+    """seq1f1b-zb-auto on each searched layout (`layout` None where no order fits)."""
+    out = []
+    for index, twin in result.searched.items():
+        row = row_dict(twin) if twin is not None else {"layout": None}
+        if twin is not None:
+            row.update(placement=twin.projection.schedule.placement,
+                       schedule_memory_cap=twin.setup.schedule_memory_cap)
+        out.append({"on_layout": index + 1, **row})
+    return out
+
+
 def to_dict(result: TuneResult) -> dict:
     query = result.query
-    winner = result.ranked[0] if result.ranked else None
+    winner = result.winner
     return {"query": {"model": asdict(query.model), "seq_length": query.seq_length,
                       "gpus": query.gpus, "gpus_per_node": query.gpus_per_node,
                       "global_batch_size": query.global_batch_size,
@@ -46,6 +59,8 @@ def to_dict(result: TuneResult) -> dict:
                     "reserve_ratio": result.gpu.reserve_ratio, "source": result.gpu.source},
             "search": asdict(result.counts),
             "layouts": [row_dict(row) for row in result.ranked],
+            "searched": _searched_dicts(result),
+            "winner": winner.name if winner else None,
             "winner_flags": pretrain_flags(winner.setup, query.global_batch_size)
             if winner else None}
 
@@ -81,8 +96,41 @@ def text(result: TuneResult) -> list[str]:
                      f"{p.data_parallel_s:>6.2f}")
     lines += ["(GiB/stage: the estimator's peak per pipeline rank, as plan.py memory; fixed, "
               "p2p, GEMM, attn: the share of the iteration each k-dependent term adds, as "
-              "reproduce_paper.py; DP s: the distributed optimizer's exchange)", "",
-              "winner's pretrain_gpt.py flags (mock data: give --data-path and your "
-              "tokenizer instead):",
-              shlex.join(pretrain_flags(result.ranked[0].setup, query.global_batch_size))]
+              "reproduce_paper.py; DP s: the distributed optimizer's exchange)"]
+    lines += _searched_lines(result)
+    winner = result.winner
+    if winner is result.ranked[0]:
+        lines += ["", "winner's pretrain_gpt.py flags (mock data: give --data-path and your "
+                  "tokenizer instead):"]
+    else:
+        index = next(i for i, twin in result.searched.items() if twin is winner)
+        gain = result.ranked[0].projection.iteration_s / winner.projection.iteration_s - 1
+        lines += ["", f"winner: layout {index + 1} with seq1f1b-zb-auto, "
+                  f"{winner.projection.tokens_per_s:.0f} tokens/s ({gain:+.1%} over layout 1); "
+                  "its pretrain_gpt.py flags (mock data: give --data-path and your tokenizer "
+                  "instead):"]
+    lines.append(shlex.join(pretrain_flags(winner.setup, query.global_batch_size)))
+    return lines
+
+
+def _searched_lines(result: TuneResult) -> list[str]:
+    """seq1f1b-zb-auto on the first layouts: its projection beside the listed schedule's."""
+    if not result.searched:
+        return []
+    lines = ["", f"seq1f1b-zb-auto on the top {len(result.searched)} layouts (searched in "
+             f"{result.counts.searched_seconds:.1f} s, each under the held bytes every rank of "
+             "the layout has room for):",
+             f"{'#':>2} {'GiB/stage':>16} {'tok/s':>9} {'TFLOPS':>6} {'bubble':>6} "
+             f"{'vs listed':>9} {'placement':>9} cap"]
+    for index, twin in result.searched.items():
+        if twin is None:
+            why = not_searched(result.ranked[index].setup) or (
+                "no order found fits the held bytes its ranks have room for")
+            lines.append(f"{index + 1:>2} none: {why}")
+            continue
+        p, listed = twin.projection, result.ranked[index].projection
+        lines.append(f"{index + 1:>2} {_stages(twin):>16} {p.tokens_per_s:>9.0f} "
+                     f"{p.tflops_per_gpu:>6.1f} {p.report.bubble_ratio:>6.1%} "
+                     f"{listed.iteration_s / p.iteration_s - 1:>+9.1%} "
+                     f"{p.schedule.placement:>9} {twin.setup.schedule_memory_cap}")
     return lines

@@ -35,7 +35,7 @@ from seq1f1b.plan.tune.space import Query, candidates
 
 def layout_name(setup: TrainingSetup) -> str:
     """The layout in one token-ish line: TP, CP, PP, V, DP, m, schedule, k, partition,
-    recompute, uneven stages, the loss's backward at F ("loss@F")."""
+    recompute, uneven stages, the loss's backward at F ("loss@F"), a searched schedule's cap."""
     text = (f"TP{setup.tp} CP{setup.cp} PP{setup.pp} V{setup.chunks} DP{setup.dp} "
             f"m{setup.microbatches} {setup.schedule} k{setup.splits}")
     if setup.splits > 1:
@@ -46,6 +46,8 @@ def layout_name(setup: TrainingSetup) -> str:
                  f" last:{setup.decoder_last_pipeline_num_layers or '-'}")
     if setup.loss_backward_in_forward:
         text += " loss@F"
+    if setup.schedule_memory_cap:
+        text += f" cap:{setup.schedule_memory_cap}"
     return text
 
 
@@ -74,6 +76,7 @@ class Counts:
     projected: int = 0
     shapes: int = 0
     seconds: float = 0.0
+    searched_seconds: float = 0.0     # seq1f1b-zb-auto on the top layouts (searched.py)
 
 
 @dataclass
@@ -82,6 +85,14 @@ class TuneResult:
     gpu: Gpu
     ranked: list[Ranked]
     counts: Counts
+    searched: dict[int, Optional[Ranked]] = field(default_factory=dict)
+    """seq1f1b-zb-auto on the layout of `ranked[i]`, by i (None: none fits), searched.py."""
+
+    @property
+    def winner(self) -> Optional[Ranked]:
+        """What to launch: the fastest of the top layout and the searched ones."""
+        rows = self.ranked[:1] + [row for row in self.searched.values() if row is not None]
+        return min(rows, key=lambda row: row.projection.iteration_s, default=None)
 
 
 def _shape(setup: TrainingSetup) -> tuple:
