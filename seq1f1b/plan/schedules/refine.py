@@ -154,14 +154,15 @@ class _Orders:
     def waits_for_rank(self, orders: list[list[int]], start: list[float], end: list[float]
                        ) -> list[tuple[int, int]]:
         """(rank, place) of each action on a critical path that started when its rank's
-        previous action ended, from the last action back."""
+        previous action ended, from the last action back. Times count as equal within a
+        fraction of the makespan, whatever unit the durations are in (seconds at any rate)."""
         where = {step: (rank, place) for rank, order in enumerate(orders)
                  for place, step in enumerate(order)}
         step = max(range(self.size), key=end.__getitem__)
+        tied = _TIE * end[step]
         found = []
-        while start[step] > _TIE:
+        while start[step] > tied:
             rank, place = where[step]
-            tied = _TIE * max(1.0, start[step])
             need = next((n for n in self.plan.needs[step] if abs(end[n] - start[step]) <= tied),
                         None)
             previous = orders[rank][place - 1] if place > 0 else None
