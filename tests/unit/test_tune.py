@@ -249,6 +249,8 @@ def test_cli_json_top_and_sbatch(tmp_path, capsys):
     assert shown["winner_flags"][:2] == ["--num-layers", "8"]
     # seq1f1b-zb-auto on the top 3 (the default): each beside the listed layout it searched
     assert [row["on_layout"] for row in shown["searched"]] == [1, 2]
+    assert all(row["why"].startswith("one pipeline rank") for row in shown["searched"]
+               if shown["layouts"][row["on_layout"] - 1]["pp"] == 1)
     fastest = min([shown["layouts"][0]] + [row for row in shown["searched"] if row["layout"]],
                   key=lambda row: row["iteration_s"])
     assert shown["winner"] == fastest["layout"]

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from seq1f1b.plan.memory import GIB
 from seq1f1b.plan.tune.launch import pretrain_flags
 from seq1f1b.plan.tune.search import Ranked, TuneResult
-from seq1f1b.plan.tune.searched import not_searched
+from seq1f1b.plan.tune.searched import why_none
 
 TERMS = (("fixed", "span_fixed"), ("p2p", "p2p"), ("GEMM", "gemm"), ("attn", "attention"))
 """The k-dependent overhead terms (projection.TERMS), by column heading."""
@@ -31,13 +31,14 @@ def row_dict(row: Ranked) -> dict:
 
 
 def _searched_dicts(result: TuneResult) -> list[dict]:
-    """seq1f1b-zb-auto on each searched layout (`layout` None where no order fits)."""
+    """seq1f1b-zb-auto on each searched layout (`layout` None and `why` where there is none)."""
     out = []
     for index, twin in result.searched.items():
-        row = row_dict(twin) if twin is not None else {"layout": None}
-        if twin is not None:
-            row.update(placement=twin.projection.schedule.placement,
-                       schedule_memory_cap=twin.setup.schedule_memory_cap)
+        if twin is None:
+            row = {"layout": None, "why": why_none(result.ranked[index].setup)}
+        else:
+            row = {**row_dict(twin), "placement": twin.projection.schedule.placement,
+                   "schedule_memory_cap": twin.setup.schedule_memory_cap}
         out.append({"on_layout": index + 1, **row})
     return out
 
@@ -124,9 +125,7 @@ def _searched_lines(result: TuneResult) -> list[str]:
              f"{'vs listed':>9} {'placement':>9} cap"]
     for index, twin in result.searched.items():
         if twin is None:
-            why = not_searched(result.ranked[index].setup) or (
-                "no order found fits the held bytes its ranks have room for")
-            lines.append(f"{index + 1:>2} none: {why}")
+            lines.append(f"{index + 1:>2} none: {why_none(result.ranked[index].setup)}")
             continue
         p, listed = twin.projection, result.ranked[index].projection
         lines.append(f"{index + 1:>2} {_stages(twin):>16} {p.tokens_per_s:>9.0f} "

@@ -18,14 +18,11 @@ from dataclasses import replace
 from typing import Optional
 
 from seq1f1b.plan.actions import ScheduleError
-from seq1f1b.plan.memory import (GIB, MEGATRON_PLANS, MemoryEstimate, TrainingSetup,
-                                 estimate_memory, plan_schedule)
+from seq1f1b.plan.memory import (GIB, MemoryEstimate, TrainingSetup, estimate_memory,
+                                 plan_schedule)
 from seq1f1b.plan.projection import project
 from seq1f1b.plan.tune.devices import Gpu
 from seq1f1b.plan.tune.search import Ranked, TuneResult
-
-SEARCHED = "seq1f1b-zb-auto"
-
 
 def held_room(estimate: MemoryEstimate, gpu: Gpu) -> float:
     """The most held bytes every rank of `estimate` may keep and still fit `gpu`: per rank, the
@@ -47,11 +44,14 @@ def not_searched(setup: TrainingSetup) -> Optional[str]:
     """Why seq1f1b-zb-auto is not planned on `setup`'s layout, or None when it is."""
     if setup.pp == 1:
         return "one pipeline rank runs 1F1B's order whatever the schedule"
-    if setup.schedule in MEGATRON_PLANS or setup.schedule == SEARCHED:
-        return f"{setup.schedule} is not one of ours to replace"
     if setup.chunks > 2:
         return f"seq1f1b-zb-auto runs one or two chunks per rank, not V = {setup.chunks}"
     return None
+
+
+def why_none(setup: TrainingSetup) -> str:
+    """Why the planner found no seq1f1b-zb-auto row for `setup`'s layout."""
+    return not_searched(setup) or "no order found fits the held bytes its ranks have room for"
 
 
 def searched_twin(row: Ranked, gpu: Gpu) -> Optional[Ranked]:
@@ -63,7 +63,7 @@ def searched_twin(row: Ranked, gpu: Gpu) -> Optional[Ranked]:
     room = held_room(row.estimate, gpu)
     if room < GIB / 100:
         return None
-    twin = replace(setup, schedule=SEARCHED, schedule_memory_cap=cap_flag(room))
+    twin = replace(setup, schedule="seq1f1b-zb-auto", schedule_memory_cap=cap_flag(room))
     try:
         schedule = plan_schedule(twin)
     except ScheduleError:
