@@ -237,6 +237,14 @@ class MemoryEstimate:
     def fits(self, gpu_memory_gib: float, reserve_ratio: float = 1.0) -> bool:
         return self.reserved_peak_bytes(reserve_ratio) <= gpu_memory_gib * GIB
 
+    def held_room(self, gpu_memory_gib: float, reserve_ratio: float = 1.0) -> float:
+        """The most held bytes (activations, K/V, logits) every stage may keep and still fit
+        `gpu_memory_gib` as `fits` judges it: per stage, the allocator bytes the GPU allows
+        minus everything but its held bytes; the least over the stages."""
+        return min((gpu_memory_gib * GIB - stage.overhead_bytes) / reserve_ratio
+                   - (stage.total_bytes - stage.overhead_bytes - stage.held_for_backward_bytes)
+                   for stage in self.stages)
+
     def largest_fitting_reserve(self, gpu_memory_gib: float) -> float:
         """The reserved/allocated ratio up to which the peak still fits `gpu_memory_gib`."""
         return ((gpu_memory_gib * GIB - self.peak_stage.overhead_bytes)
@@ -269,13 +277,15 @@ def _simulated_peaks(schedule: Schedule, costs: SpanCosts) -> Sequence[RankRepor
     return simulate(schedule, costs).ranks
 
 
-def setup_costs(setup: TrainingSetup) -> Callable[..., SpanCosts]:
+def setup_costs(setup: TrainingSetup, spans: Optional[list[int]] = None
+                ) -> Callable[..., SpanCosts]:
     """`costs_of(schedule, whole=False)`: the model's per-action costs of `setup`'s spans (of the
     unsplit sequence when `whole`: a memory cap's reference is stock 1F1B's peak), durations at
     the rate pretrain_gpt.py searches on (budget.NOMINAL_FLOPS_PER_SECOND, so a searched
-    schedule is the order the trainer runs), bytes at the setup's precision."""
+    schedule is the order the trainer runs), bytes at the setup's precision. `spans`: the
+    setup's span lengths when computed already."""
     model = replace(setup.model, vocab_size=setup.padded_vocab_size)
-    spans = setup.spans(model)
+    spans = spans or setup.spans(model)
     bytes_per_element = PRECISIONS[setup.precision].activation
 
     def costs_of(schedule: Schedule, whole: bool = False) -> SpanCosts:
@@ -290,13 +300,15 @@ def setup_costs(setup: TrainingSetup) -> Callable[..., SpanCosts]:
     return costs_of
 
 
-def plan_schedule(setup: TrainingSetup) -> Schedule:
+def plan_schedule(setup: TrainingSetup, costs_of: Optional[Callable[..., SpanCosts]] = None
+                  ) -> Schedule:
     """`setup`'s plan as its run builds it: the registry's order, or for a searched schedule
     (seq1f1b-zb-auto) the order searched on the setup's model costs under its
-    --schedule-memory-cap (its default cap without one), as pretrain_gpt.py searches it."""
+    --schedule-memory-cap (its default cap without one), as pretrain_gpt.py searches it.
+    `costs_of`: `setup_costs(setup)` when made already."""
     cap = MemoryCap.parse(setup.schedule_memory_cap) if setup.schedule_memory_cap else None
     budget = model_budget(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
-                          setup.chunks, cap, setup_costs(setup))
+                          setup.chunks, cap, costs_of or setup_costs(setup))
     return registry.build(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
                           setup.chunks, budget=budget)
 
@@ -311,8 +323,8 @@ def estimate_memory(setup: TrainingSetup, held_peaks: HeldPeaks = _simulated_pea
     precision = PRECISIONS[setup.precision]
     spans = setup.spans(model)
     local = max(spans) // setup.cp      # a CP rank's tokens of the longest span
-    schedule = schedule or plan_schedule(setup)
-    costs_of = setup_costs(setup)
+    costs_of = setup_costs(setup, spans)
+    schedule = schedule or plan_schedule(setup, costs_of)
     costs = costs_of(schedule)
     ranks = held_peaks(schedule, costs)
     layers = layers_per_stage(model, schedule, setup.stage_layers)

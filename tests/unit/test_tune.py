@@ -23,7 +23,7 @@ from seq1f1b.plan.tune.held import HeldProfile
 from seq1f1b.plan.tune.launch import pretrain_flags, sbatch_script
 from seq1f1b.plan.tune.replay import CompiledSchedule
 from seq1f1b.plan.tune.search import layout_name, tune
-from seq1f1b.plan.tune.searched import held_room, search_top, searched_twin
+from seq1f1b.plan.tune.searched import search_top, searched_twin
 from seq1f1b.plan.tune.space import Query, candidates, default_schedules
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "plan.py"
@@ -201,7 +201,8 @@ def test_the_searched_schedule_on_the_top_layouts_is_the_trainers_order_and_fits
         assert twin.setup == replace(listed.setup, schedule="seq1f1b-zb-auto",
                                      schedule_memory_cap=twin.setup.schedule_memory_cap)
         cap = MemoryCap.parse(twin.setup.schedule_memory_cap)
-        assert not cap.relative and cap.value <= held_room(listed.estimate, gpu)
+        assert not cap.relative and cap.value <= listed.estimate.held_room(gpu.memory_gib,
+                                                                     gpu.reserve_ratio)
         assert all(stage.held_for_backward_bytes <= cap.value for stage in twin.estimate.stages)
         assert twin.estimate.fits(gpu.memory_gib, gpu.reserve_ratio)
         assert twin.estimate.peak_bytes == pytest.approx(

@@ -5,9 +5,9 @@ seconds rather than the lookup a fixed schedule is, so it cannot be bounded and 
 thousands of layouts. Once the top layouts are known, each is planned again with
 seq1f1b-zb-auto at the same TP, CP, PP, V, k, partition, recompute and stages, under the most
 held bytes (activations, K/V, logits) that every rank of that layout has room for beside its
-weights, optimizer and workspace (`held_room`), and judged like the rest: the estimator's
-verdict on the searched order itself (a V or a loop of two places other stages on a rank) and
-the projection. The cap goes into the layout's flags (--schedule-memory-cap), with which
+weights, optimizer and workspace (`MemoryEstimate.held_room`), and judged like the rest: the
+estimator's verdict on the searched order itself (a V or a loop of two places other stages on a
+rank) and the projection. The cap goes into the layout's flags (--schedule-memory-cap), with which
 pretrain_gpt.py searches the same order on the same costs at start-up.
 """
 from __future__ import annotations
@@ -18,21 +18,10 @@ from dataclasses import replace
 from typing import Optional
 
 from seq1f1b.plan.actions import ScheduleError
-from seq1f1b.plan.memory import (GIB, MemoryEstimate, TrainingSetup, estimate_memory,
-                                 plan_schedule)
+from seq1f1b.plan.memory import GIB, TrainingSetup, estimate_memory, plan_schedule
 from seq1f1b.plan.projection import project
 from seq1f1b.plan.tune.devices import Gpu
 from seq1f1b.plan.tune.search import Ranked, TuneResult
-
-def held_room(estimate: MemoryEstimate, gpu: Gpu) -> float:
-    """The most held bytes every rank of `estimate` may keep and still fit `gpu`: per rank, the
-    allocator bytes the GPU allows (`MemoryEstimate.fits`) minus everything but the held ones."""
-    room = []
-    for stage in estimate.stages:
-        allowed = (gpu.memory_gib * GIB - stage.overhead_bytes) / gpu.reserve_ratio
-        room.append(allowed - (stage.total_bytes - stage.overhead_bytes
-                               - stage.held_for_backward_bytes))
-    return min(room)
 
 
 def cap_flag(held_bytes: float) -> str:
@@ -55,12 +44,13 @@ def why_none(setup: TrainingSetup) -> str:
 
 
 def searched_twin(row: Ranked, gpu: Gpu) -> Optional[Ranked]:
-    """`row`'s layout with seq1f1b-zb-auto under `held_room`, or None where the layout is not
-    searched (`not_searched`), no order fits the room, or the order found does not fit the GPU."""
-    if not_searched(row.setup) is not None:
-        return None
+    """`row`'s layout with seq1f1b-zb-auto under its estimate's `held_room`, or None where the
+    layout is not searched (`not_searched`), no order fits the room, or the order found does not
+    fit the GPU."""
     setup = row.setup
-    room = held_room(row.estimate, gpu)
+    if not_searched(setup) is not None:
+        return None
+    room = row.estimate.held_room(gpu.memory_gib, gpu.reserve_ratio)
     if room < GIB / 100:
         return None
     twin = replace(setup, schedule="seq1f1b-zb-auto", schedule_memory_cap=cap_flag(room))
