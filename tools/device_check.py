@@ -54,7 +54,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -614,8 +614,10 @@ SUITE_BUDGETS_S = {"numerics": 60.0, "training": 165.0, "memory": 150.0, "attent
 """--suite gpu: each part's own budget, 9 minutes in all (the session's device time is 15)."""
 
 
-def run_gpu_suite(shapes: Shapes, tiny: bool) -> dict:
-    """The parts of --suite gpu, each with its own budget and its failures kept to itself."""
+def run_gpu_suite(shapes: Shapes, tiny: bool) -> Iterator[tuple[str, dict]]:
+    """The parts of --suite gpu, each with its own budget and its failures kept to itself,
+    yielded one at a time so that the caller writes each down as it ends: the device session
+    cuts a command off at its time limit, and what was measured before must survive that."""
     from megatron.training.device_training import GPU_TRAINING, TINY_TRAINING, check_training
     from seq1f1b.device_checks.documents import check_documents
     from seq1f1b.device_checks.numerics import check_numerics
@@ -638,14 +640,13 @@ def run_gpu_suite(shapes: Shapes, tiny: bool) -> dict:
         "documents": lambda deadline: check_documents(
             shapes.numerics_length, shapes.heads, shapes.head_dim, deadline),
     }
-    result = {}
     for name, part in parts.items():
         deadline = Deadline(SUITE_BUDGETS_S[name])
         started = time.perf_counter()
-        result[name] = {**_guarded(functools.partial(part, deadline), deadline),
-                        "wall_s": time.perf_counter() - started}
-        print(f"{PROG}: {name} done in {result[name]['wall_s']:.0f} s", flush=True)
-    return result
+        measured = {**_guarded(functools.partial(part, deadline), deadline),
+                    "wall_s": time.perf_counter() - started}
+        print(f"{PROG}: {name} done in {measured['wall_s']:.0f} s", flush=True)
+        yield name, measured
 
 
 DEFAULT_BUDGET_S = 420.0
@@ -708,8 +709,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = time.perf_counter()
     deadline = Deadline(args.budget_s)
     result = {"environment": _environment(), "shapes": asdict(shapes)}
+    path = outdir / RESULT_FILE
     if args.suite == "gpu":
-        result.update(run_gpu_suite(shapes, args.tiny))
+        for name, measured in run_gpu_suite(shapes, args.tiny):
+            result[name] = measured
+            result["wall_s"] = time.perf_counter() - started
+            path.write_text(json.dumps(result, indent=1))
     else:
         if not args.skip_stage:                 # first: it calibrates the cost model
             result["stage"] = check_stage(shapes, deadline)
@@ -717,7 +722,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["attention"] = check_attention(shapes, deadline)
         result["span_kernels"] = check_span_kernels(shapes, Deadline(KERNELS_BUDGET_S))
     result["wall_s"] = time.perf_counter() - started
-    path = outdir / RESULT_FILE
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path} in {result['wall_s']:.0f} s")
     return 0
