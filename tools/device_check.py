@@ -3,7 +3,7 @@
 
     device_check.py OUTDIR            on a GPU (about 3-6 minutes on one H200)
     device_check.py OUTDIR --tiny     small shapes, runs on a CPU in seconds (CI smoke test)
-    device_check.py OUTDIR --suite gpu [--tiny]   the first GPU run's evidence (issue 19)
+    device_check.py OUTDIR --suite gpu [--tiny] [--parts P ...]   the first GPU run's evidence
 
 --suite gpu writes five parts, each with its own budget (SUITE_BUDGETS_S, 9 minutes in all) and
 its failure kept to itself: numerics (seq1f1b/device_checks/numerics.py: bf16 span attention with a
@@ -614,7 +614,8 @@ SUITE_BUDGETS_S = {"numerics": 60.0, "training": 165.0, "memory": 150.0, "attent
 """--suite gpu: each part's own budget, 9 minutes in all (the session's device time is 15)."""
 
 
-def run_gpu_suite(shapes: Shapes, tiny: bool) -> Iterator[tuple[str, dict]]:
+def run_gpu_suite(shapes: Shapes, tiny: bool,
+                  names: tuple[str, ...] = tuple(SUITE_BUDGETS_S)) -> Iterator[tuple[str, dict]]:
     """The parts of --suite gpu, each with its own budget and its failures kept to itself,
     yielded one at a time so that the caller writes each down as it ends: the device session
     cuts a command off at its time limit, and what was measured before must survive that."""
@@ -640,7 +641,8 @@ def run_gpu_suite(shapes: Shapes, tiny: bool) -> Iterator[tuple[str, dict]]:
         "documents": lambda deadline: check_documents(
             shapes.numerics_length, shapes.heads, shapes.head_dim, deadline),
     }
-    for name, part in parts.items():
+    for name in names:
+        part = parts[name]
         deadline = Deadline(SUITE_BUDGETS_S[name])
         started = time.perf_counter()
         measured = {**_guarded(functools.partial(part, deadline), deadline),
@@ -682,6 +684,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "run's evidence under the keys numerics, training, memory, "
                              "attention and documents, each part with its own budget (under 9 "
                              "minutes)")
+    parser.add_argument("--parts", nargs="+", choices=list(SUITE_BUDGETS_S), default=None,
+                        help="--suite gpu: run only these parts (default: all five), e.g. to "
+                             "rerun one that failed in what is left of the device's time")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="--suite stage: skip the parts that would start after this many "
                              f"seconds (default {DEFAULT_BUDGET_S:g})")
@@ -689,6 +694,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.suite == "gpu" and args.skip_stage:
         parser.error("--skip-stage belongs to --suite stage (the gpu suite's parts have their "
                      "own budgets)")
+    if args.suite != "gpu" and args.parts:
+        parser.error("--parts belongs to --suite gpu")
     try:
         check_arguments(args)
     except ValueError as err:
@@ -711,7 +718,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {"environment": _environment(), "shapes": asdict(shapes)}
     path = outdir / RESULT_FILE
     if args.suite == "gpu":
-        for name, measured in run_gpu_suite(shapes, args.tiny):
+        names = tuple(name for name in SUITE_BUDGETS_S if name in (args.parts or SUITE_BUDGETS_S))
+        for name, measured in run_gpu_suite(shapes, args.tiny, names):
             result[name] = measured
             result["wall_s"] = time.perf_counter() - started
             path.write_text(json.dumps(result, indent=1))

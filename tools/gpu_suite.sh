@@ -3,6 +3,7 @@
 # transformers; no megatron-core and nothing to fetch from). `make device-wheel` puts
 # megatron-core's cp312 wheel in .device/ here first; the device tool carries it:
 #     run(command="bash tools/gpu_suite.sh", carry=[".device"], timeout_s=600)
+# Arguments go to device_check.py: `bash tools/gpu_suite.sh --parts training` reruns one part.
 # It installs the wheel into .device/site (no dependencies: the image has numpy and packaging)
 # and writes $OUT/device_check.json with the parts numerics, training, memory, attention and
 # documents (rewritten as each part ends, so a run cut off at the time limit keeps the parts it
@@ -21,4 +22,4 @@ print(f"python {platform.python_version()}, torch {torch.__version__}, "
       f"cuda {torch.cuda.is_available()}, missing: {missing or 'none'}", flush=True)
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python tools/device_check.py "$OUT" --suite gpu 2>&1 | tee "$OUT/suite.log"
+python tools/device_check.py "$OUT" --suite gpu "$@" 2>&1 | tee "$OUT/suite.log"

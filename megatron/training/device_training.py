@@ -65,12 +65,28 @@ def command(shape: TrainingShape, splits: int) -> list[str]:
             str(ROOT / "pretrain_gpt.py")] + [str(flag) for flag in flags]
 
 
+_EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[A-Za-z_][\w.]*\.)?\w*(?:Error|Exception)\b")
+STDERR_TAIL_LINES = 40
+
+
+def _failure(stderr: str) -> dict:
+    """A failed run's error: the child's own exception line, not torchrun's closing banner
+    (its last stderr line is a row of '=' and its summary names only ChildFailedError), and
+    the stderr's tail, which is all the device session brings back of a run that failed."""
+    lines = [line.rstrip() for line in stderr.splitlines() if line.strip()]
+    raised = [line for line in lines
+              if _EXCEPTION.match(line.strip()) and "ChildFailedError" not in line]
+    error = raised[-1] if raised else (lines[-1] if lines else "no log line")
+    return {"error": error.strip(), "stderr_tail": lines[-STDERR_TAIL_LINES:]}
+
+
 def _run(shape: TrainingShape, splits: int, timeout_s: float) -> dict:
     argv = command(shape, splits)
     try:
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
                               timeout=max(timeout_s, 1),
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     except subprocess.TimeoutExpired:
         return {"command": " ".join(argv[3:]), "error": f"timed out after {timeout_s:.0f} s"}
     lines = [line for line in proc.stdout.splitlines() if _LOSS.search(line)
@@ -78,7 +94,7 @@ def _run(shape: TrainingShape, splits: int, timeout_s: float) -> dict:
     result = {"command": " ".join(argv[3:]), "returncode": proc.returncode,
               "losses": [float(_LOSS.search(line).group(1)) for line in lines]}
     if proc.returncode != 0 or not lines:
-        result["error"] = (proc.stderr.strip().splitlines() or ["no log line"])[-1]
+        result.update(_failure(proc.stderr))
         return result
     last = lines[-1]
     result.update(last_log_line=last.strip(),
