@@ -80,13 +80,19 @@ def _failure(stderr: str) -> dict:
     return {"error": error.strip(), "stderr_tail": lines[-STDERR_TAIL_LINES:]}
 
 
+def child_environment() -> dict:
+    """The run's environment: the repo root first on PYTHONPATH, and the caller's entries kept
+    (the GPU machine finds megatron-core only through them: tools/gpu_suite.sh)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def _run(shape: TrainingShape, splits: int, timeout_s: float) -> dict:
     argv = command(shape, splits)
     try:
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
                               timeout=max(timeout_s, 1),
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                  filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+                              env=child_environment())
     except subprocess.TimeoutExpired:
         return {"command": " ".join(argv[3:]), "error": f"timed out after {timeout_s:.0f} s"}
     lines = [line for line in proc.stdout.splitlines() if _LOSS.search(line)

@@ -76,3 +76,65 @@ def test_device_check_refuses_bad_arguments_before_measuring(tmp_path, monkeypat
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and needle in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_a_measured_model_is_freed_before_the_next_check():
+    """A stage model is a reference cycle; left to the garbage collector's schedule it stayed
+    allocated through the next check on the GPU and inflated that check's peak."""
+    import weakref
+
+    tool = _device_check_tool()
+    config, model = tool._stage_model(tool.TINY, tool.TINY.stage_lengths[0])
+    parameter = weakref.ref(next(model.parameters()))
+    del config, model
+    tool._release_cache()
+    assert parameter() is None
+
+
+def test_the_gpu_suite_writes_each_part_down_as_it_ends(tmp_path, monkeypatch):
+    """The device session cuts a command off at its limit: the parts that ended are on disk."""
+    import json
+
+    tool = _device_check_tool()
+    seen = []
+
+    def parts(shapes, tiny, names):
+        for name in names:
+            if seen:                        # the part before this one is already written
+                assert json.loads((tmp_path / tool.RESULT_FILE).read_text())[seen[-1]] == {
+                    "measured": seen[-1]}
+            seen.append(name)
+            yield name, {"measured": name}
+
+    monkeypatch.setattr(tool, "run_gpu_suite", parts)
+    monkeypatch.setattr(tool, "_setup_process", lambda: None)
+    assert tool.main([str(tmp_path), "--tiny", "--suite", "gpu",
+                      "--parts", "memory", "numerics"]) == 0
+    assert seen == ["numerics", "memory"]           # the suite's order, not the command's
+    written = json.loads((tmp_path / tool.RESULT_FILE).read_text())
+    assert [name for name in written if name in tool.SUITE_BUDGETS_S] == seen
+
+
+def test_a_failed_training_run_names_the_childs_exception():
+    """torchrun's last stderr line is a banner; the part must report what the child raised."""
+    from megatron.training.device_training import _failure
+
+    stderr = ("Traceback (most recent call last):\n  File \"pretrain_gpt.py\", line 3\n"
+              "[rank0]: ModuleNotFoundError: No module named 'megatron.core'\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+              "=========\n/work/main/pretrain_gpt.py FAILED\n=========\n")
+    failure = _failure(stderr)
+    assert failure["error"] == "[rank0]: ModuleNotFoundError: No module named 'megatron.core'"
+    assert failure["stderr_tail"][-1] == "========="
+    assert _failure("")["error"] == "no log line"
+
+
+def test_a_training_run_keeps_the_callers_python_path(monkeypatch):
+    """On the GPU machine megatron-core is found only through PYTHONPATH (.device/site)."""
+    import os
+
+    from megatron.training import device_training
+
+    monkeypatch.setenv("PYTHONPATH", "/device/site")
+    path = device_training.child_environment()["PYTHONPATH"].split(os.pathsep)
+    assert path == [str(device_training.ROOT), "/device/site"]
