@@ -23,7 +23,7 @@ kernel in the backward, dropout replayed from the saved RNG states.
 Kernels (`--attention-backend`): eager (explicit mask, the reference), sdpa (torch SDPA with
 `causal_lower_right`; `is_causal=True` would be top-left aligned, wrong for spans; on sm90+ GPUs
 a span with a cached prefix runs as two cuDNN calls merged by log-sum-exp instead,
-merged_attention.py, 1.77x faster on an H200), flash
+merged_attention.py: 11.7 -> 7.9 ms for a 4K span of 16K on an H200), flash
 (flash-attn >= 2.1, whose causal=True is bottom-right aligned; public `flash_attn_func` only),
 te (Transformer Engine, attn_mask_type "causal_bottom_right"), flex (FlexAttention, compiled once
 for every span shape; trains on GPUs only: torch has no CPU backward for it), and auto (flash > te >

@@ -4,11 +4,12 @@ A span of sq queries attends its cached prefix (keys [0, sk - sq), every query s
 and its own keys (the square [sk - sq, sk), plain causal). torch's SDPA takes the bottom-right
 causal mask of the whole (sq x sk) rectangle only through `causal_lower_right`, which on CUDA
 runs the flash-attention-2 kernel. On Hopper and newer, torch's default for square causal
-attention is cuDNN's kernel instead, and the H200 measured (tools/device_check.py, bf16,
-32 heads x 128, L 16K, a 4K span) what that choice is worth: full causal forward+backward 6.4 ms
-under cuDNN, 11.5 ms under flash-2; the span under `causal_lower_right` 11.3 ms, 1.77x full
-causal at equal FLOPs. Two cuDNN calls, the prefix without a mask and the square with
-`is_causal`, merged by log-sum-exp, took 6.4 ms: the span at full causal's speed.
+attention is cuDNN's kernel instead, and an H200 measured what that choice is worth (bf16, 32
+heads x 128, a 4K span at the end of 16K, forward+backward): full causal with as many
+query-key pairs 6.4 ms under cuDNN, 11.5 ms under flash-2; the span under `causal_lower_right`
+11.3 ms. Two cuDNN calls, the prefix without a mask and the square with `is_causal`, merged by
+log-sum-exp, took 6.4 ms on contiguous tensors, and 7.9 ms (against 11.7) through SpanAttention
+on the cache's views (tools/device_check.py's attention part, docs/measuring.md).
 
 The merge is exact softmax algebra: with (o1, lse1) and (o2, lse2) the two calls' outputs and
 row log-sum-exps, lse = logaddexp(lse1, lse2) and out = o1 exp(lse1 - lse) + o2 exp(lse2 - lse).
