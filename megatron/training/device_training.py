@@ -6,7 +6,9 @@ they differ only in how each sequence is cut into spans: in fp32 their losses wo
 trajectories drift apart by rounding noise. The part reports both runs' per-iteration losses,
 their largest relative difference, and the last log line as printed (tokens/s and TFLOPS/GPU
 from the trainer's own figures), and calls the losses in agreement when that difference stays
-under `BF16_LOSS_TOLERANCE`.
+under `BF16_LOSS_TOLERANCE`. Two late iterations of each run are profiled (`--profile`), and
+`kernels` says where their GPU time went (seq1f1b/device_checks/kernel_time.py): whether k=4's
+extra time is in the kernels or in the GPU waiting for the host.
 """
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from seq1f1b.device_checks.kernel_time import summarize_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 BF16_LOSS_TOLERANCE = 0.02
@@ -47,8 +52,17 @@ TINY_TRAINING = TrainingShape(num_layers=2, hidden_size=64, num_attention_heads=
                               seq_length=128, vocab_size=128, iterations=4, bf16=True)
 
 
-def command(shape: TrainingShape, splits: int) -> list[str]:
-    """The pretrain_gpt.py command line of one run (one process, PP = 1)."""
+def profiled_steps(iterations: int) -> tuple[int, int]:
+    """[start, end) of the two profiled iterations: late enough to be warm, before the last,
+    whose log line gives the run's tokens/s and TFLOPS unslowed by the profiler."""
+    start = max(iterations - 4, 1)
+    return start, start + 2
+
+
+def command(shape: TrainingShape, splits: int, trace_dir: str) -> list[str]:
+    """The pretrain_gpt.py command line of one run (one process, PP = 1), profiled into
+    `trace_dir` (kernel_time.py reads the trace)."""
+    start, end = profiled_steps(shape.iterations)
     flags = [
         "--num-layers", shape.num_layers, "--hidden-size", shape.hidden_size,
         "--num-attention-heads", shape.num_attention_heads, "--seq-length", shape.seq_length,
@@ -59,6 +73,8 @@ def command(shape: TrainingShape, splits: int) -> list[str]:
         "--tokenizer-type", "NullTokenizer", "--vocab-size", shape.vocab_size,
         "--pipeline-schedule", "seq1f1b", "--seq1f1b-splits", splits,
         "--seq1f1b-partition", "compute", "--log-interval", 1, "--eval-iters", 0,
+        "--profile", "--profile-step-start", start, "--profile-step-end", end,
+        "--tensorboard-dir", trace_dir,
     ] + (["--bf16"] if shape.bf16 else [])
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
             "--master-addr", "127.0.0.1", "--master-port", str(29600 + splits),
@@ -88,7 +104,22 @@ def child_environment() -> dict:
 
 
 def _run(shape: TrainingShape, splits: int, timeout_s: float) -> dict:
-    argv = command(shape, splits)
+    with tempfile.TemporaryDirectory(prefix="device_training_") as trace_dir:
+        result = _run_into(shape, splits, timeout_s, trace_dir)
+        if "error" not in result:
+            result["kernels"] = _kernels(Path(trace_dir), *profiled_steps(shape.iterations))
+    return result
+
+
+def _kernels(trace_dir: Path, start: int, end: int) -> dict:
+    traces = sorted(trace_dir.glob("*.pt.trace.json"))
+    if not traces:
+        return {"skipped": "the run wrote no profiler trace"}
+    return summarize_trace(traces[-1], end - start)
+
+
+def _run_into(shape: TrainingShape, splits: int, timeout_s: float, trace_dir: str) -> dict:
+    argv = command(shape, splits, trace_dir)
     try:
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
                               timeout=max(timeout_s, 1),
