@@ -5,14 +5,15 @@
     device_check.py OUTDIR --tiny     small shapes, runs on a CPU in seconds (CI smoke test)
     device_check.py OUTDIR --suite gpu [--tiny] [--parts P ...]   the first GPU run's evidence
 
---suite gpu writes five parts, each with its own budget (SUITE_BUDGETS_S, 9 minutes in all) and
-its failure kept to itself: numerics (seq1f1b/device_checks/numerics.py: bf16 span attention with a
+--suite gpu writes five parts, each with its own budget (SUITE_BUDGETS_S, 9 minutes in all) and its
+failure kept to itself: numerics (seq1f1b/device_checks/numerics.py: bf16 span attention with a
 cached prefix against an fp32 reference, per backend), training
 (megatron/training/device_training.py: pretrain_gpt.py, bf16, the 1.3B shape at 16K, 20 iterations
-with seq1f1b k=1 and k=4, two iterations of each profiled), memory (the stage run at 32K, held_microbatches below, and the same
-stage with and without --loss-backward-in-forward: the allocator's peak of each), attention
-(the comparison and span_kernels below) and documents (seq1f1b/device_checks/documents.py: packed
-documents' peak memory against the dense case at the same shape, per backend).
+with seq1f1b k=1 and k=4, two iterations of each profiled), memory (the stage run at 32K,
+held_microbatches below, and the same stage with and without --loss-backward-in-forward: the
+allocator's peak of each), attention (the comparison and span_kernels below) and documents
+(seq1f1b/device_checks/documents.py: packed documents' peak memory against the dense case at the
+same shape, per backend).
 
 The default suite writes OUTDIR/device_check.json with these parts (the stage first; parts that
 would start after --budget-s are skipped and say so):
