@@ -479,9 +479,10 @@ def _release_cache() -> None:
     """Free what the last run left and give the allocator's cached blocks back, so that the next
     run's peak and reserve are its own. The collection comes first: a stage model is a reference
     cycle (config.no_sync_func is the model's bound no_sync), which `del` does not free. On the
-    H200 the check after held_microbatches peaked at 79.0 GB against 54.7 GB for the same
-    seq1f1b run in check_stage: the gpipe model still allocated is the likely cause (no GPU run
-    has confirmed it since)."""
+    H200 (docs/gpu/h200_suite.json) each check's peak held the earlier checks' models: one
+    model's parameters and gradients are 12.14 GB, and held_microbatches peaked at 109.62 GB
+    against 97.37 GB estimated (97.48 without one model), the loss check at 79.01 GB against
+    54.69 GB for the same run in check_stage (54.73 without two)."""
     import gc
 
     import torch
