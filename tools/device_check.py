@@ -11,7 +11,8 @@ cached prefix against an fp32 reference, per backend), training
 (megatron/training/device_training.py: pretrain_gpt.py, bf16, the 1.3B shape at 16K, 20 iterations
 with seq1f1b k=1 and k=4, two iterations of each profiled), memory (the stage run at 32K,
 held_microbatches below, and the same stage with and without --loss-backward-in-forward: the
-allocator's peak of each), attention (the comparison and span_kernels below) and documents
+allocator's peak of each), attention (the comparison, merge_gqa: the span merge with grouped-query
+attention on cuDNN, seq1f1b/device_checks/merge_gqa.py, and span_kernels below) and documents
 (seq1f1b/device_checks/documents.py: packed documents' peak memory against the dense case at the
 same shape, per backend).
 
@@ -631,6 +632,7 @@ def run_gpu_suite(shapes: Shapes, tiny: bool,
     cuts a command off at its time limit, and what was measured before must survive that."""
     from megatron.training.device_training import GPU_TRAINING, TINY_TRAINING, check_training
     from seq1f1b.device_checks.documents import check_documents
+    from seq1f1b.device_checks.merge_gqa import check_merge_gqa
     from seq1f1b.device_checks.numerics import check_numerics
 
     memory_shapes = replace(shapes, stage_lengths=shapes.stage_lengths[:1])
@@ -647,6 +649,9 @@ def run_gpu_suite(shapes: Shapes, tiny: bool,
                                                                        deadline)},
         "attention": lambda deadline: {
             "comparison": check_attention(shapes, deadline),
+            "merge_gqa": _guarded(functools.partial(
+                check_merge_gqa, shapes.attention_length, shapes.heads, shapes.head_dim,
+                deadline), deadline),
             "span_kernels": check_span_kernels(shapes, deadline)},
         "documents": lambda deadline: check_documents(
             shapes.numerics_length, shapes.heads, shapes.head_dim, deadline),

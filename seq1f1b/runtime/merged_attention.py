@@ -24,7 +24,10 @@ merge and backward that the GPU runs; the trainer's CPU path keeps SDPA with its
 `cudnn_merge_refusal` says when CUDA takes the merge: sm90 or newer (where torch itself puts
 cuDNN first; on an A100 flash-2 is the faster kernel and `causal_lower_right` already uses it),
 cuDNN SDPA enabled, fp16/bf16, head dimensions cuDNN takes, as many K/V heads as query heads,
-no dropout and no mask; any other call keeps `causal_lower_right`.
+no dropout and no mask; any other call keeps `causal_lower_right`. The merge itself takes
+grouped-query attention (fewer K/V heads; exact on the CPU), but cuDNN's ops with fewer K/V heads
+have not run on a GPU yet: device_check's attention part measures them (`merge_gqa`) before CUDA
+takes them.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def cudnn_merge_refusal(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Op
     if any(t.size(-1) % 8 or t.size(-1) > 128 for t in (q, v)) or q.size(-1) != k.size(-1):
         return "cuDNN needs one head dimension, a multiple of 8 of at most 128"
     if q.size(1) != k.size(1):
-        return "grouped-query attention (the merge is checked with equal heads only)"
+        return "grouped-query attention (cuDNN's ops with fewer K/V heads are not yet checked)"
     if dropout_p:
         return "dropout (two calls would draw two dropout streams)"
     if k.size(2) <= q.size(2):
@@ -87,7 +90,7 @@ def _cpu_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
 
 class _MergedSpanAttention(torch.autograd.Function):
-    """out of heads-first q [b, h, sq, d] over k, v [b, h, sk, d], bottom-right causal."""
+    """out of heads-first q [b, h, sq, d] over k, v [b, hk, sk, d], bottom-right causal."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -117,11 +120,11 @@ class _MergedSpanAttention(torch.autograd.Function):
 
 
 def merged_span_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """Bottom-right causal attention of heads-first q [b, h, sq, d] over k, v [b, h, sk, d]
-    (sk > sq: a cached prefix of sk - sq keys), as two fused calls merged by log-sum-exp;
-    differentiable. cuDNN's kernels on CUDA (see `cudnn_merge_refusal`), the CPU flash
-    kernels on the CPU."""
-    if k.size(2) <= q.size(2) or k.size(1) != q.size(1):
-        raise ValueError(f"merged span attention needs a cached prefix and equal heads: q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}")
+    """Bottom-right causal attention of heads-first q [b, h, sq, d] over k, v [b, hk, sk, d]
+    (sk > sq: a cached prefix of sk - sq keys; hk divides h), as two fused calls merged by
+    log-sum-exp; differentiable. cuDNN's kernels on CUDA (see `cudnn_merge_refusal`), the CPU
+    flash kernels on the CPU."""
+    if k.size(2) <= q.size(2) or q.size(1) % k.size(1):
+        raise ValueError(f"merged span attention needs a cached prefix and K/V heads that divide "
+                         f"the query heads: q {tuple(q.shape)}, k {tuple(k.shape)}")
     return _MergedSpanAttention.apply(q, k, v, scale)

@@ -264,6 +264,9 @@ def test_device_check_gpu_suite_tiny_runs_every_part_on_cpu(tmp_path):
     assert early["peak_saved_bytes_early_over_plain"] < 1
     assert early["estimated_held_for_backward_bytes_early_over_plain"] < 1
     assert "sdpa" in data["attention"]["comparison"]["backends"]
+    assert data["attention"]["merge_gqa"]["within_bound"], data["attention"]["merge_gqa"]
+    for run in training["runs"].values():                       # profiled, no GPU kernels
+        assert "no GPU kernels" in run["kernels"]["skipped"], run["kernels"]
     documents = data["documents"]["backends"]
     for name in ("sdpa_mha", "sdpa_gqa", "flex_mha"):
         assert documents[name]["peak_bytes"]["dense"] > 0, documents[name]
