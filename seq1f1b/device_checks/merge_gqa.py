@@ -6,16 +6,17 @@ shows the merge exact for GQA, while cuDNN's ops with GQA have not run on a GPU.
 the merge directly at a GQA shape (a quarter of the heads for K/V, the last quarter of the
 sequence as the span, bf16) beside the path GQA takes today (`causal_lower_right`, flash-2), both
 against an fp32 reference computed head by head: max relative error of out, dQ, dK, dV, whether
-the merge stays within 2 x max(2^-8, today's path's error), and the forward+backward time of
-each. A merge that is within bound and faster is what lets `cudnn_merge_refusal` take GQA.
+the merge stays within numerics.py's bound (2 x max(2^-8, today's path's error)), and the
+forward+backward time of each. A merge that is within bound and faster is what lets
+`cudnn_merge_refusal` take GQA.
 """
 from __future__ import annotations
 
 import math
 import time
 
-BOUND_FACTOR = 2.0
-BF16_UNIT_ROUNDOFF = 2.0 ** -8
+from seq1f1b.device_checks.numerics import _relative_error, bf16_bounds
+
 TIMED_REPEATS = 5
 
 
@@ -34,13 +35,13 @@ def _lower_right(q, k, v, scale):
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    if q.device.type == "cpu":
-        import torch
-        mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool).tril(k.size(2) - q.size(2))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(
-        q.size(2), k.size(2)), scale=scale, enable_gqa=True)
+    from seq1f1b.runtime.attention import bottom_right_causal_mask
+
+    sq, sk = q.size(2), k.size(2)
+    allowed = (~bottom_right_causal_mask(sq, sk, q.device) if q.device.type == "cpu"
+               else causal_lower_right(sq, sk))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                          enable_gqa=True)
 
 
 def _merged(q, k, v, scale):
@@ -60,9 +61,10 @@ def _reference(q, k, v, grad) -> list:
     """fp32, one query head at a time (a [span, L] score matrix at a time)."""
     import torch
 
+    from seq1f1b.runtime.attention import bottom_right_causal_mask
+
     groups = q.size(1) // k.size(1)
-    sq, sk = q.size(2), k.size(2)
-    masked = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+    masked = bottom_right_causal_mask(q.size(2), k.size(2), q.device)
     outs, dqs = [], []
     dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
     for head in range(q.size(1)):
@@ -80,8 +82,8 @@ def _reference(q, k, v, grad) -> list:
 
 
 def _errors(got: list, want: list) -> dict:
-    return {name: float((g.float() - w).norm() / w.norm())
-            for name, g, w in zip(("output", "dq", "dk", "dv"), got, want)}
+    return {name: _relative_error(g, w) for name, g, w in zip(("output", "dq", "dk", "dv"),
+                                                                 got, want)}
 
 
 def _seconds(attend, q, k, v, grad) -> float:
@@ -119,8 +121,7 @@ def check_merge_gqa(length: int, heads: int, head_dim: int, deadline) -> dict:
             result[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
     merged, today = result["merged"], result["lower_right"]
     if "errors" in merged and "errors" in today:
-        bounds = {t: BOUND_FACTOR * max(BF16_UNIT_ROUNDOFF, e)
-                  for t, e in today["errors"].items()}
+        bounds = bf16_bounds(merged["errors"], today["errors"])
         result.update(bounds=bounds,
                       within_bound=all(merged["errors"][t] <= bounds[t] for t in bounds),
                       merged_over_lower_right=merged["forward_backward_s"]

@@ -95,6 +95,13 @@ def _unsplit_path(module, q, k, v, grad_out, start: int, backward: bool) -> dict
     return result
 
 
+def bf16_bounds(errors: dict, baseline: dict) -> dict:
+    """Each tensor's bound: BOUND_FACTOR x max(2^-8, the baseline path's error for it, 0 when
+    the baseline did not run)."""
+    return {tensor: BOUND_FACTOR * max(BF16_UNIT_ROUNDOFF, baseline.get(tensor, 0.0))
+            for tensor in errors}
+
+
 def _errors(result: dict, reference: dict) -> dict:
     return {name: _relative_error(value, reference[name]) for name, value in result.items()}
 
@@ -163,8 +170,7 @@ def check_numerics(length: int, heads: int, head_dim: int, eager_max_score_bytes
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         unsplit = entry.get("unsplit_errors", {})
-        entry["bounds"] = {tensor: BOUND_FACTOR * max(BF16_UNIT_ROUNDOFF, unsplit.get(tensor, 0.0))
-                           for tensor in entry["span_errors"]}
+        entry["bounds"] = bf16_bounds(entry["span_errors"], unsplit)
         entry["within_bound"] = all(entry["span_errors"][t] <= entry["bounds"][t]
                                     for t in entry["span_errors"])
         results["backends"][name] = entry
