@@ -255,7 +255,10 @@ def test_sweep_gives_one_row_per_job_oom_included(jobs, slurm_cluster):
     sweep = jobs["sweep"]
     assert sweep.wait(slurm_cluster) == 0, sweep.process.stdout.read()
     rows = list(csv.DictReader(open(sweep.output)))
-    assert [(r["seq_length"], r["status"]) for r in rows] == [("64", "OK"), ("16384", "OOM")], rows
+    cell_logs = {path.parent.name: path.read_text()[-3000:]
+                 for path in sorted(sweep.run_dir.glob("sweep-*/train.log"))}
+    assert [(r["seq_length"], r["status"]) for r in rows] == [("64", "OK"), ("16384", "OOM")], \
+        (rows, cell_logs)
     ok, oom = rows
     assert ok["exit"] == "0" and ok["iterations"] == SWEEP_GRID["TRAIN_ITERS"]
     assert float(ok["lm_loss"]) > 0
