@@ -25,7 +25,7 @@ from typing import Optional
 
 from seq1f1b.plan.actions import (Action, Schedule, ScheduleError, dependencies,
                                   split_full_backwards)
-from seq1f1b.plan.simulate import SpanCosts, held_change, held_tables, simulate
+from seq1f1b.plan.simulate import SpanCosts, held_change, held_rise, held_tables, simulate
 from seq1f1b.plan.validate import execution_graph
 
 TICKS = 10_000           # the longest action, in solver time units
@@ -136,9 +136,10 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
 
 def _memory_unit(tables: dict) -> Fraction:
     """The largest amount every byte count of `tables` is a whole multiple of (bytes are whole
-    numbers on a model, simple fractions under unit costs): CP-SAT's memory unit, exact."""
-    values = [Fraction(value).limit_denominator(10**6) for table in tables.values()
-              for row in table for value in row]
+    numbers on a model, simple fractions under unit costs): CP-SAT's memory unit, exact. The
+    layer groups' shares of a full backward are left out: every backward here is split."""
+    values = [Fraction(value).limit_denominator(10**6) for kind, table in tables.items()
+              if not kind.endswith("_per_group") for row in table for value in row]
     denominator = math.lcm(*(v.denominator for v in values))
     numerator = math.gcd(*(int(v * denominator) for v in values))
     return Fraction(numerator or 1, denominator)
@@ -147,12 +148,12 @@ def _memory_unit(tables: dict) -> Fraction:
 def _memory_changes(tables: dict, stage: int, action: Action, unit: Fraction
                     ) -> tuple[int, int]:
     """(units allocated at the start, units released after the end) of `action`."""
-    allocated, released = held_change(tables, stage, action, action.op == "W")
+    rise, release = held_rise(held_change(tables, stage, action, action.op == "W"))
 
-    def units(values: dict) -> int:
-        return round(sum(Fraction(v).limit_denominator(10**6) for v in values.values()) / unit)
+    def units(value: float) -> int:
+        return round(Fraction(value).limit_denominator(10**6) / unit)
 
-    return units(allocated), units(released)
+    return units(rise), units(release)
 
 
 def _add_hint(model, hint: Schedule, length: dict, start: dict) -> None:

@@ -68,6 +68,11 @@ class SpanCosts:
     head_gradient_bytes: Table | None = None   # [v][0]: with the loss's backward at F, the output
                                # weights' gradient of each micro-batch in flight on the last
                                # stage, from F(i,0) until after B(i,k-1) (runtime/early_loss.py)
+    layer_groups: tuple[int, ...] | None = None  # [v]: the parts a full backward of stage v
+                               # goes through one after another, each freeing its share of the
+                               # span's activations and making its share of the dK/dV
+                               # accumulators (its layers, or its full-recompute groups);
+                               # None: one part (both at once)
 
     def duration(self, stage: int, action: Action, full_backward: bool = False) -> float:
         """Seconds of `action` on `stage`; a `full_backward` B (its unit has no W) also does the
@@ -230,7 +235,10 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
             replication),
         logits_bytes=tuple(logits if stage == last else no_logits
                            for stage in range(schedule.num_stages)),
-        head_gradient_bytes=head_gradient)
+        head_gradient_bytes=head_gradient,
+        layer_groups=tuple(max(1, count // recompute.num_layers
+                               if recompute is not None and recompute.method == "uniform"
+                               else count) for count in layers))
 
 
 @dataclass(frozen=True)
@@ -337,11 +345,32 @@ the micro-batch's first backward (its last span's B) on, the cache's dK/dV accum
 earlier spans' rows (spans 0..k-2, in fp32: twice their K/V bytes in bf16 training; none with
 k = 1). The accumulators count under "kv_cache". With the loss's backward at F, the last stage
 also holds each micro-batch's output-weight gradient from F(i,0) until after its first backward
-(B(i,k-1)), under "logits"."""
+(B(i,k-1)), under "logits".
+
+A full first backward on a stage of G layer groups (`SpanCosts.layer_groups`) runs the loss's
+backward first (on the last stage: the span's logits go), then the groups last to first: each
+makes its accumulators (runtime/kv_cache.py, `route_grads`) and frees its saved
+tensors before the next begins, so the rank peaks either at the first group (1/G of the
+accumulators on top of everything) or at the last (all accumulators, all but 1/G of the span's
+activations gone), not with both whole (13% high on an H200's 8-layer stage at 32K, k = 4:
+docs/measuring.md). A split backward (B then W) keeps the activations for W: its B makes all
+the accumulators on top of them."""
+
+
+class HeldChange(NamedTuple):
+    """Bytes by kind an action allocates when it starts, changes while it runs (a second moment
+    the rank may peak at: `_HELD`'s first backward of several groups) and releases after it
+    ends."""
+
+    allocated: dict[str, float]
+    during: dict[str, float]
+    released: dict[str, float]
 
 
 def held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
-    """The byte tables `held_change` reads, by kind; None when `costs` carries no bytes."""
+    """The byte tables `held_change` reads, by kind; None when `costs` carries no bytes. The
+    "per_group" tables are a layer group's share (`SpanCosts.layer_groups`) of the span's
+    activations and of its rows' accumulators."""
     if costs is None or costs.activation_bytes is None or costs.kv_cache_bytes is None:
         return None
     logits = costs.logits_bytes or tuple((0.0,) * len(row) for row in costs.activation_bytes)
@@ -349,16 +378,23 @@ def held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
     tables["kv_accumulator"] = costs.kv_accumulator_bytes or costs.kv_cache_bytes
     tables["head_gradient"] = costs.head_gradient_bytes or tuple(
         (0.0,) * len(row) for row in costs.activation_bytes)
+    groups = costs.layer_groups or (1,) * len(costs.activation_bytes)
+    for kind in ("activation", "kv_accumulator"):
+        tables[f"{kind}_per_group"] = tuple(tuple(value / count for value in row)
+                                            for row, count in zip(tables[kind], groups))
     return tables
 
 
 def held_change(tables: dict[str, Table], stage: int, action: Action, frees_activations: bool
-                 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Bytes of each kind `action` allocates when it starts and releases after it ends;
-    `frees_activations`: it is its unit's last backward action (Schedule.frees_activations)."""
+                ) -> HeldChange:
+    """Bytes of each kind `action` allocates when it starts, changes while it runs and releases
+    after it ends; `frees_activations`: it is its unit's last backward action
+    (Schedule.frees_activations)."""
     span = action.span
+    last_span = len(tables["kv_cache"][stage]) - 1
     whole_sequence_kv = sum(tables["kv_cache"][stage])
     allocated = dict.fromkeys(_HELD, 0.0)
+    during = dict.fromkeys(_HELD, 0.0)
     released = dict.fromkeys(_HELD, 0.0)
     if action.op == "F":
         allocated["activation"] = tables["activation"][stage][span]
@@ -369,15 +405,36 @@ def held_change(tables: dict[str, Table], stage: int, action: Action, frees_acti
         released["activation"] = tables["activation"][stage][span]
         released["logits"] = tables["logits"][stage][span]
     earlier_spans_kv = sum(tables["kv_accumulator"][stage][:-1])
-    if action.op == "B" and span == len(tables["kv_cache"][stage]) - 1:
+    if action.op == "B" and span == last_span and frees_activations:
+        # the loss's backward first (the span's logits go), then group by group (_HELD): the
+        # first group's accumulators, then the others' as all but the last group's
+        # activations go; the last group's go after the end
+        first_group = sum(tables["kv_accumulator_per_group"][stage][:-1])
+        last_group = tables["activation_per_group"][stage][span]
+        allocated["kv_cache"] = first_group
+        allocated["logits"] = -released["logits"]
+        released["logits"] = 0.0
+        during["kv_cache"] = earlier_spans_kv - first_group
+        during["activation"] = -(released["activation"] - last_group)
+        released["activation"] = last_group
+    elif action.op == "B" and span == last_span:
         allocated["kv_cache"] = earlier_spans_kv
     if action.op == "B" and span == 0:
         released["kv_cache"] = whole_sequence_kv + earlier_spans_kv
     if action.op == "F" and span == 0:
         allocated["logits"] += tables["head_gradient"][stage][0]
-    if action.op == "B" and span == len(tables["kv_cache"][stage]) - 1:
+    if action.op == "B" and span == last_span:
         released["logits"] += tables["head_gradient"][stage][0]
-    return allocated, released
+    return HeldChange(allocated, during, released)
+
+
+def held_rise(change: HeldChange) -> tuple[float, float]:
+    """(the most `change` adds while its action runs, what it releases after that) in total
+    bytes: the two-event view of an action that the searches' memory rule takes."""
+    allocated = sum(change.allocated.values())
+    after = allocated + sum(change.during.values())
+    rise = max(allocated, after)
+    return rise, rise - (after - sum(change.released.values()))
 
 
 def _rank_report(schedule: Schedule, costs: SpanCosts | None, rank: int,
@@ -398,15 +455,15 @@ def _rank_report(schedule: Schedule, costs: SpanCosts | None, rank: int,
             live -= 1
         if tables is None:
             continue
-        allocated, released = held_change(tables, schedule.stage_of(rank, action.chunk),
-                                           action, frees)
+        change = held_change(tables, schedule.stage_of(rank, action.chunk), action, frees)
+        for step in (change.allocated, change.during):
+            for kind in _HELD:
+                held[kind] += step[kind]
+                peaks[kind] = max(peaks[kind], held[kind])
+            if sum(held.values()) > peak_total:
+                peak_total, at_peak = sum(held.values()), dict(held)
         for kind in _HELD:
-            held[kind] += allocated[kind]
-            peaks[kind] = max(peaks[kind], held[kind])
-        if sum(held.values()) > peak_total:
-            peak_total, at_peak = sum(held.values()), dict(held)
-        for kind in _HELD:
-            held[kind] -= released[kind]
+            held[kind] -= change.released[kind]
     busy = sum(t.end - t.start for t in timeline)
     if tables is None:
         return RankReport(rank, busy, makespan - busy, peak_live, None, None, timeline)

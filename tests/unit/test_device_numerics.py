@@ -138,3 +138,25 @@ def test_a_training_run_keeps_the_callers_python_path(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/device/site")
     path = device_training.child_environment()["PYTHONPATH"].split(os.pathsep)
     assert path == [str(device_training.ROOT), "/device/site"]
+
+
+def test_the_estimate_holds_the_h200_stages_allocated_peak():
+    """The H200 run (docs/gpu/h200_suite.json: one 8-layer stage at 32K, k = 4, bf16, one
+    micro-batch, no optimizer) peaked at its first backward, where the runtime makes the dK/dV
+    accumulators layer by layer as the layers' saved tensors go. The estimate for the run's
+    shapes (device_check's own `_stage_estimate`) must hold that allocated peak, with little to
+    spare: the estimator had counted the span's activations, its logits and all the
+    accumulators at once (1.133 of the peak)."""
+    import json
+    from pathlib import Path
+
+    tool = _device_check_tool()
+    run = json.loads((Path(__file__).resolve().parents[2] / "docs" / "gpu" /
+                      "h200_suite.json").read_text())
+    shapes = tool.Shapes(**{name: tuple(value) if isinstance(value, list) else value
+                            for name, value in run["shapes"].items()})
+    measured = run["memory"]["stage"][0]
+    stage = tool._stage_estimate(shapes, measured["seq_length"], measured["precision"]).stages[0]
+    estimated = (stage.parameter_bytes + stage.gradient_bytes + stage.held_for_backward_bytes
+                 + stage.workspace_bytes)
+    assert 1.0 <= estimated / measured["memory"]["max_memory_allocated_bytes"] <= 1.03

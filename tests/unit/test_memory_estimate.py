@@ -11,7 +11,10 @@ from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.costs import (ModelConfig, Recompute, activation_bytes,
                                 backward_workspace_bytes, kv_cache_bytes, layer_input_bytes,
                                 logits_bytes, preset, stage_parameters)
+from seq1f1b.plan import registry
 from seq1f1b.plan.memory import GIB, TrainingSetup, estimate_memory
+from seq1f1b.plan.simulate import SpanCosts, simulate
+from seq1f1b.plan.tune.held import HeldProfile
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, vocab_size=1000)
@@ -81,6 +84,29 @@ def test_seq1f1b_rank0_holds_p_plus_k_minus_1_spans(pp, k):
         (in_flight + 2 * (k - 1) / k) * layers * kv_cache_bytes(model, seq_length))
     assert one.stages[0].kv_cache_bytes == pytest.approx(
         pp * layers * kv_cache_bytes(model, seq_length))
+
+
+@pytest.mark.parametrize("groups, accumulators, peak", [
+    (1, 4.0, 26.5),      # one group: all the accumulators on top of both spans' activations
+    (4, 4.0, 23.5),      # the first group's share of them
+    (4, 40.0, 55.0),     # larger than the span: the last group's moment is the peak
+])
+def test_a_first_backward_makes_its_accumulators_as_its_groups_free_the_span(groups,
+                                                                             accumulators, peak):
+    """One stage, one micro-batch of two spans (F0 F1 B1 B0): activations 10 per span, K/V 1,
+    logits 0.5, dK/dV accumulators of span 0's rows `accumulators`. Held after F1: 2 x 10 + 2
+    + 2 x 0.5 = 23. B1 runs the loss's backward (its 0.5 of logits go), then the groups last
+    to first, each making its accumulators and freeing its share of span 1's activations:
+    22.5 + acc/G at the first group, 22.5 + acc - 10 (G-1)/G at the last. (The rule before
+    counted 23 + acc for any G: 27 and 63.)"""
+    schedule = registry.build("1f1b", 1, 1, splits=2)
+    row = (10.0, 10.0)
+    costs = SpanCosts((row,), (row,), None, activation_bytes=(row,), kv_cache_bytes=((1.0, 1.0),),
+                      logits_bytes=((0.5, 0.5),), kv_accumulator_bytes=((accumulators, 0.0),),
+                      layer_groups=(groups,))
+    rank = simulate(schedule, costs).ranks[0]
+    assert rank.peak_held_bytes == max(23.0, peak)
+    assert HeldProfile.of(schedule).peaks(costs)[0].peak_held_bytes == rank.peak_held_bytes
 
 
 def test_last_stage_keeps_the_fp32_logits_of_its_live_spans():

@@ -59,7 +59,7 @@ from functools import cached_property
 from typing import Optional
 
 from seq1f1b.plan.actions import Action, Schedule, ScheduleError, dependencies
-from seq1f1b.plan.simulate import SpanCosts, Table, held_change, held_tables
+from seq1f1b.plan.simulate import SpanCosts, Table, held_change, held_rise, held_tables
 
 
 @dataclass(frozen=True)
@@ -139,9 +139,9 @@ class _Plan:
                 for op in _OPS:
                     for j in range(k):
                         probe = Action(op, 0, j, chunk)
-                        allocated, released = held_change(tables, stage, probe, op == "W")
-                        values = (costs.duration(stage, probe), sum(allocated.values()),
-                                  sum(released.values()))
+                        rise, release = held_rise(held_change(tables, stage, probe,
+                                                              op == "W"))
+                        values = (costs.duration(stage, probe), rise, release)
                         bases = [self.step(r, d.chunk, d.op, d.span, 0)
                                  for r, d in dependencies(shape, rank, probe)]
                         for i in range(m):

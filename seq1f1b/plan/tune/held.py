@@ -8,7 +8,8 @@ output weights' gradient the loss's backward at F keeps). So the
 replay is run once per schedule with symbolic tables, each entry a unit vector, giving per rank
 the distinct held states as rows of counts; a layout's peak is then the largest row times its
 byte table (`HeldProfile.peaks`), the figure `simulate` gives for the same costs, without a
-replay. Only states right after an allocation are kept: a peak is never reached by a release.
+replay. Only states right after an allocation, or a change while an action runs, are kept: a
+peak is never reached by a release.
 """
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ import numpy as np
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.simulate import RankReport, SpanCosts, held_change, held_tables
 
-KINDS = ("activation", "logits", "kv_cache", "kv_accumulator", "head_gradient")
+KINDS = ("activation", "logits", "kv_cache", "kv_accumulator", "head_gradient",
+         "activation_per_group", "kv_accumulator_per_group")
 """The byte tables, in the order of a rank's basis: [kind][chunk][span]."""
 _HELD_KIND = {"activation": "activation", "logits": "logits", "kv_cache": "kv_cache",
-              "kv_accumulator": "kv_cache", "head_gradient": "logits"}
+              "kv_accumulator": "kv_cache", "head_gradient": "logits",
+              "activation_per_group": "activation", "kv_accumulator_per_group": "kv_cache"}
 """The held kind each table's bytes count under (simulate: accumulators under kv_cache)."""
 
 
@@ -98,11 +101,12 @@ def _rank_profile(schedule: Schedule, rank: int) -> RankProfile:
         if key not in changes:      # as sparse count changes: (basis index, count)
             changes[key] = tuple(_sparse(sum(change.values()) + zero)
                                  for change in held_change(tables, stage, action, frees))
-        allocated, released = changes[key]
-        for index, count in allocated:
-            state[index] += count
-        if allocated:
-            seen.setdefault(tuple(state))
+        *rises, released = changes[key]
+        for rise in rises:              # allocated at the start, then changed while it runs
+            for index, count in rise:
+                state[index] += count
+            if rise:
+                seen.setdefault(tuple(state))
         for index, count in released:
             state[index] -= count
     states = np.array(list(seen), dtype=float) if seen else np.zeros((0, size))
