@@ -10,11 +10,12 @@
         started) gets its status from its output file, or PENDING when there is none.
 
 Status: OK (exit 0), OOM (non-zero exit and an out-of-memory message in the log: torch's CUDA or
-CPU allocator, Python's MemoryError, Slurm's memory-limit kill; or a SIGKILL short of the time
-limit, exit 137 or torchrun's "Signal 9": the host's OOM killer, which leaves no message),
-TIMEOUT (killed at the time limit), FAILED (any other non-zero exit), MISSING (summarize: the
-log file does not exist, whatever the exit code). Only the standard library: runs with any
-python3.
+CPU allocator, Python's MemoryError, C++'s std::bad_alloc (a library thread's allocation, such
+as a communication buffer), ENOMEM's "Cannot allocate memory" (mmap, a thread's stack, a fork),
+Slurm's memory-limit kill; or a SIGKILL short of the time limit, exit 137 or torchrun's "Signal
+9": the host's OOM killer, which leaves no message), TIMEOUT (killed at the time limit), FAILED
+(any other non-zero exit), MISSING (summarize: the log file does not exist, whatever the exit
+code). Only the standard library: runs with any python3.
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ from typing import Optional
 
 MARKER = "SEQ1F1B_RESULT"
 OOM_MESSAGES = ("CUDA out of memory", "OutOfMemoryError", "DefaultCPUAllocator: can't allocate",
-                "DefaultCPUAllocator: not enough memory", "MemoryError",
-                "Exceeded job memory limit", "exceeded memory limit", "oom-kill",
-                "Out Of Memory")
+                "DefaultCPUAllocator: not enough memory", "MemoryError", "std::bad_alloc",
+                "Cannot allocate memory", "Exceeded job memory limit", "exceeded memory limit",
+                "oom-kill", "Out Of Memory")
 TIMEOUT_MESSAGES = ("DUE TO TIME LIMIT",)
 SIGKILL_EXITS = (137, -9)          # 128 + SIGKILL from a shell or srun, -9 from Python's wait
 SIGKILL_MESSAGES = ("Signal 9 (SIGKILL)", "exitcode  : -9")   # torchrun's report of a rank

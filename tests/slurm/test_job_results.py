@@ -36,6 +36,9 @@ OOM_LOGS = {
     "cuda": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
     "cpu": "RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
            "allocate memory: you tried to allocate 4294967296 bytes.",
+    "c++": "terminate called after throwing an instance of 'std::bad_alloc'\n  what():  "
+           "std::bad_alloc",
+    "errno": "OSError: [Errno 12] Cannot allocate memory",
     "slurm": "slurmstepd: error: StepId=3.0 exceeded memory limit (702582784 > 524288000), "
              "being killed\nslurmstepd: error: Exceeded job memory limit",
 }
