@@ -60,6 +60,8 @@ from typing import Callable, Iterator, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from seq1f1b.plan.costs import Recompute  # noqa: E402  (the repository root, just added)
+
 PROG = "device_check.py"
 BACKENDS = ("sdpa", "flash", "te", "eager", "flex")
 """In the order they are measured: flex last, its compilation takes the longest."""
@@ -148,15 +150,16 @@ def _setup_process() -> None:
     assert dist.get_world_size() == 1, "device_check.py runs as one process"
 
 
-def _config(hidden_size: int, heads: int, layers: int):
-    """fp32 on the CPU, bf16 on a GPU (the paper's precision)."""
+def _config(hidden_size: int, heads: int, layers: int, **overrides):
+    """fp32 on the CPU, bf16 on a GPU (the paper's precision); `overrides` go to the
+    TransformerConfig (activation recompute)."""
     import torch
 
     from seq1f1b import megatron_adapter
 
     return megatron_adapter.make_transformer_config(
         num_layers=layers, hidden_size=hidden_size, num_attention_heads=heads,
-        fp32=not torch.cuda.is_available())
+        fp32=not torch.cuda.is_available(), **overrides)
 
 
 # -- attention -----------------------------------------------------------------------------------
@@ -388,13 +391,14 @@ def check_span_kernels(shapes: Shapes, deadline: Deadline) -> dict:
 
 
 # -- one stage -----------------------------------------------------------------------------------
-def _stage_model(shapes: Shapes, seq_length: int):
+def _stage_model(shapes: Shapes, seq_length: int, recompute: Optional[Recompute] = None):
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from seq1f1b import megatron_adapter
 
-    config = _config(shapes.hidden_size, shapes.heads, shapes.num_layers)
+    config = _config(shapes.hidden_size, shapes.heads, shapes.num_layers,
+                     **_recompute_fields(recompute))
     chunk = megatron_adapter.build_model_chunk(
         config, vocab_size=shapes.vocab_size, max_sequence_length=seq_length,
         position_embedding_type="rope", share_embeddings_and_output_weights=False)
@@ -416,8 +420,17 @@ def _batch(shapes: Shapes, seq_length: int) -> dict:
             "position_ids": torch.arange(seq_length, device=device).unsqueeze(0)}
 
 
+def _recompute_fields(recompute: Optional[Recompute]) -> dict:
+    """TransformerConfig's and TrainingSetup's fields of `recompute` (none without it)."""
+    if recompute is None:
+        return {}
+    return {"recompute_granularity": recompute.granularity,
+            "recompute_method": recompute.method, "recompute_num_layers": recompute.num_layers}
+
+
 def _stage_estimate(shapes: Shapes, seq_length: int, precision: str, schedule: str = "seq1f1b",
-                    microbatches: int = 1, splits: Optional[int] = None, early: bool = False):
+                    microbatches: int = 1, splits: Optional[int] = None, early: bool = False,
+                    recompute: Optional[Recompute] = None):
     from seq1f1b.plan.costs import ModelConfig
     from seq1f1b.plan.memory import TrainingSetup, estimate_memory
 
@@ -426,7 +439,8 @@ def _stage_estimate(shapes: Shapes, seq_length: int, precision: str, schedule: s
     return estimate_memory(TrainingSetup(
         model=model, seq_length=seq_length, schedule=schedule, pp=1, microbatches=microbatches,
         splits=shapes.splits if splits is None else splits, partition="compute",
-        precision=precision, make_vocab_size_divisible_by=1, loss_backward_in_forward=early))
+        precision=precision, make_vocab_size_divisible_by=1, loss_backward_in_forward=early,
+        **_recompute_fields(recompute)))
 
 
 def _iteration(model, schedule: str, splits: int, batch: dict, microbatches: int,
@@ -603,6 +617,38 @@ def check_loss_backward_in_forward(shapes: Shapes, deadline: Deadline) -> dict:
     return result
 
 
+RECOMPUTED = {"selective": Recompute("selective"), "full_uniform_2": Recompute("full", "uniform", 2)}
+"""The recompute settings the memory part measures beside the plain stage: a first backward
+makes its dK/dV accumulators layer by layer (selective) or group by group (full) as each frees
+what it kept, and the estimator follows that order (simulate.held_change)."""
+
+
+def check_recompute(shapes: Shapes, deadline: Deadline) -> dict:
+    """The stage of `check_stage` (seq1f1b, k spans, one micro-batch) under each of
+    `RECOMPUTED`: the allocator's peak, the meter and the estimate of each."""
+    import torch
+
+    from seq1f1b.runtime.trace import ExecutionTrace
+
+    length = shapes.stage_lengths[0]
+    result = {}
+    for name, recompute in RECOMPUTED.items():
+        if deadline.passed():
+            result[name] = {"skipped": "the time budget ran out"}
+            continue
+        config, model = _stage_model(shapes, length, recompute)
+        precision = "fp32" if config.params_dtype == torch.float32 else "bf16"
+        batch = _batch(shapes, length)
+        _iteration(model, "seq1f1b", shapes.splits, batch, 1, length, ExecutionTrace())
+        _release_cache()
+        estimate = _stage_estimate(shapes, length, precision, recompute=recompute)
+        result[name] = _measure_memory(model, "seq1f1b", shapes.splits, batch, 1, length,
+                                       estimate)
+        del model, config
+        _release_cache()
+    return result
+
+
 def _action_seconds(trace, label: str) -> float:
     return next(a.end - a.start for a in trace.actions if a.action == label)
 
@@ -646,7 +692,8 @@ def run_gpu_suite(shapes: Shapes, tiny: bool,
             "stage": check_stage(memory_shapes, deadline),
             "held_microbatches": check_held_microbatches(memory_shapes, deadline),
             "loss_backward_in_forward": check_loss_backward_in_forward(memory_shapes,
-                                                                       deadline)},
+                                                                       deadline),
+            "recompute": check_recompute(memory_shapes, deadline)},
         "attention": lambda deadline: {
             "comparison": check_attention(shapes, deadline),
             "merge_gqa": _guarded(functools.partial(

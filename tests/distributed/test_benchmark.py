@@ -263,6 +263,12 @@ def test_device_check_gpu_suite_tiny_runs_every_part_on_cpu(tmp_path):
         assert early[name]["saved_over_estimated"] == pytest.approx(1, abs=0.1), name
     assert early["peak_saved_bytes_early_over_plain"] < 1
     assert early["estimated_held_for_backward_bytes_early_over_plain"] < 1
+    recomputed = data["memory"]["recompute"]        # full: the rebuilt group is workspace
+    for name, memory in recomputed.items():
+        rebuilt = memory["estimate_gib"]["recomputed_bytes"] * 2 ** 30
+        assert memory["peak_saved_bytes"] / (memory["estimated_held_for_backward_bytes"]
+                                             + rebuilt) == pytest.approx(1, abs=0.1), name
+    assert recomputed["full_uniform_2"]["estimate_gib"]["recomputed_bytes"] > 0
     assert "sdpa" in data["attention"]["comparison"]["backends"]
     assert data["attention"]["merge_gqa"]["within_bound"], data["attention"]["merge_gqa"]
     for run in training["runs"].values():                       # profiled, no GPU kernels
