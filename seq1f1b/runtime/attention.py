@@ -340,6 +340,13 @@ _KERNELS: dict[str, Kernel] = {"eager": _eager, "sdpa": _sdpa, "flash": _flash, 
 _DOCUMENT_KERNELS: dict[str, Kernel] = {**_KERNELS, "flash": _flash_varlen}
 
 
+def attention_kernel(backend: str) -> Kernel:
+    """The bare kernel of `backend` (not te, a module): q [sq, b, h, d] against k, v
+    [sk, b, hk, d], bottom-right causal when given no mask, output [sq, b, h*d]; what a span's
+    attention calls once it holds the span's keys (the device check's baseline without a cache)."""
+    return _KERNELS[backend]
+
+
 def _document_form(backend: str, ids: Tensor, start: int, end: int, dtype: torch.dtype):
     """Span [start, end)'s document mask in `backend`'s form, once per span (documents.py)."""
     if backend == "eager":

@@ -13,8 +13,9 @@ class _Open:
         return False
 
 
-def _sdpa(monkeypatch, corrupt=None) -> dict:
-    monkeypatch.setattr(device_numerics, "NUMERICS_BACKENDS", ("sdpa",))
+def _sdpa(monkeypatch, corrupt=None, backend: str = "sdpa", max_score_bytes: float = 1e9
+          ) -> dict:
+    monkeypatch.setattr(device_numerics, "NUMERICS_BACKENDS", (backend,))
     if corrupt is not None:
         span_path = device_numerics._span_path
 
@@ -23,7 +24,8 @@ def _sdpa(monkeypatch, corrupt=None) -> dict:
                     for name, value in span_path(*args, **kwargs).items()}
 
         monkeypatch.setattr(device_numerics, "_span_path", corrupted)
-    return device_numerics.check_numerics(128, 2, 16, 1e9, _Open())["backends"]["sdpa"]
+    return device_numerics.check_numerics(128, 2, 16, max_score_bytes,
+                                          _Open())["backends"][backend]
 
 
 def test_the_span_path_is_within_bf16_bounds(monkeypatch):
@@ -40,6 +42,24 @@ def test_an_error_a_few_percent_past_bf16_is_out_of_bounds(monkeypatch, tensor):
     entry = _sdpa(monkeypatch, corrupt)
     assert not entry["within_bound"]
     assert entry["span_errors"][tensor] > entry["bounds"][tensor]
+
+
+@pytest.mark.parametrize("corrupted", [None, "prefix_dv"])
+def test_eager_without_room_to_run_unsplit_is_held_to_its_error_on_the_spans_rows(
+        monkeypatch, corrupted):
+    """Eager's unsplit run needs L x L scores (128 x 128 x 2 heads x 4 B here, past a 1e5
+    limit): its baseline is then the kernel on the span's rows with the whole K/V and no
+    cache, whose output error is the span path's to the bit (the same arithmetic), while a
+    span path 5% off in one tensor stays out of bounds."""
+    def corrupt(name, value):
+        return value * 1.05 if name == corrupted else value
+
+    entry = _sdpa(monkeypatch, corrupt, backend="eager", max_score_bytes=1e5)
+    assert "unsplit_errors" not in entry and "unsplit_skipped" in entry
+    assert entry["rows_errors"]["output"] == entry["span_errors"]["output"]
+    assert entry["within_bound"] == (corrupted is None), entry
+    if corrupted:
+        assert entry["span_errors"][corrupted] > entry["bounds"][corrupted]
 
 
 def _device_check_tool():
