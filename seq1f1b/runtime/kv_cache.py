@@ -30,6 +30,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from seq1f1b.runtime.memory import sample_active_meters
+
 MIN_ACCUMULATOR_DTYPE = torch.float32
 """The dK/dV that later spans leave for the earlier spans' rows are summed in at least fp32. In
 bf16 each span's addition would round the running sum, an error that grows with k (eager bf16,
@@ -77,6 +79,7 @@ class LayerKV:
                 dtype = torch.promote_types(grad_key.dtype, MIN_ACCUMULATOR_DTYPE)
                 self.key_grad = grad_key[:start].to(dtype, copy=True)
                 self.value_grad = grad_value[:start].to(dtype, copy=True)
+                sample_active_meters()
             return grad_key[start:end], grad_value[start:end]
         # One in-place pass over rows [0, end) (end <= the accumulator's rows: spans run in
         # reverse), summed in the accumulator's precision. The span's rows are then final and

@@ -8,7 +8,9 @@ not counted: they are held whatever the schedule. The meter also counts what the
 outside autograd (stashed stage outputs, deferred output grads, the KV caches, which a full
 recompute's no-grad forward fills without any graph saving them) through `extra_tensors`, each
 storage once and not again when a graph saves it too, so its peak is what a device would have to
-hold for backward at the worst moment of the iteration. Works on CPU, where no allocator statistics
+hold for backward at the worst moment of the iteration. It samples whenever a tensor is saved,
+after each action (the trace) and when something is allocated in the middle of an action with
+nothing saved (`sample_active_meters`: the dK/dV accumulators of a first backward). Works on CPU, where no allocator statistics
 exist; on GPU `torch.cuda.max_memory_allocated` complements it.
 """
 from __future__ import annotations
@@ -85,7 +87,20 @@ class SavedTensorMeter:
 
     def __enter__(self) -> "SavedTensorMeter":
         self._hooks.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _ACTIVE.remove(self)
         self._hooks.__exit__(*exc)
+
+
+_ACTIVE: list[SavedTensorMeter] = []
+"""The meters measuring now (one per traced iteration; none outside measurement)."""
+
+
+def sample_active_meters() -> None:
+    """Sample every active meter now: for allocations in the middle of an action, where no
+    tensor is saved (the dK/dV accumulators a first backward makes layer by layer)."""
+    for meter in _ACTIVE:
+        meter.sample()

@@ -78,3 +78,23 @@ def test_saved_tensor_meter_counts_each_storage_once_and_frees_with_the_graph():
         assert meter.live_bytes == 256 * 4
         y.backward()
     assert meter.live_bytes == 0 and meter.peak_bytes == 256 * 4
+
+
+def test_the_meter_sees_the_accumulators_a_first_backward_makes_between_its_samples():
+    """A micro-batch's first backward makes each layer's dK/dV accumulators in the middle of
+    the action, where nothing is saved: the cache samples every active meter there, so the
+    meter sees them at the moment the runtime holds them (the CPU meter otherwise sampled only
+    at saved tensors and action ends, and saw the accumulators after the span had freed more)."""
+    from seq1f1b.runtime.kv_cache import LayerKV
+
+    layer = LayerKV(torch.zeros(8, 1, 2, 4), torch.zeros(8, 1, 2, 4))
+    grad = torch.ones(8, 1, 2, 4)
+    buffers = 2 * 8 * 2 * 4 * 4
+    with SavedTensorMeter(extra_tensors=layer.tensors) as meter:
+        meter.sample()
+        assert meter.peak_bytes == buffers
+        layer.route_grads(6, 8, grad, grad)           # the last span: accumulators of rows 0..5
+        peak = meter.peak_bytes
+        layer.key_grad = layer.value_grad = None      # freed before the action ends
+        meter.sample()
+    assert peak == meter.peak_bytes == buffers + 2 * 6 * 2 * 4 * 4
