@@ -10,8 +10,9 @@ recompute's no-grad forward fills without any graph saving them) through `extra_
 storage once and not again when a graph saves it too, so its peak is what a device would have to
 hold for backward at the worst moment of the iteration. It samples whenever a tensor is saved,
 after each action (the trace) and when something is allocated in the middle of an action with
-nothing saved (`sample_active_meters`: the dK/dV accumulators of a first backward). Works on CPU, where no allocator statistics
-exist; on GPU `torch.cuda.max_memory_allocated` complements it.
+nothing saved (`sample_active_meters`: the dK/dV accumulators of a first backward). Works on
+CPU, where no allocator statistics exist; on GPU `torch.cuda.max_memory_allocated` complements
+it.
 """
 from __future__ import annotations
 

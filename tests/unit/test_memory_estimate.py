@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from seq1f1b.plan import registry
 from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.costs import (ModelConfig, Recompute, activation_bytes,
                                 backward_workspace_bytes, kv_cache_bytes, layer_input_bytes,
                                 logits_bytes, preset, stage_parameters)
-from seq1f1b.plan import registry
 from seq1f1b.plan.memory import GIB, TrainingSetup, estimate_memory
 from seq1f1b.plan.simulate import SpanCosts, simulate
 from seq1f1b.plan.tune.held import HeldProfile
