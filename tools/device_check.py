@@ -11,8 +11,9 @@ cached prefix against an fp32 reference, per backend), training
 (megatron/training/device_training.py: pretrain_gpt.py, bf16, the 1.3B shape at 16K, 20 iterations
 with seq1f1b k=1 and k=4, two iterations of each profiled), memory (the stage run at 32K,
 held_microbatches below, and the same stage with and without --loss-backward-in-forward and
-under selective and full (uniform, 2 layers) recompute: the allocator's peak of each), attention (the comparison, merge_gqa: the span merge with grouped-query
-attention on cuDNN, seq1f1b/device_checks/merge_gqa.py, and span_kernels below) and documents
+under selective and full (uniform, 2 layers) recompute: the allocator's peak of each),
+attention (the comparison, merge_gqa: the span merge with grouped-query attention on cuDNN,
+seq1f1b/device_checks/merge_gqa.py, and span_kernels below) and documents
 (seq1f1b/device_checks/documents.py: packed documents' peak memory against the dense case at the
 same shape, per backend).
 
@@ -617,7 +618,8 @@ def check_loss_backward_in_forward(shapes: Shapes, deadline: Deadline) -> dict:
     return result
 
 
-RECOMPUTED = {"selective": Recompute("selective"), "full_uniform_2": Recompute("full", "uniform", 2)}
+RECOMPUTED = {"selective": Recompute("selective"),
+              "full_uniform_2": Recompute("full", "uniform", 2)}
 """The recompute settings the memory part measures beside the plain stage: a first backward
 makes its dK/dV accumulators layer by layer (selective) or group by group (full) as each frees
 what it kept, and the estimator follows that order (simulate.held_change)."""
