@@ -40,6 +40,9 @@ the CPU, without copying or patching any megatron-core file:
    per layer with them and 0.08-0.11 s without, and a 4-layer iteration of two micro-batches
    12.9 s against 6.9 s, so the CPU measured the denormals more than the schedule. Only values
    below 1.2e-38 change (to 0). Worker threads of a multi-threaded kernel keep their own flags.
+8. fp32 products of activations and a weight (`torch.matmul`, `Tensor.matmul`: a linear's
+   forward and input gradient) run on oneDNN where it beats MKL's sgemm, which loses per row
+   as spans get shorter (`seq1f1b/runtime/host_gemm.py`).
 
 Limits: a `TorchFunctionMode` is thread-local, so threads started by user code run without it; on a
 machine with CUDA `activate()` does nothing and returns False.
@@ -55,6 +58,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from seq1f1b import strict_cuda
+from seq1f1b.runtime import host_gemm
 # Re-exported: the executor's hot loop and a deliberate sync in it (no-ops unless strict).
 from seq1f1b.strict_cuda import host_sync_allowed, host_sync_forbidden  # noqa: F401
 
@@ -81,6 +85,9 @@ def _cpu_if_cuda(device: Any) -> Any:
 _REWRITTEN = frozenset((torch.Tensor.cuda, torch.Tensor.pin_memory, torch.Tensor.type,
                         torch.Tensor.to))
 """The functions the mode changes whatever their keywords (others only by `device=`/`pin_memory=`)."""
+_PRODUCTS = frozenset((torch.matmul, torch.Tensor.matmul))
+"""Products the mode may run with oneDNN (`host_gemm.product`)."""
+_HANDLED = _REWRITTEN | _PRODUCTS
 
 
 def _cpu_type_name(name: str) -> str:
@@ -100,11 +107,15 @@ class _CudaToCpuMode(TorchFunctionMode):
         # span): the common case, no keyword and no function of its own, is one test.
         if self.rules is not None:
             return self.rules.call(func, args, kwargs or {}, self._on_cpu)
-        if kwargs or func in _REWRITTEN:
+        if kwargs or func in _HANDLED:
             return self._on_cpu(func, args, kwargs)
         return func(*args)
 
     def _on_cpu(self, func, args, kwargs):
+        if func in _PRODUCTS and not kwargs and len(args) == 2:
+            out = host_gemm.product(*args)
+            if out is not None:
+                return out
         kwargs = kwargs or {}
         if func in _REWRITTEN:
             if func is torch.Tensor.type:

@@ -127,6 +127,60 @@ def test_backward_pass_runs_under_the_cpu_layer(entry):
     assert torch.equal(grad, torch.full((3,), 2.0))
 
 
+def _ops_run(work) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        work()
+    return [event.name for event in prof.events()]
+
+
+def test_a_linears_products_run_on_onednn_and_its_weight_gradient_on_addmm():
+    # megatron's linear, fused into main_grad: forward X W^T and input gradient dY W by oneDNN
+    # (MKL's sgemm loses per row at span sizes on this CPU), dW still MKL's addmm_ into main_grad.
+    assert platform.activate()
+    torch.manual_seed(0)
+    x = torch.randn(256, 1, 512, dtype=torch.float64).float().requires_grad_()
+    weight = torch.nn.Parameter(torch.randn(1024, 512) * 0.05)
+    weight.main_grad = torch.zeros_like(weight)
+    grad = torch.randn(256, 1, 1024)
+
+    def step():
+        out = tensor_parallel.linear_with_grad_accumulation_and_async_allreduce(
+            x, weight, None, gradient_accumulation_fusion=True, allreduce_dgrad=False,
+            sequence_parallel=False)
+        out.backward(grad)
+        step.out = out
+
+    ops = _ops_run(step)
+    assert ops.count("mkldnn::_linear_pointwise") == 2, "forward and input gradient"
+    assert "aten::addmm_" in ops, "the weight gradient accumulates into main_grad"
+    x64, w64, g64 = x.double(), weight.double(), grad.double()
+    assert torch.allclose(step.out.double(), x64 @ w64.t(), rtol=0, atol=1e-5)
+    assert torch.allclose(x.grad.double(), g64 @ w64, rtol=0, atol=1e-5)
+    assert torch.allclose(weight.main_grad.double(), g64.flatten(0, 1).t() @ x64.flatten(0, 1),
+                          rtol=0, atol=1e-4)
+    assert not step.out._is_view()
+
+
+@pytest.mark.parametrize("case", ["small", "transposed rows", "float64", "to differentiate",
+                                  "out="])
+def test_other_products_stay_with_torchs_matmul(case):
+    assert platform.activate()
+    a, b = torch.randn(256, 512), torch.randn(512, 1024)
+    kwargs = {}
+    if case == "small":
+        a, b = torch.randn(16, 64), torch.randn(64, 256)
+    elif case == "transposed rows":                 # the weight gradient's dY^T X
+        a = torch.randn(512, 256).t()
+    elif case == "float64":
+        a, b = a.double(), b.double()
+    elif case == "to differentiate":
+        b.requires_grad_()
+    else:
+        kwargs = {"out": torch.empty(256, 1024)}
+    ops = _ops_run(lambda: torch.matmul(a, b, **kwargs))
+    assert "mkldnn::_linear_pointwise" not in ops and "aten::mm" in ops
+
+
 # -- strict mode: CUDA's rules on the CPU ----------------------------------------------------------
 MIXED = "Expected all tensors to be on the same device"
 NCCL = "Tensors must be CUDA and dense"
@@ -196,6 +250,11 @@ def test_strict_moving_makes_a_new_tensor_as_on_a_gpu(strict):
 
 def test_strict_device_tensors_pick_cpu_kernels(strict):
     assert on_device(3).device.type == "cpu" and not on_device(3).is_cuda
+
+
+def test_strict_products_on_onednn_stay_device_tensors(strict):
+    a, b = on_device(256, 512), on_device(1024, 512)
+    assert platform.seen_on_device(a.matmul(b.t()))
 
 
 def test_strict_in_place_ops_do_not_write_device_values_into_host_scalars(strict):
