@@ -2,7 +2,7 @@
 
 A linear's forward (`X @ W^T`) and its input gradient (`dY @ W`) are megatron-core's
 `torch.matmul` calls. On the CPU torch sends them to MKL's sgemm, which on the AMD EPYC hosts
-this project's CI and benchmarks run on (Zen 4, AVX-512) loses per row as the rows get fewer:
+this project's benchmarks ran on (Zen 4, AVX-512) loses per row as the rows get fewer:
 the benchmark's layer shapes (h 1024, four weights of a layer) take 3.7% (forward) and 4.8%
 (input gradient) more time as four 256-row products than as one of 1024 rows. That is the
 spans' largest remaining compute cost on the CPU, and it is the BLAS's, not the schedule's: a
