@@ -13,6 +13,7 @@ from typing import Optional
 
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget
+from seq1f1b.plan.context_parallel import span_alignment
 from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.partition import partition
 from seq1f1b.plan.schedules.zero_bubble_v import searched_cap
@@ -27,11 +28,16 @@ def cost_model(args: argparse.Namespace) -> ModelConfig:
 
 
 def starting_span_lengths(args: argparse.Namespace) -> tuple[int, ...]:
-    """The cut the run starts with (a fit partition starts with the compute cut)."""
+    """The cut the run starts with (a fit partition starts with the compute cut), as the runtime
+    makes it: this model's FLOPs, every span a multiple of CP (of CP x TP under sequence
+    parallelism)."""
     method = "compute" if args.seq1f1b_partition == "fit" else args.seq1f1b_partition
     return tuple(partition(args.seq_length, args.seq1f1b_splits, method, cost_model(args),
                            tp=args.tensor_model_parallel_size,
                            sequence_parallel=args.sequence_parallel,
+                           align=span_alignment(getattr(args, "context_parallel_size", 1) or 1,
+                                                args.tensor_model_parallel_size,
+                                                args.sequence_parallel),
                            lengths=args.seq1f1b_span_lengths))
 
 

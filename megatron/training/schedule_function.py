@@ -30,13 +30,27 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megatron.training.schedule_budget import schedule_budget, searched
+from megatron.training.schedule_budget import cost_model, schedule_budget, searched
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.partition import span_bounds
 from seq1f1b.runtime.forward_backward import SpanSettings, get_forward_backward_func
 from seq1f1b.runtime.trace import ExecutionTrace
 from seq1f1b.runtime.traced_iterations import calibrate_fit, gather_pipeline_actions
+
+
+def span_settings(args: argparse.Namespace) -> SpanSettings:
+    """The runtime's settings for the run's first iteration: its cut is `starting_span_lengths`
+    (the log line's, the estimate's and a searched schedule's budget's), since it balances the
+    same model, padded vocabulary included."""
+    return SpanSettings(
+        splits=args.seq1f1b_splits,
+        partition="compute" if args.seq1f1b_partition == "fit" else args.seq1f1b_partition,
+        span_lengths=tuple(args.seq1f1b_span_lengths) if args.seq1f1b_span_lengths else None,
+        p2p_timeout_s=args.p2p_timeout,
+        budget=schedule_budget(args),
+        loss_backward_in_forward=args.loss_backward_in_forward,
+        cost_model=cost_model(args))
 
 
 class ScheduleFunction:
@@ -47,12 +61,7 @@ class ScheduleFunction:
         self._args = args
         self._reports = reports
         fit = args.seq1f1b_partition == "fit"
-        self._settings = SpanSettings(
-            splits=args.seq1f1b_splits, partition="compute" if fit else args.seq1f1b_partition,
-            span_lengths=tuple(args.seq1f1b_span_lengths) if args.seq1f1b_span_lengths else None,
-            p2p_timeout_s=args.p2p_timeout,
-            budget=schedule_budget(args),
-            loss_backward_in_forward=args.loss_backward_in_forward)
+        self._settings = span_settings(args)
         self.function: Callable = get_forward_backward_func(args.pipeline_schedule,
                                                             self._settings)
         self._check_placement()

@@ -46,10 +46,10 @@ from megatron.training.initialize import finish_megatron, initialize_megatron
 from megatron.training.logging_utils import (IntervalReport, PeakMemory, params_l2_norm,
                                              throughput, validation_lines)
 from megatron.training.profiling import Profiler
+from megatron.training.schedule_budget import starting_span_lengths
 from megatron.training.schedule_function import ScheduleFunction
 from megatron.training.writers import IterationScalars, ScalarWriters
 from seq1f1b import platform
-from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan.actions import virtual_stage
 from seq1f1b.plan.costs import ModelConfig
 
@@ -452,7 +452,7 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
                  f" DP={args.data_parallel_size}"
                  f" V={args.virtual_pipeline_model_parallel_size or 1}, schedule "
                  f"{args.pipeline_schedule} k={args.seq1f1b_splits} ({args.seq1f1b_partition}),"
-                 f" span lengths {_first_span_lengths(args, config)},"
+                 f" span lengths {_first_span_lengths(args)},"
                  f" {args.num_micro_batches} micro-batches of {args.micro_batch_size}")
     timers = Timers(args.timing_log_level, args.timing_log_option)
     config.timers = timers                     # megatron's schedules, finalize and optimizer
@@ -513,15 +513,11 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
     return run.summary
 
 
-def _first_span_lengths(args: argparse.Namespace, config) -> str:
-    """The span lengths the first iteration runs, as the runtime cuts them (the fit partition
-    starts from the compute cut and prints its own after calibrating)."""
-    partition = "compute" if args.seq1f1b_partition == "fit" else args.seq1f1b_partition
-    lengths = span_partition.partition(
-        args.seq_length, args.seq1f1b_splits, partition,
-        model=ModelConfig.of_transformer_config(config), tp=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel, lengths=args.seq1f1b_span_lengths)
-    return " ".join(map(str, lengths))
+def _first_span_lengths(args: argparse.Namespace) -> str:
+    """The span lengths the first iteration runs: the cut the schedule function hands the
+    runtime (the fit partition starts from the compute cut and prints its own after
+    calibrating)."""
+    return " ".join(map(str, starting_span_lengths(args)))
 
 
 def _splits_present(datasets: Sequence[Optional[object]]) -> list[bool]:

@@ -41,6 +41,10 @@ class SpanSettings:
     trace: Optional[ExecutionTrace] = field(default=None, compare=False, hash=False)
     budget: Optional[ScheduleBudget] = None       # a searched schedule's costs and memory cap
     loss_backward_in_forward: bool = False        # the output layer's backward at F (early_loss)
+    # The model a compute cut balances the FLOPs of. None: the chunks' TransformerConfig, which
+    # has no vocabulary (the cost model then takes 50257); the trainer gives its padded one, so
+    # its cut is the one its log line, its estimate and a searched schedule's budget name.
+    cost_model: Optional[ModelConfig] = None
 
 
 def schedule_names() -> list[str]:
@@ -119,14 +123,16 @@ def check_context_parallel_spans(lengths: Sequence[int], cp: int, tp: int,
 
 
 @functools.lru_cache(maxsize=64)
-def _spans(settings: SpanSettings, seq_length: int, model: Optional[ModelConfig], tp: int,
+def _spans(settings: SpanSettings, seq_length: int, config_model: Optional[ModelConfig], tp: int,
            sequence_parallel: bool, cp: int = 1) -> tuple[tuple[int, int], ...]:
-    """The span bounds; under context parallelism every span is a multiple of C (of C x TP
+    """The span bounds, a compute cut balanced on `settings.cost_model` (else `config_model`,
+    the chunks' config); under context parallelism every span is a multiple of C (of C x TP
     under sequence parallelism: each CP rank's part is then cut over TP)."""
     if cp > 1 and settings.span_lengths is not None:
         check_context_parallel_spans(settings.span_lengths, cp, tp, sequence_parallel)
     lengths = span_partition.partition(
-        seq_length, settings.splits, settings.partition, model=model, tp=tp,
+        seq_length, settings.splits, settings.partition,
+        model=settings.cost_model or config_model, tp=tp,
         sequence_parallel=sequence_parallel, lengths=settings.span_lengths,
         align=span_alignment(cp, tp, sequence_parallel))
     return tuple(span_partition.span_bounds(lengths))

@@ -132,7 +132,6 @@ def test_the_llama3_script_is_refused_only_for_its_gpu_only_flags(tmp_path, caps
 
 
 def test_the_first_line_gives_the_span_lengths_the_runtime_uses():
-    from megatron.training import model_setup
     from megatron.training.training import _first_span_lengths
 
     for extra, lengths in (({"seq1f1b_splits": 4}, "4 4 4 4"),
@@ -140,13 +139,37 @@ def test_the_first_line_gives_the_span_lengths_the_runtime_uses():
                              "seq_length": 4096, "max_position_embeddings": 4096}, None),
                            ({"seq1f1b_span_lengths": [10, 6]}, "10 6")):
         args = validate_args(parse_args(_run(train_iters=2, **extra)), 1)
-        text = _first_span_lengths(args, model_setup.core_transformer_config_from_args(args))
+        text = _first_span_lengths(args)
         spans = [int(n) for n in text.split()]
         assert sum(spans) == args.seq_length and len(spans) == args.seq1f1b_splits, text
         if lengths is None:           # compute: the later span attends to more keys, shorter
             assert spans[0] > spans[1], text
         else:
             assert text == lengths
+
+
+def test_the_runtime_cuts_the_spans_the_trainer_prices_under_cp_and_its_vocabulary():
+    # The runtime's compute cut balances the run's model (padded vocabulary 512 here, where the
+    # chunks' TransformerConfig knows none) in multiples of CP x TP under SP: the cut the first
+    # line prints, the estimator plans and a searched schedule's budget is priced on.
+    from megatron.training import model_setup
+    from megatron.training.schedule_budget import starting_span_lengths
+    from megatron.training.schedule_function import span_settings
+    from megatron.training.training import _first_span_lengths
+    from seq1f1b.plan.costs import ModelConfig
+    from seq1f1b.runtime import forward_backward
+
+    args = validate_args(parse_args(_run(
+        train_iters=2, seq1f1b_splits=4, seq1f1b_partition="compute", seq_length=4096,
+        max_position_embeddings=4096, tensor_model_parallel_size=2, sequence_parallel=True,
+        context_parallel_size=2)), 4)
+    config = model_setup.core_transformer_config_from_args(args)
+    bounds = forward_backward._spans(span_settings(args), args.seq_length,
+                                     ModelConfig.of_transformer_config(config), 2, True, 2)
+    lengths = tuple(end - start for start, end in bounds)
+    assert lengths == starting_span_lengths(args)
+    assert _first_span_lengths(args) == " ".join(map(str, lengths))
+    assert all(length % 4 == 0 for length in lengths) and lengths[0] > lengths[-1]
 
 
 def test_skip_train_loads_no_optimizer_as_megatron(tmp_path, capsys):
