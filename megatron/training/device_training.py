@@ -76,9 +76,10 @@ def command(shape: TrainingShape, splits: int, trace_dir: str) -> list[str]:
         "--profile", "--profile-step-start", start, "--profile-step-end", end,
         "--tensorboard-dir", trace_dir,
     ] + (["--bf16"] if shape.bf16 else [])
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-            "--master-addr", "127.0.0.1", "--master-port", str(29600 + splits),
-            str(ROOT / "pretrain_gpt.py")] + [str(flag) for flag in flags]
+    # --standalone: a rendezvous on a port the OS gives (a fixed one was once taken by another
+    # process of the suite: EADDRINUSE, and the run was lost)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "1", str(ROOT / "pretrain_gpt.py")] + [str(flag) for flag in flags]
 
 
 _EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:[A-Za-z_][\w.]*\.)?\w*(?:Error|Exception)\b")
