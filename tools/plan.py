@@ -476,9 +476,12 @@ def cmd_comm(args: argparse.Namespace) -> int:
     return 0 if all(v.ok for v in verdicts.values()) else 1
 
 
-def _run_costs(args: argparse.Namespace, split: StageLayers | None = None):
+def _run_costs(args: argparse.Namespace, split: StageLayers | None = None,
+               spread_output: bool = False):
     """(model costs_of or None, --uniform-cost or None) of a search or comparison; the model's
-    costs with `split`'s layers (None: the command line's)."""
+    costs with `split`'s layers (None: the command line's), the output layer spread over the
+    ranks (O actions) when `spread_output` (not for the cap's reference, 1F1B's whole
+    sequence)."""
     model = _model(args)
     if model is not None and args.uniform_cost is not None:
         raise UsageError("--uniform-cost and a model (--model or its dimensions): give one")
@@ -495,7 +498,7 @@ def _run_costs(args: argparse.Namespace, split: StageLayers | None = None):
         return model_costs(schedule, model, spans, flops_per_second=args.device_tflops * 1e12,
                            tp=args.tp, sequence_parallel=args.sequence_parallel,
                            stage_layers=layers.for_reference() if whole else layers,
-                           cp=args.cp)
+                           cp=args.cp, spread_output=spread_output and not whole)
     return costs_of, None
 
 
@@ -524,6 +527,33 @@ def _searched_layout(args: argparse.Namespace, budget: ScheduleBudget) -> StageL
     return choice.stage_layers
 
 
+def _spread_budget(args: argparse.Namespace, budget: ScheduleBudget) -> ScheduleBudget:
+    """--spread-output: `budget` (the output layer in the last stage) with the costs of every
+    placement taken again with the output layer as O actions, under the same cap: the given
+    one, or Seq1F1B's peak with the layer where Megatron puts it."""
+    if _model(args) is None:
+        raise UsageError("--spread-output needs a model (--model or its dimensions): unit "
+                         "costs have no output layer to spread")
+    for flag in ("search_layout", "exact", "save_schedule"):
+        if getattr(args, flag):
+            raise UsageError(f"--spread-output: --{flag.replace('_', '-')} does not model the "
+                             "O actions yet")
+    cap = searched_cap(args.pp, args.microbatches, args.splits, args.chunks, budget)
+    spread = _run_costs(args, spread_output=True)[0]
+
+    # a split backward's shape (the search's W actions), on each placement
+    shape = registry.build("seq1f1b-zbv" if args.chunks == 2 else "seq1f1b-zb-h1", args.pp,
+                           args.microbatches, args.splits, args.chunks)
+
+    def costs(placement: str) -> SpanCosts:
+        return spread(replace(shape, placement=placement), False)
+
+    own = budget.placement or shape.placement
+    return ScheduleBudget(costs(own), cap, budget.placement,
+                          tuple((placement, costs(placement))
+                                for placement, _ in budget.alternatives), budget.only)
+
+
 def cmd_search(args: argparse.Namespace) -> None:
     if args.time_limit <= 0:
         raise UsageError("--time-limit must be positive (seconds)")
@@ -537,6 +567,8 @@ def cmd_search(args: argparse.Namespace) -> None:
                          f"{LAST_FLAG} / {LAYOUT_FLAG}")
     costs_of, uniform = _run_costs(args)
     budget = _search_budget(args, costs_of, uniform)
+    if args.spread_output:
+        budget = _spread_budget(args, budget)
     layout = None
     if args.search_layout:
         split = _searched_layout(args, budget)
@@ -870,6 +902,11 @@ def build_parser() -> Parser:
     search.add_argument("--search-layout", action="store_true",
                         help="also choose every virtual stage's layers (with a model): the "
                              "layout is printed, for --pipeline-model-parallel-layout")
+    search.add_argument("--spread-output", action="store_true",
+                        help="the output layer and the loss of each span as an action of its "
+                             "own (O) on whichever rank the search puts it, every rank holding "
+                             "the output weights: the layer no longer loads the last stage's "
+                             "rank alone (plan layer only: the trainer does not run it yet)")
     search.add_argument("--exact", action="store_true",
                         help="also solve the same problem exactly (CP-SAT) within --time-limit")
     search.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS")

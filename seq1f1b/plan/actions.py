@@ -12,11 +12,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-OPS = ("F", "B", "W")
+OPS = ("F", "B", "W", "O")
 """F: forward of one span; B: backward of one span: the input grad only when the rank also runs
 that unit's W, else the full backward (input and weight grads); W: the deferred weight-gradient
 part of a backward. So one schedule may split the backward of some units and not of others
-(DualPipeV does): a unit's backward is split exactly when its W occurs."""
+(DualPipeV does): a unit's backward is split exactly when its W occurs.
+
+O: the output layer and the loss of one span, forward and backward at once, as an action of its
+own that any one rank may run (every rank then holds the output weights; `Schedule.spread_output`).
+A schedule either has an O for every unit (micro-batch, span), on chunk 0 of whichever rank runs
+it, or none: then the last virtual stage's F and B run the output layer, as Megatron's do. The
+O's take the output layer off the last stage's rank, whose extra work otherwise sets a floor
+under the bubble (about 0.44 of a layer at 7B/64K: docs/schedules.md)."""
 
 PLACEMENTS = ("loop", "vshape")
 """How (rank, chunk) maps to a virtual stage. "loop": chunk c of rank r is stage c*P + r (Megatron's
@@ -35,7 +42,7 @@ class ScheduleError(ValueError):
     """A schedule cannot be built or is not valid; the message names the offending argument."""
 
 
-_ACTION_RE = re.compile(r"^([FBW])(\d+)\.(\d+)(?:@(\d+))?$")
+_ACTION_RE = re.compile(r"^([FBWO])(\d+)\.(\d+)(?:@(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
@@ -52,6 +59,8 @@ class Action:
             raise ScheduleError(f"unknown action op {self.op!r}; expected one of {OPS}")
         if min(self.microbatch, self.span, self.chunk) < 0:
             raise ScheduleError(f"negative index in action {self!r}")
+        if self.op == "O" and self.chunk:
+            raise ScheduleError(f"{self.format()}: an O action has no model chunk")
 
     def format(self, show_chunk: bool = False) -> str:
         """Text form "F3.1" (micro-batch 3, span 1), with "@c" when the schedule has chunks."""
@@ -116,6 +125,26 @@ class Schedule:
         if self.placement == "vshape" and chunk == 1:
             rank = self.pp - 1 - rank
         return rank, chunk
+
+    @functools.cached_property
+    def output_ranks(self) -> dict[tuple[int, int], int]:
+        """(micro-batch, span) -> the rank whose program runs that unit's O (the first, when
+        several do: the validator names those); empty when the last stage runs the output layer."""
+        ranks: dict[tuple[int, int], int] = {}
+        for rank, program in enumerate(self.programs):
+            for action in program:
+                if action.op == "O":
+                    ranks.setdefault((action.microbatch, action.span), rank)
+        return ranks
+
+    @property
+    def spread_output(self) -> bool:
+        """True when the output layer runs as O actions (OPS) rather than in the last stage."""
+        return bool(self.output_ranks)
+
+    def output_rank(self, microbatch: int, span: int) -> int:
+        """The rank running O(microbatch, span); the last stage's rank when no program has it."""
+        return self.output_ranks.get((microbatch, span), self.owner_of(self.num_stages - 1)[0])
 
     @functools.cached_property
     def split_backward(self) -> bool:
@@ -201,7 +230,9 @@ def dependencies(schedule: Schedule, rank: int, action: Action) -> list[tuple[in
     - F(i,j)@v needs F(i,j)@v-1 (its input activation) and F(i,j-1)@v (the K/V of the prefix);
     - B(i,j)@v needs B(i,j)@v+1 (its output grad), F(i,j)@v, and B(i,j+1)@v (the dK/dV of span j
       is complete only after every later span's backward has run);
-    - W(i,j)@v needs B(i,j)@v.
+    - W(i,j)@v needs B(i,j)@v;
+    - with the output layer spread (OPS' O), O(i,j) needs F(i,j) of the last stage (its input),
+      and B(i,j) of the last stage needs O(i,j) (its output grad), on whichever rank runs it.
     Program order on the same rank is implied and not listed.
     """
     stage = schedule.stage_of(rank, action.chunk)
@@ -212,20 +243,36 @@ def dependencies(schedule: Schedule, rank: int, action: Action) -> list[tuple[in
         owner, chunk = schedule.owner_of(st)
         return owner, Action(op, i, span, chunk)
 
+    last = schedule.num_stages - 1
+    if action.op == "O":
+        return [at("F", last, j)]
     if action.op == "F":
         if stage > 0:
             needs.append(at("F", stage - 1, j))
         if j > 0:
             needs.append(at("F", stage, j - 1))
     elif action.op == "B":
-        if stage < schedule.num_stages - 1:
+        if stage < last:
             needs.append(at("B", stage + 1, j))
+        elif schedule.spread_output:
+            needs.append((schedule.output_rank(i, j), Action("O", i, j)))
         needs.append(at("F", stage, j))
         if j < schedule.splits - 1:
             needs.append(at("B", stage, j + 1))
     else:
         needs.append(at("B", stage, j))
     return needs
+
+
+def require_output_in_last_stage(schedule: Schedule, what: str) -> None:
+    """Refuse a schedule with O actions (the output layer spread over the ranks) where `what`
+    does not handle them yet: the plan layer validates, simulates, searches and bounds them
+    (`plan.py search --spread-output`); the communication plan (so the runtime and schedule
+    files), torch's CSV and the exact solver do not."""
+    if schedule.spread_output:
+        raise ScheduleError(f"{what}: schedule {schedule.name!r} spreads the output layer over the "
+                            "ranks (O actions), which only plan.py search --spread-output "
+                            "models so far")
 
 
 def split_full_backwards(programs: Iterable[Iterable[Action]]) -> list[list[Action]]:
@@ -248,17 +295,21 @@ def split_full_backwards(programs: Iterable[Iterable[Action]]) -> list[list[Acti
 
 def expected_actions(schedule: Schedule, rank: int) -> frozenset[Action]:
     """Every action `rank` must run exactly once: F and B of every unit. W of a unit is optional
-    (at most once): without it, that unit's B is the full backward."""
+    (at most once): without it, that unit's B is the full backward. O actions are owed by the
+    schedule as a whole, not by a rank (`validate` checks them)."""
     return _all_actions(schedule.microbatches, schedule.splits, schedule.chunks, False)
 
 
 def allowed_actions(schedule: Schedule, rank: int) -> frozenset[Action]:
-    """Every action `rank` may run: F, B and W of every unit."""
+    """Every action `rank` may run: F, B and W of every unit, and O of every (micro-batch, span)."""
     return _all_actions(schedule.microbatches, schedule.splits, schedule.chunks, True)
 
 
 @functools.lru_cache(maxsize=16)
-def _all_actions(microbatches: int, splits: int, chunks: int, split: bool) -> frozenset[Action]:
-    ops: Iterable[str] = ("F", "B", "W") if split else ("F", "B")
-    return frozenset(Action(op, i, j, c) for op in ops for i in range(microbatches)
-                     for j in range(splits) for c in range(chunks))
+def _all_actions(microbatches: int, splits: int, chunks: int, allowed: bool) -> frozenset[Action]:
+    ops: Iterable[str] = ("F", "B", "W") if allowed else ("F", "B")
+    units = frozenset(Action(op, i, j, c) for op in ops for i in range(microbatches)
+                      for j in range(splits) for c in range(chunks))
+    if not allowed:
+        return units
+    return units | frozenset(Action("O", i, j) for i in range(microbatches) for j in range(splits))

@@ -26,6 +26,12 @@ earliest end of an action that frees (a W, or B(i,0), which frees the K/V), so t
 starts before then must fit in the cap together (at most as many as the smallest allocations
 fit); everything else it runs before then is bounded by its heads, and the rest of its work
 comes after.
+
+With the output layer spread (O actions, any rank runs each: costs with `output`), an O joins
+the chain between the last stage's F and B of its span; the m O's of a span may run side by
+side on different ranks, so their stream does not run them one after another, and a rank's
+relaxation leaves them out (any rank may take them). One more bound counts them: all the work
+spread evenly over the P ranks.
 """
 from __future__ import annotations
 
@@ -46,7 +52,7 @@ def lower_bound(shape: Schedule, costs: SpanCosts, cap: Optional[float] = None) 
     heads, tails = _heads(shape, costs), _tails(shape, costs)
     durations = _durations(shape, costs)
     tables = held_tables(costs) if cap is not None else None
-    best = 0.0
+    best = sum(durations[g] for g in durations) * shape.microbatches / shape.pp
     for rank in range(shape.pp):
         groups = [(op, shape.stage_of(rank, chunk), span) for op in "FBW"
                   for chunk in range(shape.chunks) for span in range(shape.splits)]
@@ -93,8 +99,12 @@ def gap_to_bound(makespan: float, bound: float) -> float:
 def _durations(shape: Schedule, costs: SpanCosts) -> dict[Group, float]:
     weight = costs.weight or tuple((0.0,) * shape.splits for _ in range(shape.num_stages))
     tables = {"F": costs.forward, "B": costs.backward, "W": weight}
-    return {(op, v, j): tables[op][v][j] for op in "FBW" for v in range(shape.num_stages)
-            for j in range(shape.splits)}
+    found = {(op, v, j): tables[op][v][j] for op in "FBW" for v in range(shape.num_stages)
+             for j in range(shape.splits)}
+    if costs.output is not None:
+        found.update({("O", shape.num_stages - 1, j): costs.output[j]
+                      for j in range(shape.splits)})
+    return found
 
 
 def _hop(shape: Schedule, costs: SpanCosts, low: int, span: int) -> float:
@@ -103,10 +113,12 @@ def _hop(shape: Schedule, costs: SpanCosts, low: int, span: int) -> float:
     return 0.0 if costs.hop is None or same_rank else costs.hop[low][span]
 
 
-def _one_after_another(ready: Sequence[float], duration: float, delay: float = 0.0
-                       ) -> list[float]:
+def _one_after_another(ready: Sequence[float], duration: float, delay: float = 0.0,
+                       side_by_side: bool = False) -> list[float]:
     """Earliest n-th finish (+ `delay`) of actions of one rank that become ready at the sorted
-    times `ready` and run one at a time."""
+    times `ready` and run one at a time (or, `side_by_side`, each on a rank of its own: O)."""
+    if side_by_side:
+        return [time + duration + delay for time in ready]
     out, clock = [], -math.inf
     for time in ready:
         clock = max(clock, time) + duration
@@ -131,6 +143,10 @@ def _needs(shape: Schedule, costs: SpanCosts) -> dict[Group, list[tuple[Group, f
                 + ([(("B", v + 1, j), _hop(shape, costs, v, j))] if v < last else []) \
                 + ([(("B", v, j + 1), 0.0)] if j < final else [])
             needs["W", v, j] = [(("B", v, j), 0.0)]
+    if costs.output is not None:     # the O may run on the last stage's rank: no hop
+        for j in range(shape.splits):
+            needs["O", last, j] = [(("F", last, j), 0.0)]
+            needs["B", last, j].append((("O", last, j), 0.0))
     return needs
 
 
@@ -161,7 +177,8 @@ def _stream(before: dict[Group, list[tuple[Group, float]]], durations: dict[Grou
     def times(group: Group) -> list[float]:
         if group not in found:
             found[group] = _latest([0.0] * microbatches,
-                                   *(_one_after_another(times(g), durations[g], hop)
+                                   *(_one_after_another(times(g), durations[g], hop,
+                                                        g[0] == "O")
                                      for g, hop in before[group]))
         return found[group]
 

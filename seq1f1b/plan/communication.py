@@ -42,7 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
-from seq1f1b.plan.actions import Action, Schedule
+from seq1f1b.plan.actions import Action, Schedule, require_output_in_last_stage
 from seq1f1b.plan.simulate import timelines, uniform_costs
 
 ACTIVATION = "activation"
@@ -220,6 +220,7 @@ class CommunicationPlan:
 @functools.lru_cache(maxsize=64)
 def communication_plan(schedule: Schedule) -> CommunicationPlan:
     """Every rank's groups for `schedule` (see the module docstring); cached per schedule."""
+    require_output_in_last_stage(schedule, "the communication plan")
     timeline = _unit_cost_timeline(schedule)
     sends: list[list[tuple]] = []
     receives: list[list[tuple]] = []

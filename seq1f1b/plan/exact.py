@@ -53,6 +53,9 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
     """The order of F, B and W with the least makespan for `shape`'s problem (P, m, k, V,
     placement; its programs are ignored) under `costs` with each rank holding at most `cap`.
     `hint`: a valid schedule to start from (its units' backwards split or not)."""
+    if costs.output is not None:
+        raise ScheduleError("--exact: the output layer spread over the ranks (O actions) is not "
+                            "modelled by the exact solver yet")
     try:
         from ortools.sat.python import cp_model
     except ImportError:       # pinned in requirements.txt; a trimmed install may lack it

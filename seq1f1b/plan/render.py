@@ -20,8 +20,9 @@ from seq1f1b.plan.actions import Schedule  # noqa: E402
 from seq1f1b.plan.simulate import (MeasuredActions, SimulationReport,  # noqa: E402
                                    measured_report, span_timings)
 
-OP_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-OP_NAMES = {"F": "F forward", "B": "B backward", "W": "W weight grad"}
+OP_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "O": "#8172B3"}
+OP_NAMES = {"F": "F forward", "B": "B backward", "W": "W weight grad",
+            "O": "O output layer and loss"}
 _LABEL_FONT_PT = 6.5
 _CHAR_WIDTH = 0.62        # of the font size, for the label fitting test
 _MAX_WIDTH_IN = 24.0

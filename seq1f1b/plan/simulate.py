@@ -73,10 +73,20 @@ class SpanCosts:
                                # span's activations and making its share of the dK/dV
                                # accumulators (its layers, or its full-recompute groups);
                                # None: one part (both at once)
+    output: tuple[float, ...] | None = None  # [span]: an O action (the output layer and the
+                               # loss, forward and backward), on whichever rank runs it; None:
+                               # the last stage's F and B run them (actions.OPS)
+    output_bytes: tuple[float, ...] | None = None  # [span]: what an O holds while it runs (the
+                               # loss's fp32 softmax, the layer's input and its gradient)
 
     def duration(self, stage: int, action: Action, full_backward: bool = False) -> float:
         """Seconds of `action` on `stage`; a `full_backward` B (its unit has no W) also does the
         weight grads: B + W when the costs split them (`weight` given), else B."""
+        if action.op == "O":
+            if self.output is None:
+                raise ScheduleError("no cost given for O actions (the output layer spread over "
+                                    "the ranks)")
+            return self.output[action.span]
         table = {"F": self.forward, "B": self.backward, "W": self.weight}[action.op]
         if table is None:
             raise ScheduleError(f"no cost given for {action.op} actions (--uniform-cost F B W)")
@@ -86,19 +96,25 @@ class SpanCosts:
 
 
 def uniform_costs(schedule: Schedule, forward: float = 1.0, backward: float = 2.0,
-                  weight: float | None = None) -> SpanCosts:
-    """The same F, B (and W) duration for every span on every stage."""
+                  weight: float | None = None, output: float | None = None) -> SpanCosts:
+    """The same F, B (and W) duration for every span on every stage; `output`: every O's (a
+    schedule with O actions needs it)."""
     if schedule.split_backward and weight is None:
         raise ScheduleError(f"--uniform-cost: schedule {schedule.name!r} has W actions; "
                             "give three costs F B W")
-    if min(forward, backward, weight if weight is not None else 0.0) < 0:
+    if schedule.spread_output and output is None:
+        raise ScheduleError(f"--uniform-cost: schedule {schedule.name!r} has O actions; give "
+                            "their cost too (--output-cost)")
+    if min(forward, backward, weight if weight is not None else 0.0,
+           output if output is not None else 0.0) < 0:
         raise ScheduleError("--uniform-cost: costs must not be negative")
 
     def table(value: float) -> Table:
         return tuple((float(value),) * schedule.splits for _ in range(schedule.num_stages))
 
     return SpanCosts(table(forward), table(backward),
-                     table(weight) if schedule.split_backward else None)
+                     table(weight) if schedule.split_backward else None,
+                     output=(float(output),) * schedule.splits if output is not None else None)
 
 
 def layers_per_stage(model: ModelConfig, schedule: Schedule, split: StageLayers = EVEN
@@ -116,7 +132,8 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                 recompute: Recompute | None = None,
                 efficiency: Callable[[int, int], Efficiency] | None = None,
                 stage_layers: StageLayers = EVEN, cp: int = 1,
-                loss_backward_in_forward: bool = False) -> SpanCosts:
+                loss_backward_in_forward: bool = False, spread_output: bool = False
+                ) -> SpanCosts:
     """Durations and bytes from costs.py for `model` with the sequence cut into `span_lengths`.
 
     A virtual stage runs N/(P*V) layers on each span (or its own count with uneven first and
@@ -137,7 +154,14 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
     its B and W do no output-layer work. Under context parallelism (`cp` = C ranks per span) a rank
     does 1/C of every FLOP and holds span / C tokens' activations and logits, and its share of
     the K/V cache (plan/context_parallel.py); the all-to-alls are the projection's to price.
+    With `spread_output` the output layer and the loss leave the last stage for O actions
+    (actions.OPS): each O runs their forward and backward on one span and holds, while it runs,
+    the softmax, the layer's input and its gradient; the last stage keeps only the final norm's
+    input for its backward.
     """
+    if spread_output and loss_backward_in_forward:
+        raise ScheduleError("--loss-backward-in-forward: with the output layer spread over the "
+                            "ranks each O already runs the loss's backward at once")
     if len(span_lengths) != schedule.splits:
         raise ScheduleError(f"--splits is {schedule.splits} but {len(span_lengths)} span "
                             "lengths were given")
@@ -151,7 +175,7 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
 
     def stage_flops(stage: int, start: int, end: int) -> SpanFlops:
         body = layer_flops(model, end - start, end, batch).scaled(layers[stage])
-        if stage != last or loss_backward_in_forward:
+        if stage != last or loss_backward_in_forward or spread_output:
             return body
         return body + logits_flops(model, end - start, batch)
 
@@ -181,13 +205,15 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
                 + kind(SpanFlops(0.0, flops.attention))
                 / (tp * cp * attention_flops_per_second * attention))
 
-    def head_seconds(v: int, j: int) -> float:
-        """The output layer's forward and backward, run by F when the loss's backward is."""
-        if v != last or not loss_backward_in_forward:
-            return 0.0
+    def output_seconds(j: int) -> float:
+        """The output layer's forward and backward on span j."""
         start, end = bounds[j]
         return duration(logits_flops(model, end - start, batch),
                         lambda f: f.forward + f.backward, j, False)
+
+    def head_seconds(v: int, j: int) -> float:
+        """The output layer's forward and backward, run by F when the loss's backward is."""
+        return output_seconds(j) if v == last and loss_backward_in_forward else 0.0
 
     def seconds(kind: Callable[[SpanFlops], float], backward: bool = False,
                 recomputed: bool = False) -> Table:
@@ -205,11 +231,20 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
 
     replication = kv_replication(model, tp, cp)
     no_logits = tuple(0.0 for _ in span_lengths)
-    logits = tuple(float((0.0 if loss_backward_in_forward
-                          else logits_bytes(model, n // cp, batch, tp))
-                         + output_layer_input_bytes(model, n // cp, batch, tp, sequence_parallel,
-                                                    bytes_per_element))
-                   for n in span_lengths)
+
+    def hidden_bytes(n: int) -> float:
+        """One span x hidden tensor of a CP rank, split over TP with sequence parallelism."""
+        return n // cp * batch * model.hidden_size * bytes_per_element \
+            / (tp if sequence_parallel else 1)
+
+    head_input = [output_layer_input_bytes(model, n // cp, batch, tp, sequence_parallel,
+                                           bytes_per_element) for n in span_lengths]
+    if spread_output:   # the output layer's input is the O's; the final norm's stays
+        logits = tuple(float(kept - hidden_bytes(n)) for kept, n in zip(head_input, span_lengths))
+    else:
+        logits = tuple(float((0.0 if loss_backward_in_forward
+                              else logits_bytes(model, n // cp, batch, tp)) + kept)
+                       for kept, n in zip(head_input, span_lengths))
     head_gradient = tuple(
         tuple(float(model.vocab_size * model.hidden_size / tp * ACCUMULATOR_BYTES)
               if v == last and j == 0 else 0.0
@@ -238,7 +273,11 @@ def model_costs(schedule: Schedule, model: ModelConfig, span_lengths: list[int],
         head_gradient_bytes=head_gradient,
         layer_groups=tuple(max(1, count // recompute.num_layers
                                if recompute is not None and recompute.method == "uniform"
-                               else count) for count in layers))
+                               else count) for count in layers),
+        output=tuple(output_seconds(j) for j in range(len(span_lengths)))
+        if spread_output else None,
+        output_bytes=tuple(float(logits_bytes(model, n // cp, batch, tp) + 2 * hidden_bytes(n))
+                           for n in span_lengths) if spread_output else None)
 
 
 @dataclass(frozen=True)
@@ -331,6 +370,10 @@ def _p2p(schedule: Schedule, costs: SpanCosts, p2p_latency: float,
     if costs.hop is None:
         return p2p_latency
     stage = schedule.stage_of(sender_rank, action.chunk)
+    last = schedule.num_stages - 1
+    if action.op == "O" or (action.op == "F" and stage == last):
+        # the last stage's output or its gradient: a span x hidden tensor, as between stages
+        return costs.hop[last - 1][action.span] if last else p2p_latency
     return costs.hop[stage if action.op == "F" else stage - 1][action.span]
 
 
@@ -378,6 +421,7 @@ def held_tables(costs: SpanCosts | None) -> dict[str, Table] | None:
     tables["kv_accumulator"] = costs.kv_accumulator_bytes or costs.kv_cache_bytes
     tables["head_gradient"] = costs.head_gradient_bytes or tuple(
         (0.0,) * len(row) for row in costs.activation_bytes)
+    tables["output"] = (costs.output_bytes or (0.0,) * len(costs.activation_bytes[0]),)
     groups = costs.layer_groups or (1,) * len(costs.activation_bytes)
     for kind in ("activation", "kv_accumulator"):
         tables[f"{kind}_per_group"] = tuple(tuple(value / count for value in row)
@@ -396,6 +440,9 @@ def held_change(tables: dict[str, Table], stage: int, action: Action, frees_acti
     allocated = dict.fromkeys(_HELD, 0.0)
     during = dict.fromkeys(_HELD, 0.0)
     released = dict.fromkeys(_HELD, 0.0)
+    if action.op == "O":    # held while it runs, on whichever rank: counted with the logits
+        allocated["logits"] = released["logits"] = tables["output"][0][span]
+        return HeldChange(allocated, during, released)
     if action.op == "F":
         allocated["activation"] = tables["activation"][stage][span]
         allocated["logits"] = tables["logits"][stage][span]

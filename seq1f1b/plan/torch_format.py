@@ -21,7 +21,8 @@ import re
 from pathlib import Path
 from typing import Union
 
-from seq1f1b.plan.actions import PLACEMENTS, Action, Schedule, ScheduleError, virtual_stage
+from seq1f1b.plan.actions import (PLACEMENTS, Action, Schedule, ScheduleError,
+                                  require_output_in_last_stage, virtual_stage)
 
 _COMPUTE = re.compile(r"^(\d+)([FIBW])(\d+)$")
 _OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
@@ -70,6 +71,7 @@ def read_torch_csv(source: Union[str, Path], *, name: str = "torch-csv") -> Sche
 
 def write_torch_csv(schedule: Schedule) -> str:
     """torch's compute-only CSV of `schedule` (k = 1 only: torch's unit is a micro-batch)."""
+    require_output_in_last_stage(schedule, "torch's CSV")
     if schedule.splits != 1:
         raise ScheduleError(f"torch's CSV has one unit per micro-batch; schedule "
                             f"{schedule.name!r} has {schedule.splits} spans (use --splits 1)")

@@ -2,7 +2,8 @@
 
 Three checks, each reporting what is wrong in words a reader can act on:
 1. every rank runs exactly `expected_actions` (nothing missing, twice, or foreign), and W of a
-   unit at most once (a unit without its W has a full backward: actions.OPS);
+   unit at most once (a unit without its W has a full backward: actions.OPS); with the output
+   layer spread (O actions), each (micro-batch, span) has its O on exactly one rank;
 2. every dependency of `actions.dependencies` that lies on the same rank comes earlier in that
    rank's program (e.g. F0.1 before F0.0 breaks the KV-cache rule);
 3. a replay of all programs finishes: each rank walks its program in order, an action runs once
@@ -96,11 +97,16 @@ _OP_INDEX = {name: index for index, name in enumerate(OPS)}
 _RULE, _OUTSIDE, _UNUSED = 0, 1, 2  # a dependency slot: a rule, beyond every index, no dependency
 
 
+_O = _OP_INDEX["O"]
+
+
 @dataclass(frozen=True)
 class _Layout:
     """(rank, action) -> one integer, micro-batch outermost: the code of micro-batch i is the
     code of micro-batch 0 (the action's *shape*) plus i * stride. `spans` and `chunks` bound every
-    span and chunk that occurs (foreign actions widen them)."""
+    span and chunk that occurs (foreign actions widen them). An O action is coded as if rank 0
+    ran it, whichever rank does: it is the schedule's to run once, and a B of the last stage
+    needs it wherever it runs, the same way for every micro-batch."""
 
     pp: int
     spans: int
@@ -158,7 +164,8 @@ class _RuleTable:
     def lookup(self, schedule: Schedule, layout: _Layout, shapes: np.ndarray) -> np.ndarray:
         for shape in np.unique(shapes[~self.known[shapes]]).tolist():
             rank, op, span, chunk = layout.unshape(shape)
-            row = [(layout.shape(dep_rank, _OP_INDEX[dep.op], dep.span, dep.chunk),
+            row = [(layout.shape(0 if dep.op == "O" else dep_rank, _OP_INDEX[dep.op], dep.span,
+                                 dep.chunk),
                     dep.microbatch, _RULE) if dep.span < layout.spans and dep.chunk < layout.chunks
                    else (0, 0, _OUTSIDE)
                    for dep_rank, dep in dependencies(schedule, rank, Action(op, 0, span, chunk))]
@@ -222,13 +229,14 @@ class _StepGraph:
         last_mb, last_span, last_chunk = (int(a.max()) if never else 0 for a in (mb, span, chunk))
         layout = _Layout(schedule.pp, max(schedule.splits, last_span + 1),
                          max(schedule.chunks, last_chunk + 1))
-        shapes = layout.shape(rank, op, span, chunk)
+        shapes = layout.shape(np.where(op == _O, 0, rank), op, span, chunk)
         codes = mb * layout.stride + shapes
         step_of = np.full((last_mb + 1) * layout.stride, never)
         step_of[codes[::-1]] = np.arange(never)[::-1]  # the first occurrence wins
 
         rules = _kept(_rule_tables, (layout, schedule.placement, schedule.splits,
-                                     schedule.chunks), lambda: _RuleTable.empty(layout))
+                                     schedule.chunks, schedule.spread_output),
+                      lambda: _RuleTable.empty(layout))
         slots = rules.lookup(schedule, layout, shapes)
         base, kind = slots[..., 0], slots[..., 2]
         shifted = slots[..., 1] + mb[:, None]
@@ -259,7 +267,7 @@ def _completeness_problems(schedule: Schedule, graph: _StepGraph) -> list[str]:
         op, mb, span, chunk = (values[mine] for values in graph.fields)
         weights = op == _OP_INDEX["W"]
         codes = graph.codes[mine]
-        if np.array_equal(np.sort(codes[~weights]), owed[rank]) and \
+        if np.array_equal(np.sort(codes[~weights & (op != _O)]), owed[rank]) and \
                 len(np.unique(codes[weights])) == int(weights.sum()) and \
                 not np.any(weights & ((mb >= schedule.microbatches) | (span >= schedule.splits)
                                       | (chunk >= schedule.chunks))):
@@ -276,6 +284,24 @@ def _completeness_problems(schedule: Schedule, graph: _StepGraph) -> list[str]:
             problems.append(
                 f"rank {rank} runs actions outside m={schedule.microbatches}, "
                 f"k={schedule.splits}, V={schedule.chunks}: {_listing(foreign, show)}")
+    return problems + _output_problems(schedule)
+
+
+def _output_problems(schedule: Schedule) -> list[str]:
+    """With O actions, each (micro-batch, span) has its O on exactly one rank (actions.OPS)."""
+    if not schedule.spread_output:
+        return []
+    runs: dict[tuple[int, int], list[int]] = {}
+    for rank, program in enumerate(schedule.programs):
+        for action in program:
+            if action.op == "O":
+                runs.setdefault((action.microbatch, action.span), []).append(rank)
+    problems = [f"O{i}.{j} runs on ranks {' and '.join(map(str, ranks))}, once is the rule"
+                for (i, j), ranks in sorted(runs.items()) if len(ranks) > 1]
+    missing = [Action("O", i, j) for i in range(schedule.microbatches)
+               for j in range(schedule.splits) if (i, j) not in runs]
+    if missing:
+        problems.append(f"no rank runs {_listing(missing, False)} (an O for every unit, or none)")
     return problems
 
 
@@ -303,6 +329,8 @@ def _reason(action: Action, dep: Action) -> str:
     """Which dependency rule ties `action` to `dep` (same micro-batch by construction)."""
     if action.op == "W":
         return "a weight grad follows its input-grad backward"
+    if action.op == "O":
+        return "the output layer's input, from the last stage"
     if action.op == "F":
         return "K/V of the previous span" if dep.span != action.span else "input activation"
     if dep.op == "F":

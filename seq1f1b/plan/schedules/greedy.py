@@ -73,6 +73,7 @@ class Problem:
     chunks: int
     placement: str = "loop"
     unit: int = 1
+    spread_output: bool = False   # the output layer as O actions any rank may run (actions.OPS)
 
     def shape(self) -> Schedule:
         """A schedule of this shape without programs (stage_of, owner_of, dependencies)."""
@@ -120,7 +121,9 @@ class _Plan:
 
     Step id = ((((rank * V + chunk) * 3 + op) * k + span) * m + microbatch): the rules tie actions
     of one micro-batch alike for every micro-batch, so each (rank, chunk, op, span) asks
-    `dependencies` once and shifts the answer by the micro-batch."""
+    `dependencies` once and shifts the answer by the micro-batch. With the output layer spread,
+    O(i, j) follows as step `outputs + j * m + i`, whichever rank runs it: it needs the last
+    stage's F(i, j), and that stage's B(i, j) needs it."""
 
     def __init__(self, problem: Problem, costs: SpanCosts) -> None:
         shape = problem.shape()
@@ -149,10 +152,25 @@ class _Plan:
                             self.alloc.append(values[1])
                             self.release.append(values[2])
                             self.needs.append(tuple(base + i for base in bases))
+        self.outputs = len(self.duration)
+        if problem.spread_output:
+            last_rank, last_chunk = shape.owner_of(shape.num_stages - 1)
+            for j in range(k):
+                probe = Action("O", 0, j)
+                rise, release = held_rise(held_change(tables, 0, probe, False))
+                for i in range(m):
+                    self.duration.append(costs.duration(0, probe))
+                    self.alloc.append(rise)
+                    self.release.append(release)
+                    self.needs.append((self.step(last_rank, last_chunk, "F", j, i),))
+                    backward = self.step(last_rank, last_chunk, "B", j, i)
+                    self.needs[backward] += (self.outputs + j * m + i,)
         self.finished = [math.inf] * len(self.duration)
 
     def step(self, rank: int, chunk: int, op: str, span: int, microbatch: int) -> int:
         p = self.problem
+        if op == "O":       # whichever rank runs it
+            return self.outputs + span * p.microbatches + microbatch
         return ((((rank * p.chunks + chunk) * 3 + _OPS.index(op)) * p.splits + span)
                 * p.microbatches + microbatch)
 
@@ -164,19 +182,29 @@ class _Plan:
         """The action of every step, made once: each replay returns its programs as actions,
         and a search makes hundreds of replays."""
         p, actions = self.problem, []
-        for step in range(len(self.duration)):
+        for step in range(self.outputs):
             rest, i = divmod(step, p.microbatches)
             rest, j = divmod(rest, p.splits)
             rest, op = divmod(rest, 3)
             actions.append(Action(_OPS[op], i, j, rest % p.chunks))
+        for step in range(len(self.duration) - self.outputs):
+            j, i = divmod(step, p.microbatches)
+            actions.append(Action("O", i, j))
         return actions
 
     def op(self, step: int) -> str:
         p = self.problem
+        if step >= self.outputs:
+            return "O"
         return _OPS[step // (p.microbatches * p.splits) % 3]
 
     def microbatch(self, step: int) -> int:
         return step % self.problem.microbatches
+
+    def work(self, rank: int) -> float:
+        """Seconds of every F, B and W of `rank`."""
+        size = self.outputs // self.problem.pp
+        return sum(self.duration[rank * size:(rank + 1) * size])
 
     def ready_at(self, step: int) -> float:
         """When every dependency of `step` has finished (inf while one is not placed)."""
@@ -257,6 +285,28 @@ class Placer:
         to_weight = m * k       # a B's W is the same (rank, chunk, span, micro-batch) one op on
 
         limit = cap * (1 + 1e-9)
+        outputs = list(range(plan.outputs, len(plan.duration)))   # O steps not placed yet
+        outputs.sort(key=plan.microbatch)
+        load = [plan.work(rank) for rank in range(problem.pp)]
+        share = (sum(load) + sum(plan.duration[s] for s in outputs)) / problem.pp
+        slack = max((plan.duration[s] for s in outputs), default=0.0)
+        home = problem.shape().owner_of(problem.pp * V - 1)[0]
+
+        def output_for(rank: int, state: _Rank, now: float) -> Optional[int]:
+            """The oldest ready O this rank takes: one that fits beside what it holds, while its
+            work stays within an even share of all the work (plus one O); the last stage's rank
+            takes one beyond that only when no other rank could (it is where the layer would
+            otherwise be)."""
+            for n, step in enumerate(outputs):
+                if plan.ready_at(step) > now or not fits(state, (step,)):
+                    continue
+                room = [share + slack - load[r] >= plan.duration[step]
+                        for r in range(problem.pp)]
+                if room[rank] or (rank == home and not any(room)):
+                    del outputs[n]
+                    load[rank] += plan.duration[step]
+                    return step
+            return None
         held_back = False
 
         def safe(state: _Rank, unit: Steps) -> bool:
@@ -298,7 +348,10 @@ class Placer:
             held_back = held_back or state.held + need <= limit
             return False
 
-        def choose(state: _Rank, now: float) -> Optional[Steps]:
+        def choose(rank: int, state: _Rank, now: float) -> Optional[Steps]:
+            output = output_for(rank, state, now) if outputs else None
+            if output is not None:      # the last stage's B waits for it: first
+                return (output,)
             ready = [(plan.microbatch(q[0][0]), -c if policy.later_backward_first else c, c)
                      for c, q in enumerate(state.backwards)
                      if q and plan.ready_at(q[0][0]) <= now and
@@ -356,12 +409,13 @@ class Placer:
             if state.program and plan.finished[state.program[-1]] > now:
                 continue                  # a stale wake-up: the rank is busy
             if not state.current:
-                unit = choose(state, now)
+                unit = choose(rank, state, now)
                 if unit is not None:
                     state.current.extend(unit)
             if not state.current:
-                if not state.done():
-                    sleep(rank, now, [q[0][0] for q in state.backwards + state.forwards if q])
+                if not state.done() or outputs:
+                    sleep(rank, now, [q[0][0] for q in state.backwards + state.forwards if q]
+                          + outputs[:2 * problem.pp])
                 continue
             step = state.current[0]
             start = plan.ready_at(step)
@@ -392,7 +446,7 @@ class Placer:
                 if asleep.get(other, -1.0) > end:
                     asleep[other] = end
                     heapq.heappush(wake, (end, other))
-        stuck = [rank for rank, state in enumerate(ranks) if not state.done()]
+        stuck = [rank for rank, state in enumerate(ranks) if not state.done() or outputs]
         if stuck:
             raise ScheduleError(
                 f"no order of F, B and W fits a memory cap of {cap:g} (pp={problem.pp}, "

@@ -93,7 +93,8 @@ def seq1f1b_zb_auto(pp: int, microbatches: int, splits: int, chunks: int,
     cap = searched_cap(pp, microbatches, splits, chunks, budget)
     found, refused = [], None
     for placement, costs in options:
-        problem = Problem(pp, microbatches, splits, chunks, placement or own, unit=1)
+        problem = Problem(pp, microbatches, splits, chunks, placement or own, unit=1,
+                          spread_output=costs is not None and costs.output is not None)
         costs = costs if costs is not None else unit_costs(problem)
         try:
             # The registry's plain (P, m, k, V) call knows no costs: policies only, no local
@@ -160,7 +161,12 @@ def constructions(problem: Problem) -> dict[str, list[list[Action]]]:
 
 def default_cap(problem: Problem, costs: SpanCosts) -> float:
     """Seq1F1B's memory with these costs: the peak held bytes of `seq1f1b-zbv` on two chunks
-    (in a V: the same stages, so the same bytes, for a loop of two), of `seq1f1b` on one."""
+    (in a V: the same stages, so the same bytes, for a loop of two), of `seq1f1b` on one.
+    That peak has the output layer in the last stage: costs that spread it (O actions) cannot
+    price it, and a caller gives the cap from the costs that do not."""
+    if costs.output is not None:
+        raise ScheduleError("the default memory cap is Seq1F1B's peak with the output layer in "
+                            "the last stage: give it, or a cap, with costs that keep it there")
     if problem.chunks == 1:
         from seq1f1b.plan import registry
         programs = registry.build("seq1f1b", problem.pp, problem.microbatches,
@@ -210,7 +216,8 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
             other = evaluate(Policy(first, None, later_f, later_b, wait, way))
             found += [other] if other is not None else []
     fixed = []
-    for programs in constructions(problem).values():
+    # the constructions run the output layer in the last stage: none when it is spread
+    for programs in ({} if problem.spread_output else constructions(problem)).values():
         makespan, peak = _replayed(problem, programs, costs)
         if peak <= cap * (1 + 1e-9):
             fixed.append(Placed(programs, makespan))
@@ -279,7 +286,7 @@ def _depths(programs: list[list[Action]]) -> list[int]:
     for program in programs:
         live = peak = 0
         for action in program:
-            live += {"F": 1, "B": -1, "W": 0}[action.op]
+            live += {"F": 1, "B": -1}.get(action.op, 0)
             peak = max(peak, live)
         depths.append(peak)
     return depths
