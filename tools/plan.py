@@ -265,7 +265,7 @@ def _file_schedule(args: argparse.Namespace):
         raise UsageError("--pipeline-schedule-file replaces --schedule: give one of them")
     if args.schedule_memory_cap is not None:
         raise UsageError("--schedule-memory-cap: a schedule file is not searched")
-    schedule = schedule_file.load(args.pipeline_schedule_file)
+    schedule = schedule_file.load(args.pipeline_schedule_file, to_run=False)
     schedule_file.check_shape(schedule, {"--pp": args.pp, "--microbatches": args.microbatches,
                                          "--splits": args.splits, "--chunks": args.chunks})
     args.schedule, args.pp, args.microbatches, args.splits, args.chunks = (
@@ -328,7 +328,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                            tp=args.tp, sequence_parallel=args.sequence_parallel,
                            stage_layers=_stage_layers(args).for_reference() if whole
                            else _stage_layers(args), cp=args.cp,
-                           loss_backward_in_forward=args.loss_backward_in_forward and not whole)
+                           loss_backward_in_forward=args.loss_backward_in_forward and not whole,
+                           spread_output=schedule.spread_output and not whole)
 
     if args.uniform_cost is not None and len(args.uniform_cost) not in (2, 3):
         raise UsageError("--uniform-cost takes two or three numbers: F B [W]")
@@ -336,8 +337,12 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     if model is None and _stage_layers(args).uneven:
         raise UsageError(f"{FIRST_FLAG} / {LAST_FLAG} / {LAYOUT_FLAG} need a model (--model or "
                          "its dimensions)")
+    if args.output_cost is not None and (args.uniform_cost is None
+                                         or not schedule.spread_output):
+        raise UsageError("--output-cost: only with --uniform-cost, for a schedule with O actions "
+                         "(a model prices them itself)")
     if args.uniform_cost is not None:
-        costs = uniform_costs(schedule, *args.uniform_cost)
+        costs = uniform_costs(schedule, *args.uniform_cost, output=args.output_cost)
         unit, microseconds = "", 1.0
     else:
         if args.seq_length is None:
@@ -531,13 +536,6 @@ def _spread_budget(args: argparse.Namespace, budget: ScheduleBudget) -> Schedule
     """--spread-output: `budget` (the output layer in the last stage) with the costs of every
     placement taken again with the output layer as O actions, under the same cap: the given
     one, or Seq1F1B's peak with the layer where Megatron puts it."""
-    if _model(args) is None:
-        raise UsageError("--spread-output needs a model (--model or its dimensions): unit "
-                         "costs have no output layer to spread")
-    for flag in ("search_layout", "exact", "save_schedule"):
-        if getattr(args, flag):
-            raise UsageError(f"--spread-output: --{flag.replace('_', '-')} does not model the "
-                             "O actions yet")
     cap = searched_cap(args.pp, args.microbatches, args.splits, args.chunks, budget)
     spread = _run_costs(args, spread_output=True)[0]
 
@@ -549,6 +547,8 @@ def _spread_budget(args: argparse.Namespace, budget: ScheduleBudget) -> Schedule
         return spread(replace(shape, placement=placement), False)
 
     own = budget.placement or shape.placement
+    print(f"plan.py: --spread-output: the output layer as O actions on any rank, under that cap "
+          f"({cap / GIB:.2f} GiB)", file=sys.stderr)
     return ScheduleBudget(costs(own), cap, budget.placement,
                           tuple((placement, costs(placement))
                                 for placement, _ in budget.alternatives), budget.only)
@@ -562,6 +562,13 @@ def cmd_search(args: argparse.Namespace) -> None:
     args.schedule = "seq1f1b-zb-auto"
     if args.search_layout and _model(args) is None:
         raise UsageError("--search-layout needs a model (--model or its dimensions)")
+    if args.spread_output and _model(args) is None:
+        raise UsageError("--spread-output needs a model (--model or its dimensions): unit "
+                         "costs have no output layer to spread")
+    for flag in ("search_layout", "exact", "save_schedule"):
+        if args.spread_output and getattr(args, flag):
+            raise UsageError(f"--spread-output: --{flag.replace('_', '-')} does not model the "
+                             "O actions yet")
     if args.search_layout and _stage_layers(args).uneven:
         raise UsageError(f"--search-layout chooses every stage's layers: drop {FIRST_FLAG} / "
                          f"{LAST_FLAG} / {LAYOUT_FLAG}")
@@ -826,6 +833,9 @@ def build_parser() -> Parser:
     _add_model_args(sim)
     _add_stage_layer_args(sim)
     _add_span_args(sim, "--partition")
+    sim.add_argument("--output-cost", type=float, metavar="O",
+                     help="with --uniform-cost, each O action's (a schedule file that spreads "
+                          "the output layer over the ranks)")
     sim.add_argument("--device-tflops", type=float, default=A100_BF16_TFLOPS,
                      help="FLOP rate of one GPU, in TFLOPS (default: A100 bf16 peak)")
     sim.add_argument("--p2p-latency", type=float, default=0.0,

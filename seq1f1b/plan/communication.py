@@ -10,7 +10,10 @@ under those rules by `seq1f1b.plan.nccl.validate_communication`.
 
 An action may need one tensor from a neighbour stage (F: its input activation, B: its output
 grad) and may produce one (F: its output, B: its input grad); tensors between two chunks of one
-rank are handed over in memory and are not planned. A rank's communication is a list of groups,
+rank are handed over in memory and are not planned. With the output layer spread (O actions,
+actions.OPS), the last stage's F sends its output to the rank running that span's O, as the
+activation "for stage P*V" (one past the last), and the O sends the gradient back for the last
+stage's B; an O on the last stage's own rank hands both over in memory. A rank's communication is a list of groups,
 each one `batch_isend_irecv`, issued at a *point* of its program: before its first action
 (point -1) or right after action n (point n). Action n waits for the group holding its receive.
 
@@ -42,7 +45,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
-from seq1f1b.plan.actions import Action, Schedule, require_output_in_last_stage
+from seq1f1b.plan.actions import Action, Schedule
 from seq1f1b.plan.simulate import timelines, uniform_costs
 
 ACTIVATION = "activation"
@@ -66,8 +69,15 @@ class Message(NamedTuple):
 
 def outgoing(schedule: Schedule, rank: int, action: Action) -> Optional[tuple[int, Message]]:
     """(receiving rank, message) that `action` on `rank` sends, or None."""
+    last = schedule.num_stages - 1
+    if action.op == "O":
+        return (schedule.owner_of(last)[0],
+                Message(GRADIENT, action.microbatch, action.span, last))
     stage = schedule.stage_of(rank, action.chunk)
-    if action.op == "F" and stage < schedule.num_stages - 1:
+    if action.op == "F" and stage == last and schedule.spread_output:
+        return (schedule.output_rank(action.microbatch, action.span),
+                Message(ACTIVATION, action.microbatch, action.span, last + 1))
+    if action.op == "F" and stage < last:
         target, kind = stage + 1, ACTIVATION
     elif action.op == "B" and stage > 0:
         target, kind = stage - 1, GRADIENT
@@ -78,7 +88,14 @@ def outgoing(schedule: Schedule, rank: int, action: Action) -> Optional[tuple[in
 
 def incoming(schedule: Schedule, rank: int, action: Action) -> Optional[tuple[int, Message]]:
     """(sending rank, message) that `action` on `rank` must receive before it runs, or None."""
+    last = schedule.num_stages - 1
+    if action.op == "O":
+        return (schedule.owner_of(last)[0],
+                Message(ACTIVATION, action.microbatch, action.span, last + 1))
     stage = schedule.stage_of(rank, action.chunk)
+    if action.op == "B" and stage == last and schedule.spread_output:
+        return (schedule.output_rank(action.microbatch, action.span),
+                Message(GRADIENT, action.microbatch, action.span, last))
     if action.op == "F" and stage > 0:
         source, kind = stage - 1, ACTIVATION
     elif action.op == "B" and stage < schedule.num_stages - 1:
@@ -220,7 +237,6 @@ class CommunicationPlan:
 @functools.lru_cache(maxsize=64)
 def communication_plan(schedule: Schedule) -> CommunicationPlan:
     """Every rank's groups for `schedule` (see the module docstring); cached per schedule."""
-    require_output_in_last_stage(schedule, "the communication plan")
     timeline = _unit_cost_timeline(schedule)
     sends: list[list[tuple]] = []
     receives: list[list[tuple]] = []
@@ -250,8 +266,9 @@ Timeline = list[list[tuple[float, float]]]
 
 
 def _unit_cost_timeline(schedule: Schedule) -> Timeline:
-    costs = (uniform_costs(schedule, 1.0, 1.0, 1.0) if schedule.split_backward
-             else uniform_costs(schedule, 1.0, 2.0))
+    output = 1.0 if schedule.spread_output else None
+    costs = (uniform_costs(schedule, 1.0, 1.0, 1.0, output) if schedule.split_backward
+             else uniform_costs(schedule, 1.0, 2.0, output=output))
     return [[(t.start, t.end) for t in rank] for rank in timelines(schedule, costs)]
 
 

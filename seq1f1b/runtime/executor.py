@@ -46,7 +46,7 @@ import torch.distributed as dist
 from megatron.core.utils import get_attr_wrapped_model
 
 from seq1f1b import platform
-from seq1f1b.plan.actions import Action, Schedule, ScheduleError
+from seq1f1b.plan.actions import Action, Schedule, ScheduleError, require_output_in_last_stage
 from seq1f1b.runtime.attention import cached_mask_tensors
 from seq1f1b.runtime.early_loss import EarlyLoss
 from seq1f1b.runtime.grad_sync import GradSync
@@ -120,6 +120,7 @@ class Executor:
                                 f"has {len(inputs.model_chunks)}")
         if len(inputs.spans) != sched.splits:
             raise ScheduleError(f"{len(inputs.spans)} span boundaries for {sched.splits} splits")
+        require_output_in_last_stage(sched, "the runtime")
         program = sched.programs[inputs.rank]
         if inputs.forward_only:
             program = tuple(a for a in program if a.op == "F")
