@@ -44,6 +44,7 @@ class CostModel:
     partition: str = "compute"
     cp: int = 1                     # context-parallel size: spans are multiples of it
     align: int = 1                  # spans are multiples of this too
+    spread_output: bool = False     # a model's output layer as O actions (for every schedule)
 
     def costs(self, schedule: Schedule) -> SpanCosts:
         if self.model is not None:
@@ -53,7 +54,8 @@ class CostModel:
                                   self.cp, self.tp, self.sequence_parallel)))
             return model_costs(schedule, self.model, spans,
                                flops_per_second=self.flops_per_second, tp=self.tp,
-                               sequence_parallel=self.sequence_parallel, cp=self.cp)
+                               sequence_parallel=self.sequence_parallel, cp=self.cp,
+                               spread_output=self.spread_output or schedule.spread_output)
         share = 1.0 / (schedule.chunks * schedule.splits)
 
         def table(value: float) -> Table:
@@ -157,14 +159,21 @@ def best_searched(pp: int, microbatches: int, splits: int, costs: CostModel, cap
                    lower_bound=min(r.lower_bound for r in rows))
 
 
-def compare(pp: int, microbatches: int, splits: int, costs: CostModel) -> list[Row]:
+def compare(pp: int, microbatches: int, splits: int, costs: CostModel,
+            spread_output: bool = False) -> list[Row]:
     """Our fixed schedules at k, the peers at k = 1, and the search under its default cap on
     two chunks and on one, and capped at each peer's peak (with k spans, the better of two
-    chunks and one)."""
+    chunks and one); with `spread_output` (a model's costs), also the search on two chunks with
+    the output layer as O actions on any rank, under the default cap of the search without."""
     rows = [row(s, costs) for s in ours(pp, microbatches, splits)]
     peers = peer_rows(pp, microbatches, costs)
     rows += peers
     rows += [searched(pp, microbatches, splits, costs, chunks=chunks) for chunks in (2, 1)]
+    if spread_output:
+        cap = searched_cap(pp, microbatches, splits, 2,
+                           _budget(pp, microbatches, splits, costs, None, 2))
+        rows.append(searched(pp, microbatches, splits, replace(costs, spread_output=True), cap,
+                             "seq1f1b-zb-auto, output layer spread"))
     for peer in peers:
         rows.append(best_searched(pp, microbatches, splits, costs, peer.peak,
                                   f"seq1f1b-zb-auto @ {peer.name} peak"))

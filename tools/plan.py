@@ -114,6 +114,12 @@ def _add_problem_args(parser: argparse.ArgumentParser, cost_help: str) -> None:
     parser.add_argument("--json", action="store_true")
 
 
+def _add_spread_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--spread-output", action="store_true",
+                        help=what + ": the layer need not load the last stage's rank alone "
+                                    "(plan layer only: the trainer does not run it yet)")
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model (a preset or its dimensions)")
     group.add_argument("--model", type=str.lower, choices=list(PRESETS), metavar="NAME",
@@ -532,11 +538,12 @@ def _searched_layout(args: argparse.Namespace, budget: ScheduleBudget) -> StageL
     return choice.stage_layers
 
 
-def _spread_budget(args: argparse.Namespace, budget: ScheduleBudget) -> ScheduleBudget:
+def _spread_budget(args: argparse.Namespace, budget: ScheduleBudget, cap: float
+                   ) -> ScheduleBudget:
     """--spread-output: `budget` (the output layer in the last stage) with the costs of every
-    placement taken again with the output layer as O actions, under the same cap: the given
-    one, or Seq1F1B's peak with the layer where Megatron puts it."""
-    cap = searched_cap(args.pp, args.microbatches, args.splits, args.chunks, budget)
+    placement taken again with the output layer as O actions, under `cap`, the one `budget`'s
+    search placed under (the given one, or Seq1F1B's peak with the layer where Megatron puts
+    it)."""
     spread = _run_costs(args, spread_output=True)[0]
 
     # a split backward's shape (the search's W actions), on each placement
@@ -547,8 +554,8 @@ def _spread_budget(args: argparse.Namespace, budget: ScheduleBudget) -> Schedule
         return spread(replace(shape, placement=placement), False)
 
     own = budget.placement or shape.placement
-    print(f"plan.py: --spread-output: the output layer as O actions on any rank, under that cap "
-          f"({cap / GIB:.2f} GiB)", file=sys.stderr)
+    print(f"plan.py: --spread-output: searched again with the output layer as O actions on any "
+          f"rank, under that cap ({cap / GIB:.2f} GiB); the shorter is kept", file=sys.stderr)
     return ScheduleBudget(costs(own), cap, budget.placement,
                           tuple((placement, costs(placement))
                                 for placement, _ in budget.alternatives), budget.only)
@@ -574,8 +581,6 @@ def cmd_search(args: argparse.Namespace) -> None:
                          f"{LAST_FLAG} / {LAYOUT_FLAG}")
     costs_of, uniform = _run_costs(args)
     budget = _search_budget(args, costs_of, uniform)
-    if args.spread_output:
-        budget = _spread_budget(args, budget)
     layout = None
     if args.search_layout:
         split = _searched_layout(args, budget)
@@ -591,10 +596,22 @@ def cmd_search(args: argparse.Namespace) -> None:
     costs = budget.costs_for(schedule.placement)
     cap = searched_cap(args.pp, args.microbatches, args.splits, args.chunks, budget)
     report = simulate(schedule, costs)
+    bound = searched_lower_bound(schedule, budget, cap)
+    if args.spread_output:
+        # searched again with the layer as O actions; the shorter of the two is kept
+        spread_budget = _spread_budget(args, budget, cap)
+        spread = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
+                                args.chunks, budget=spread_budget)
+        spread_costs = spread_budget.costs_for(spread.placement)
+        spread_report = simulate(spread, spread_costs)
+        bound = min(bound, searched_lower_bound(spread, spread_budget, cap))
+        if spread_report.makespan < report.makespan:
+            schedule, costs, report = spread, spread_costs, spread_report
     out = {"placement": schedule.placement, "chunks": schedule.chunks,
            "makespan": report.makespan, "bubble": report.bubble_ratio, "cap": cap,
            "peak": max(r.peak_held_bytes for r in report.ranks),
-           "lower_bound": searched_lower_bound(schedule, budget, cap), "layout": layout}
+           "lower_bound": bound, "layout": layout,
+           "output_layer": "spread" if schedule.spread_output else "last stage"}
     out["lower_bound_gap"] = gap_to_bound(out["makespan"], out["lower_bound"])
     # what --save-schedule writes: the search's order, or CP-SAT's where it is shorter
     best = ("seq1f1b-zb-auto", schedule, out["makespan"])
@@ -619,8 +636,10 @@ def cmd_search(args: argparse.Namespace) -> None:
         return
     if layout is not None:
         print(f"layout {layout}")
+    where = ("" if not args.spread_output else ", output layer spread over the ranks"
+             if schedule.spread_output else ", output layer kept in the last stage (shorter here)")
     print(f"seq1f1b-zb-auto P={args.pp} m={args.microbatches} k={args.splits} V={args.chunks} "
-          f"on {'a V' if schedule.placement == 'vshape' else 'a loop'}: makespan "
+          f"on {'a V' if schedule.placement == 'vshape' else 'a loop'}{where}: makespan "
           f"{out['makespan']:.6g}, bubble {out['bubble']:.1%}, peak {out['peak']:.6g} of cap "
           f"{cap:.6g}; lower bound {out['lower_bound']:.6g} (gap {out['lower_bound_gap']:.2%})")
     if args.exact:
@@ -666,7 +685,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
         partition=args.method, cp=args.cp, align=args.align)
     if args.method in ("fit", "explicit"):
         raise UsageError("--partition: compare cuts every k by the even or compute method")
-    rows = compare(args.pp, args.microbatches, args.splits, costs)
+    if args.spread_output and model is None:
+        raise UsageError("--spread-output needs a model (--model or its dimensions): unit "
+                         "costs have no output layer to spread")
+    rows = compare(args.pp, args.microbatches, args.splits, costs, args.spread_output)
     if args.json:
         print(json.dumps([{"name": r.name, "splits": r.splits, "chunks": r.chunks,
                            "placement": r.placement, "makespan": r.makespan, "bubble": r.bubble, "peaks": list(r.peaks),
@@ -912,11 +934,9 @@ def build_parser() -> Parser:
     search.add_argument("--search-layout", action="store_true",
                         help="also choose every virtual stage's layers (with a model): the "
                              "layout is printed, for --pipeline-model-parallel-layout")
-    search.add_argument("--spread-output", action="store_true",
-                        help="the output layer and the loss of each span as an action of its "
-                             "own (O) on whichever rank the search puts it, every rank holding "
-                             "the output weights: the layer no longer loads the last stage's "
-                             "rank alone (plan layer only: the trainer does not run it yet)")
+    _add_spread_arg(search, "search again with the output layer and the loss of each span as "
+                            "an action of its own (O) on whichever rank the search puts it, "
+                            "every rank holding the output weights, and keep the shorter")
     search.add_argument("--exact", action="store_true",
                         help="also solve the same problem exactly (CP-SAT) within --time-limit")
     search.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS")
@@ -929,6 +949,9 @@ def build_parser() -> Parser:
     comp = commands.add_parser("compare", help="our schedules beside torch's ZB-V, DualPipeV "
                                                "and interleaved zero bubble on the same costs")
     _add_problem_args(comp, "F B W per micro-batch on a rank's layers (default 1 1 1)")
+    _add_spread_arg(comp, "one more row: the search on two chunks with the output layer and the "
+                          "loss of each span as an action of its own (O) on any rank, under the "
+                          "default cap of the search without")
     comp.set_defaults(run=cmd_compare)
 
     _add_tune_args(commands.add_parser(

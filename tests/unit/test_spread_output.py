@@ -2,6 +2,7 @@
 timing and bytes, the cost model, the search and its bound, and the refusals where it is not
 modelled yet (issue 26, item 5)."""
 import importlib.util
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -119,7 +120,11 @@ def test_the_search_places_every_o_once_within_the_cap_as_the_simulator_times_it
     work = m * (sum(map(sum, costs.forward)) + sum(map(sum, costs.backward))
                 + sum(map(sum, costs.weight)) + sum(costs.output))
     assert bound >= work / pp * (1 - 1e-12)
-    for policy in (Policy(), Policy(False), Policy(promises="in turn"), Policy(promises="none")):
+    home = shape.owner_of(shape.num_stages - 1)[0]
+    at_home = placer.place(cap, Policy(outputs_anywhere=False)).programs
+    assert all(a.op != "O" for rank, p in enumerate(at_home) if rank != home for a in p)
+    for policy in (Policy(outputs_anywhere=False), Policy(False), Policy(promises="in turn"),
+                   Policy(promises="none"), Policy()):
         placed = placer.place(cap, policy)
         schedule = Schedule("spread", pp, m, k, 2, tuple(map(tuple, placed.programs)), placement)
         validate(schedule)
@@ -195,3 +200,39 @@ def test_where_o_actions_are_not_modelled_yet_they_are_refused_in_one_line(capsy
                               "--spread-output", *argv])
         err = capsys.readouterr().err
         assert code == 2 and flag in err and len(err.splitlines()) == 1, err
+
+
+def test_plan_search_keeps_the_layer_in_the_last_stage_where_that_is_shorter(capsys):
+    """An O does the layer's weight gradient with the rest, where the last stage's W could defer
+    it: at 7B, P=4, m=4, k=4 the order with the layer kept is shorter, and --spread-output says
+    so and keeps it, at the same makespan as the plain search."""
+    argv = ["search", "--pp", "4", "--microbatches", "4", "--splits", "4", "--model", "7b",
+            "--seq-length", "65536", "--tp", "8", "--sequence-parallel", "--partition",
+            "compute", "--json"]
+    outs = []
+    for extra in ([], ["--spread-output"]):
+        assert plan_cli.main(argv + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    kept, spread = outs
+    assert spread["output_layer"] == "last stage" and kept["output_layer"] == "last stage"
+    assert spread["makespan"] == kept["makespan"]
+    assert spread["lower_bound"] <= kept["lower_bound"]
+
+
+def test_plan_compare_adds_the_spread_search_as_one_row(capsys):
+    argv = ["compare", "--pp", "2", "--microbatches", "4", "--splits", "2", "--model", "7b",
+            "--seq-length", "8192", "--tp", "8", "--sequence-parallel", "--json"]
+    tables = []
+    for extra in ([], ["--spread-output"]):
+        assert plan_cli.main(argv + extra) == 0
+        tables.append(json.loads(capsys.readouterr().out))
+    plain, spread = tables
+    added = [r for r in spread if r not in plain]
+    assert [r["name"] for r in added] == ["seq1f1b-zb-auto, output layer spread"]
+    row = added[0]
+    # under the default cap: Seq1F1B's peak, seq1f1b-zbv's with the layer in the last stage
+    cap = max(next(r for r in plain if r["name"] == "seq1f1b-zbv")["peaks"])
+    assert row["lower_bound"] <= row["makespan"] and max(row["peaks"]) <= cap * (1 + 1e-9)
+    code = plan_cli.main(["compare", "--pp", "2", "--microbatches", "4", "--spread-output"])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs a model" in err and len(err.splitlines()) == 1

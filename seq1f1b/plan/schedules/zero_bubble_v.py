@@ -30,7 +30,10 @@ so memory is even across ranks.
   within the cap is kept, so it never loses to a construction that fits. Lower bound and
   exact optimum: bounds.py, exact.py. Without a budget (the registry's plain (P, m, k, V) call,
   as in the grid tests): unit costs, its own placement only (a V on two chunks), the
-  constructions and the greedy policies, no local search.
+  constructions and the greedy policies, no local search. Costs that spread the output layer
+  over the ranks (`SpanCosts.output`: O actions) make it place the O's too: each greedy policy
+  once with O's on any rank and once on the last stage's rank, the constructions with each O
+  right after its span's last forward.
 """
 from __future__ import annotations
 
@@ -135,8 +138,13 @@ def constructions(problem: Problem) -> dict[str, list[list[Action]]]:
     over spans and over whole micro-batches, and DualPipeV over whole micro-batches (m >= 2P).
     On a loop: the registry's loop schedules of that chunk count (seq1f1b, 1f1b and their
     zero-bubble forms on one chunk; the interleaved ones on two, where they build), each full
-    backward as its B then its W."""
+    backward as its B then its W. With the output layer spread, the same with each O right
+    after its span's last forward."""
     m, k = problem.microbatches, problem.splits
+    if problem.spread_output:
+        plain = constructions(replace(problem, spread_output=False))
+        return {name: outputs_after_last_forward(problem, programs)
+                for name, programs in plain.items()}
     if problem.placement == "loop":
         from seq1f1b.plan import registry   # the registry loads this family
         names = (("seq1f1b-zb-h1", "zb-h1", "seq1f1b", "1f1b") if problem.chunks == 1
@@ -157,6 +165,20 @@ def constructions(problem: Problem) -> dict[str, list[list[Action]]]:
         # runtime of a split-backward schedule expects.
         found["dualpipev"] = split_full_backwards(dualpipev)
     return found
+
+
+def outputs_after_last_forward(problem: Problem, programs: list[list[Action]]
+                               ) -> list[list[Action]]:
+    """`programs` with each span's O right after the last stage's F of that span, on its rank:
+    an order with the output layer in the last stage, for costs that spread it."""
+    rank, chunk = problem.shape().owner_of(problem.pp * problem.chunks - 1)
+    out = [list(program) for program in programs]
+    out[rank] = []
+    for action in programs[rank]:
+        out[rank].append(action)
+        if action.op == "F" and action.chunk == chunk:
+            out[rank].append(Action("O", action.microbatch, action.span))
+    return out
 
 
 def default_cap(problem: Problem, costs: SpanCosts) -> float:
@@ -205,19 +227,21 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
             return None
 
     found = []
-    for first, later_f, later_b, wait in itertools.product((True, False), repeat=4):
-        at_once = evaluate(Policy(first, None, later_f, later_b, wait))
+    # with the output layer spread, O's on any rank and O's on the last stage's rank alone
+    anywhere = (True, False) if problem.spread_output else (True,)
+    for first, later_f, later_b, wait, spread in itertools.product(
+            (True, False), (True, False), (True, False), (True, False), anywhere):
+        at_once = evaluate(Policy(first, None, later_f, later_b, wait, outputs_anywhere=spread))
         found += [at_once] if at_once is not None else []
         # Kept in turn, the replay differs only where keeping every promise at once held a
         # forward back (or got stuck): otherwise it is the same replay. Keeping none may differ
         # either way (a forward whose own promise did not fit now goes).
         ways = ("in turn", "none") if at_once is None or at_once[0].held_back else ("none",)
         for way in ways:
-            other = evaluate(Policy(first, None, later_f, later_b, wait, way))
+            other = evaluate(Policy(first, None, later_f, later_b, wait, way, spread))
             found += [other] if other is not None else []
     fixed = []
-    # the constructions run the output layer in the last stage: none when it is spread
-    for programs in ({} if problem.spread_output else constructions(problem)).values():
+    for programs in constructions(problem).values():
         makespan, peak = _replayed(problem, programs, costs)
         if peak <= cap * (1 + 1e-9):
             fixed.append(Placed(programs, makespan))
