@@ -121,10 +121,10 @@ def test_the_search_places_every_o_once_within_the_cap_as_the_simulator_times_it
                 + sum(map(sum, costs.weight)) + sum(costs.output))
     assert bound >= work / pp * (1 - 1e-12)
     home = shape.owner_of(shape.num_stages - 1)[0]
-    at_home = placer.place(cap, Policy(outputs_anywhere=False)).programs
+    at_home = placer.place(cap, Policy(output_slack=None)).programs
     assert all(a.op != "O" for rank, p in enumerate(at_home) if rank != home for a in p)
-    for policy in (Policy(outputs_anywhere=False), Policy(False), Policy(promises="in turn"),
-                   Policy(promises="none"), Policy()):
+    for policy in (Policy(output_slack=None), Policy(False), Policy(promises="in turn"),
+                   Policy(promises="none"), Policy(output_slack=4.0), Policy()):
         placed = placer.place(cap, policy)
         schedule = Schedule("spread", pp, m, k, 2, tuple(map(tuple, placed.programs)), placement)
         validate(schedule)

@@ -44,9 +44,9 @@ search ended at 2.744 s against 2.920 s (CP-SAT's best order in 150 s: 2.655 s).
 
 With the output layer spread (`Problem.spread_output`: O actions, actions.OPS) an O is no
 rank's own: a rank that is free takes the oldest ready O before anything else (the last stage's
-B waits for it) if its work stays within an even share of all the work plus one O and the O's
-bytes fit beside what it holds; the last stage's rank takes one beyond its share only when no
-other rank could. With `Policy.outputs_anywhere` off only the last stage's rank takes them.
+B waits for it) if its work stays within an even share of all the work plus `Policy.output_slack`
+O's and the O's bytes fit beside what it holds; the last stage's rank takes one beyond that only
+when no other rank could. With `output_slack` None only the last stage's rank takes them.
 
 Warm-up depths, how far W trails B and how the two chunks of a V interleave are consequences of
 the costs and the cap, not typed in. The dependency rules are `actions.dependencies`, asked once per action shape.
@@ -240,10 +240,11 @@ class Policy:
     due before that forward would end, would have to wait for; `promises` says how room is kept
     for what admitted forwards will allocate later (module doc): "at once" (for every admitted
     micro-batch together), "in turn" (for one after another, oldest first) or "none" (only
-    what an action allocates when it starts must fit); `outputs_anywhere` (with the output
-    layer spread, Problem.spread_output) lets every rank take O actions, else only the last
-    stage's rank does, each as soon as it is ready (the layer's work where Megatron puts it,
-    its bytes held only while the O runs)."""
+    what an action allocates when it starts must fit); with the output layer spread
+    (Problem.spread_output) `output_slack` says how much work, in O's, beyond an even share of
+    all the work a rank may hold and still take an O (module doc), and None that only the last
+    stage's rank takes them, each as soon as it is ready (the layer's work where Megatron puts
+    it, its bytes held only while the O runs)."""
 
     forward_first: bool = True
     depth: Optional[tuple[int, ...]] = None
@@ -251,7 +252,8 @@ class Policy:
     later_backward_first: bool = True    # among ready backwards of one micro-batch, likewise
     wait_for_backward: bool = False      # leave a forward for a backward due before it ends
     promises: str = "at once"            # one of PROMISES
-    outputs_anywhere: bool = True        # O actions on any rank (else on the last stage's)
+    output_slack: Optional[float] = 1.0  # O's beyond an even share a rank may take; None:
+                                         # O's on the last stage's rank alone
 
     def __post_init__(self) -> None:
         if self.promises not in PROMISES:
@@ -299,7 +301,8 @@ class Placer:
         outputs.sort(key=plan.microbatch)
         load = [plan.work(rank) for rank in range(problem.pp)]
         share = (sum(load) + sum(plan.duration[s] for s in outputs)) / problem.pp
-        slack = max((plan.duration[s] for s in outputs), default=0.0)
+        slack = (policy.output_slack or 0.0) * max((plan.duration[s] for s in outputs),
+                                                   default=0.0)
         home = problem.shape().owner_of(problem.pp * V - 1)[0]
 
         def output_for(rank: int, state: _Rank, now: float) -> Optional[int]:
@@ -311,7 +314,7 @@ class Placer:
                 if plan.ready_at(step) > now or not fits(state, (step,)):
                     continue
                 room = [share + slack - load[r] >= plan.duration[step]
-                        and policy.outputs_anywhere for r in range(problem.pp)]
+                        and policy.output_slack is not None for r in range(problem.pp)]
                 if room[rank] or (rank == home and not any(room)):
                     del outputs[n]
                     load[rank] += plan.duration[step]
