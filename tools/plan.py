@@ -600,13 +600,19 @@ def cmd_search(args: argparse.Namespace) -> None:
     if args.spread_output:
         # searched again with the layer as O actions; the shorter of the two is kept
         spread_budget = _spread_budget(args, budget, cap)
-        spread = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
-                                args.chunks, budget=spread_budget)
-        spread_costs = spread_budget.costs_for(spread.placement)
-        spread_report = simulate(spread, spread_costs)
-        bound = min(bound, searched_lower_bound(spread, spread_budget, cap))
-        if spread_report.makespan < report.makespan:
-            schedule, costs, report = spread, spread_costs, spread_report
+        kept = "shorter here"
+        try:
+            spread = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
+                                    args.chunks, budget=spread_budget)
+        except ScheduleError as refused:     # the kept order stands
+            print(f"plan.py: --spread-output: {refused}", file=sys.stderr)
+            kept = "no order with the layer spread fits the cap"
+        else:
+            spread_costs = spread_budget.costs_for(spread.placement)
+            spread_report = simulate(spread, spread_costs)
+            bound = min(bound, searched_lower_bound(spread, spread_budget, cap))
+            if spread_report.makespan < report.makespan:
+                schedule, costs, report = spread, spread_costs, spread_report
     out = {"placement": schedule.placement, "chunks": schedule.chunks,
            "makespan": report.makespan, "bubble": report.bubble_ratio, "cap": cap,
            "peak": max(r.peak_held_bytes for r in report.ranks),
@@ -637,7 +643,7 @@ def cmd_search(args: argparse.Namespace) -> None:
     if layout is not None:
         print(f"layout {layout}")
     where = ("" if not args.spread_output else ", output layer spread over the ranks"
-             if schedule.spread_output else ", output layer kept in the last stage (shorter here)")
+             if schedule.spread_output else f", output layer kept in the last stage ({kept})")
     print(f"seq1f1b-zb-auto P={args.pp} m={args.microbatches} k={args.splits} V={args.chunks} "
           f"on {'a V' if schedule.placement == 'vshape' else 'a loop'}{where}: makespan "
           f"{out['makespan']:.6g}, bubble {out['bubble']:.1%}, peak {out['peak']:.6g} of cap "

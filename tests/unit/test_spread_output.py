@@ -236,3 +236,18 @@ def test_plan_compare_adds_the_spread_search_as_one_row(capsys):
     code = plan_cli.main(["compare", "--pp", "2", "--microbatches", "4", "--spread-output"])
     err = capsys.readouterr().err
     assert code == 2 and "needs a model" in err and len(err.splitlines()) == 1
+
+
+def test_plan_search_keeps_the_kept_order_when_no_spread_order_fits(capsys, monkeypatch):
+    """A spread search that finds no order within the cap leaves the kept one standing, and the
+    line says why (here its cap is made too small to hold anything)."""
+    spread_budget = plan_cli._spread_budget
+    monkeypatch.setattr(plan_cli, "_spread_budget",
+                        lambda args, budget, cap: replace(spread_budget(args, budget, cap), cap=1.0))
+    assert plan_cli.main(["search", "--pp", "2", "--microbatches", "2", "--splits", "2",
+                          "--model", "7b", "--seq-length", "8192", "--tp", "8",
+                          "--sequence-parallel", "--spread-output"]) == 0
+    out, err = capsys.readouterr()
+    assert "output layer kept in the last stage (no order with the layer spread fits the cap)" \
+        in out
+    assert "plan.py: --spread-output: --schedule-memory-cap 1: no order" in err
