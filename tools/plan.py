@@ -572,7 +572,7 @@ def cmd_search(args: argparse.Namespace) -> None:
     if args.spread_output and _model(args) is None:
         raise UsageError("--spread-output needs a model (--model or its dimensions): unit "
                          "costs have no output layer to spread")
-    for flag in ("search_layout", "exact", "save_schedule"):
+    for flag in ("search_layout", "exact"):
         if args.spread_output and getattr(args, flag):
             raise UsageError(f"--spread-output: --{flag.replace('_', '-')} does not model the "
                              "O actions yet")
@@ -658,10 +658,12 @@ def cmd_search(args: argparse.Namespace) -> None:
               f"bound {bound}")
     if args.save_schedule:
         saved = out["saved"]
+        use = (f"plan.py simulate and comm read it; the trainer does not run O actions yet"
+               if schedule.spread_output else
+               f"train it: pretrain_gpt.py --pipeline-schedule-file {saved['path']}"
+               + (f" --pipeline-model-parallel-layout '{layout}'" if layout is not None else ""))
         print(f"wrote {saved['path']}: {saved['order']}'s order, makespan "
-              f"{saved['makespan']:.6g} (train it: pretrain_gpt.py --pipeline-schedule-file "
-              f"{saved['path']}" + (f" --pipeline-model-parallel-layout '{layout}'"
-                                    if layout is not None else "") + ")")
+              f"{saved['makespan']:.6g} ({use})")
 
 
 def _check_writable(flag: str, path: str, suffix: Optional[str] = None) -> None:

@@ -251,3 +251,20 @@ def test_plan_search_keeps_the_kept_order_when_no_spread_order_fits(capsys, monk
     assert "output layer kept in the last stage (no order with the layer spread fits the cap)" \
         in out
     assert "plan.py: --spread-output: --schedule-memory-cap 1: no order" in err
+
+
+def test_plan_search_saves_a_spread_order_that_simulate_and_comm_read_back(capsys, tmp_path):
+    path = tmp_path / "spread.csv"
+    model = ["--model", "7b", "--seq-length", "65536", "--tp", "8", "--sequence-parallel",
+             "--partition", "compute"]
+    assert plan_cli.main(["search", "--pp", "2", "--microbatches", "2", "--splits", "8",
+                          *model, "--spread-output", "--save-schedule", str(path),
+                          "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["output_layer"] == "spread" and found["saved"]["path"] == str(path)
+    assert schedule_file.load(path, to_run=False).spread_output
+    assert plan_cli.main(["simulate", "--pipeline-schedule-file", str(path), *model,
+                          "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["makespan"] == pytest.approx(found["makespan"])
+    assert plan_cli.main(["comm", "--pipeline-schedule-file", str(path)]) == 0
+    assert capsys.readouterr().out.count(": ok") == 2
