@@ -396,6 +396,16 @@ def cmd_memory(args: argparse.Namespace) -> None:
     if args.align != 1:
         raise UsageError("--align: memory cuts spans as pretrain_gpt.py does (multiples of --tp "
                          "with --sequence-parallel and of --cp), which takes no --align")
+    schedule = None
+    if args.pipeline_schedule_file is not None:
+        schedule = _file_schedule(args)
+    elif args.schedule is None:
+        raise UsageError("--schedule NAME or --pipeline-schedule-file FILE is required")
+    for flag in ("pp", "microbatches"):
+        if getattr(args, flag) is None:
+            raise UsageError(f"--{flag} is required with --schedule")
+    args.splits = 1 if args.splits is None else args.splits
+    args.chunks = 1 if args.chunks is None else args.chunks
     setup = TrainingSetup(
         model=model, seq_length=args.seq_length, schedule=args.schedule, pp=args.pp,
         microbatches=args.microbatches, splits=args.splits, chunks=args.chunks, tp=args.tp,
@@ -417,7 +427,7 @@ def cmd_memory(args: argparse.Namespace) -> None:
         loss_backward_in_forward=args.loss_backward_in_forward)
     calibration = read_device_check(args.device_check) if args.device_check else None
     reserve = calibration.reserve_ratio if calibration and calibration.reserve_ratio else 1.0
-    estimate = estimate_memory(setup)
+    estimate = estimate_memory(setup, schedule=schedule)
     if args.json:
         print(json.dumps(estimate.to_dict(args.gpu_memory, reserve)))
     else:
@@ -880,13 +890,17 @@ def build_parser() -> Parser:
     sim.set_defaults(run=cmd_simulate)
 
     mem = commands.add_parser("memory", help="per-stage memory estimate and OOM verdict")
-    mem.add_argument("--schedule", required=True,
+    mem.add_argument("--pipeline-schedule-file", metavar="FILE.csv",
+                     help="a schedule written as a file (replaces --schedule; P, m, k and V are "
+                          "the file's), e.g. one plan.py search --save-schedule wrote")
+    mem.add_argument("--schedule",
                      choices=registry.names() + list(MEGATRON_PLANS), metavar="NAME",
                      help=f"one of: {', '.join(registry.names() + list(MEGATRON_PLANS))}")
-    mem.add_argument("--pp", type=int, required=True, help="pipeline stages P")
-    mem.add_argument("--microbatches", type=int, required=True, help="micro-batches m")
-    mem.add_argument("--splits", type=int, default=1, help="spans per micro-batch k")
-    mem.add_argument("--chunks", type=int, default=1, help="model chunks per rank V")
+    mem.add_argument("--pp", type=int, help="pipeline stages P (required with --schedule)")
+    mem.add_argument("--microbatches", type=int,
+                     help="micro-batches m (required with --schedule)")
+    mem.add_argument("--splits", type=int, help="spans per micro-batch k (default 1)")
+    mem.add_argument("--chunks", type=int, help="model chunks per rank V (default 1)")
     _add_cap_arg(mem)
     _add_model_args(mem)
     _add_stage_layer_args(mem)

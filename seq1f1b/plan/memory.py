@@ -22,7 +22,9 @@ schedule's memory is read off the same plan that runs. What the estimate counts,
   ("logits") the loss's fp32 softmax and the inputs of the final norm and the output layer, or
   with the loss's backward at F (`loss_backward_in_forward`, runtime/early_loss.py) the final
   norm's input, the output layer's input gradient and each micro-batch's fp32 output-weight
-  gradient;
+  gradient; with the output layer spread over the ranks (a schedule with O actions,
+  actions.OPS) every rank holds the output layer's weights and, while an O runs, its softmax,
+  input and input gradient, and the last stage keeps only the final norm's input;
 - a backward workspace (costs.backward_workspace_bytes; with full recompute it includes the
   recomputed group's activations) and a fixed framework overhead (`FRAMEWORK_OVERHEAD_GIB`);
 - under context parallelism (`cp` = C): activations, logits and workspace of span / C tokens, the
@@ -295,7 +297,8 @@ def setup_costs(setup: TrainingSetup, spans: Optional[list[int]] = None
                            batch=setup.micro_batch_size, bytes_per_element=bytes_per_element,
                            recompute=setup.recompute, stage_layers=setup.stage_layers,
                            cp=setup.cp,
-                           loss_backward_in_forward=setup.loss_backward_in_forward and not whole)
+                           loss_backward_in_forward=setup.loss_backward_in_forward and not whole,
+                           spread_output=schedule.spread_output and not whole)
 
     return costs_of
 
@@ -334,9 +337,11 @@ def estimate_memory(setup: TrainingSetup, held_peaks: HeldPeaks = _simulated_pea
         virtual = [schedule.stage_of(rank.rank, chunk) for chunk in range(schedule.chunks)]
         params = sum(stage_parameters(model, layers[v], first=v == 0, last=v == last,
                                       tp=setup.tp) for v in virtual)
+        if schedule.spread_output and last not in virtual:      # a replica of the output layer
+            params += model.vocab_size * model.hidden_size / setup.tp
         workspace = backward_workspace_bytes(model, local, setup.micro_batch_size,
                                              setup.tp, precision.activation,
-                                             last_stage=last in virtual,
+                                             last_stage=last in virtual or schedule.spread_output,
                                              sequence_parallel=setup.sequence_parallel,
                                              recompute=setup.recompute) \
             + 2 * all_to_all_bytes(model, max(spans), setup.micro_batch_size, setup.tp,

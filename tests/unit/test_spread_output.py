@@ -268,3 +268,18 @@ def test_plan_search_saves_a_spread_order_that_simulate_and_comm_read_back(capsy
     assert json.loads(capsys.readouterr().out)["makespan"] == pytest.approx(found["makespan"])
     assert plan_cli.main(["comm", "--pipeline-schedule-file", str(path)]) == 0
     assert capsys.readouterr().out.count(": ok") == 2
+    # the memory estimate counts a replica of the output layer on the rank without the last
+    # stage, against a schedule of the same stages that keeps the layer there
+    saved = schedule_file.load(path, to_run=False)
+    same_stages = "seq1f1b-zbv" if saved.placement == "vshape" else "seq1f1b-interleaved"
+    home = saved.owner_of(saved.num_stages - 1)[0]
+    params = []
+    for schedule in (["--pipeline-schedule-file", str(path)],
+                     ["--schedule", same_stages, "--pp", "2", "--microbatches", "2",
+                      "--splits", "8", "--chunks", "2"]):
+        assert plan_cli.main(["memory", *schedule, *model, "--json"]) == 0
+        estimate = json.loads(capsys.readouterr().out)
+        params.append([stage["parameters"] for stage in estimate["stages"]])
+    replica = estimate["padded_vocab_size"] * preset("7b").hidden_size / 8
+    assert [spread - kept for spread, kept in zip(*params)] == pytest.approx(
+        [0.0 if rank == home else replica for rank in range(2)])
