@@ -668,7 +668,8 @@ def cmd_search(args: argparse.Namespace) -> None:
               f"bound {bound}")
     if args.save_schedule:
         saved = out["saved"]
-        use = (f"plan.py simulate and comm read it; the trainer does not run O actions yet"
+        use = ("plan.py simulate, comm and memory read it; the trainer does not run O actions "
+               "yet"
                if schedule.spread_output else
                f"train it: pretrain_gpt.py --pipeline-schedule-file {saved['path']}"
                + (f" --pipeline-model-parallel-layout '{layout}'" if layout is not None else ""))

@@ -388,7 +388,8 @@ the micro-batch's first backward (its last span's B) on, the cache's dK/dV accum
 earlier spans' rows (spans 0..k-2, in fp32: twice their K/V bytes in bf16 training; none with
 k = 1). The accumulators count under "kv_cache". With the loss's backward at F, the last stage
 also holds each micro-batch's output-weight gradient from F(i,0) until after its first backward
-(B(i,k-1)), under "logits".
+(B(i,k-1)), under "logits". An O action (the output layer spread over the ranks) holds its
+span's softmax, input and input gradient on its rank while it runs, under "logits" too.
 
 A full first backward on a stage of G layer groups (`SpanCosts.layer_groups`) runs the loss's
 backward first (on the last stage: the span's logits go), then the groups last to first: each

@@ -307,9 +307,9 @@ class Placer:
 
         def output_for(rank: int, state: _Rank, now: float) -> Optional[int]:
             """The oldest ready O this rank takes: one that fits beside what it holds, while its
-            work stays within an even share of all the work (plus one O); the last stage's rank
-            takes one beyond that only when no other rank could (it is where the layer would
-            otherwise be)."""
+            work stays within an even share of all the work plus the policy's slack; the last
+            stage's rank takes one beyond that only when no other rank could (it is where the
+            layer would otherwise be)."""
             for n, step in enumerate(outputs):
                 if plan.ready_at(step) > now or not fits(state, (step,)):
                     continue

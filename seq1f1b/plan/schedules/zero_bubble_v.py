@@ -238,7 +238,7 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
 
     found = []
     # with the output layer spread: O's on any rank, within an even share of the work plus
-    # none, one or four O's (no one slack wins everywhere), and on the last stage's rank alone
+    # none or two O's (no one slack wins everywhere), and on the last stage's rank alone
     slacks = OUTPUT_SLACKS if problem.spread_output else (1.0,)
     for first, later_f, later_b, wait, spread in itertools.product(
             (True, False), (True, False), (True, False), (True, False), slacks):
