@@ -202,6 +202,22 @@ def _schedule(args: argparse.Namespace, costs_of=None, uniform=None):
     --uniform-cost's (`uniform`: F B W, bytes as unit costs count them), else unit costs; under
     --schedule-memory-cap or its default cap. Which costs and cap it used goes to stderr
     (stdout may be JSON)."""
+    loaded = _loaded_or_named(args)
+    if loaded is not None:
+        return loaded
+    if not registry.get(args.schedule).searched:
+        if args.schedule_memory_cap:
+            raise UsageError(f"--schedule-memory-cap: schedule {args.schedule} is not searched")
+        return registry.build(args.schedule, args.pp, args.microbatches, args.splits,
+                              args.chunks)
+    return registry.build(args.schedule, args.pp, args.microbatches, args.splits, args.chunks,
+                          budget=_search_budget(args, costs_of, uniform))
+
+
+def _loaded_or_named(args: argparse.Namespace):
+    """--pipeline-schedule-file's checked schedule (its P, m, k and V become the command
+    line's), or None for --schedule NAME once its --pp and --microbatches are given (k and V
+    default to 1)."""
     if args.pipeline_schedule_file is not None:
         return _file_schedule(args)
     if args.schedule is None:
@@ -211,13 +227,7 @@ def _schedule(args: argparse.Namespace, costs_of=None, uniform=None):
             raise UsageError(f"--{flag} is required with --schedule")
     args.splits = 1 if args.splits is None else args.splits
     args.chunks = 1 if args.chunks is None else args.chunks
-    if not registry.get(args.schedule).searched:
-        if args.schedule_memory_cap:
-            raise UsageError(f"--schedule-memory-cap: schedule {args.schedule} is not searched")
-        return registry.build(args.schedule, args.pp, args.microbatches, args.splits,
-                              args.chunks)
-    return registry.build(args.schedule, args.pp, args.microbatches, args.splits, args.chunks,
-                          budget=_search_budget(args, costs_of, uniform))
+    return None
 
 
 def _search_budget(args: argparse.Namespace, costs_of, uniform) -> ScheduleBudget:
@@ -396,16 +406,7 @@ def cmd_memory(args: argparse.Namespace) -> None:
     if args.align != 1:
         raise UsageError("--align: memory cuts spans as pretrain_gpt.py does (multiples of --tp "
                          "with --sequence-parallel and of --cp), which takes no --align")
-    schedule = None
-    if args.pipeline_schedule_file is not None:
-        schedule = _file_schedule(args)
-    elif args.schedule is None:
-        raise UsageError("--schedule NAME or --pipeline-schedule-file FILE is required")
-    for flag in ("pp", "microbatches"):
-        if getattr(args, flag) is None:
-            raise UsageError(f"--{flag} is required with --schedule")
-    args.splits = 1 if args.splits is None else args.splits
-    args.chunks = 1 if args.chunks is None else args.chunks
+    schedule = _loaded_or_named(args)
     setup = TrainingSetup(
         model=model, seq_length=args.seq_length, schedule=args.schedule, pp=args.pp,
         microbatches=args.microbatches, splits=args.splits, chunks=args.chunks, tp=args.tp,
