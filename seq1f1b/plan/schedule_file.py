@@ -7,8 +7,8 @@ edited and run. P, m, k and V are read from the actions. A leading comment line
 `# placement: vshape` says that chunk 1 of rank r is stage 2P-1-r (a V); without it chunks loop
 (chunk c of rank r is stage cP + r). Blank lines and other `#` lines are skipped.
 
-A file may spread the output layer over the ranks (O actions, actions.OPS): `plan.py simulate`
-and `plan.py comm` read it; the tools that run a schedule refuse it, since the runtime does not
+A file may spread the output layer over the ranks (O actions, actions.OPS): `plan.py simulate`,
+`comm` and `memory` read it; the tools that run a schedule refuse it, since the runtime does not
 run O actions yet.
 
 Before anything runs, the schedule is checked as the registry's are: every action parses, the

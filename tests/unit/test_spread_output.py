@@ -156,6 +156,7 @@ def test_spread_output_reaches_the_issue_target_at_7b_where_the_last_stage_canno
     auto = build("seq1f1b-zb-auto", 4, 8, 8, 2, budget=budget)
     report = simulate(auto, costs[auto.placement])
     assert auto.spread_output
+    assert all(verdict.ok for verdict in validate_modes(communication_plan(auto)).values())
     assert max(r.peak_held_bytes for r in report.ranks) <= 0.5 * reference * (1 + 1e-9)
     assert report.bubble_ratio <= 0.02
     kept = model_costs(shape, model, spans, **kwargs)

@@ -207,11 +207,6 @@ class _Plan:
     def microbatch(self, step: int) -> int:
         return step % self.problem.microbatches
 
-    def work(self, rank: int) -> float:
-        """Seconds of every F, B and W of `rank`."""
-        size = self.outputs // self.problem.pp
-        return sum(self.duration[rank * size:(rank + 1) * size])
-
     def ready_at(self, step: int) -> float:
         """When every dependency of `step` has finished (inf while one is not placed)."""
         # A loop, not max() over a list: the replay asks this millions of times (end times are
@@ -278,6 +273,16 @@ class Placer:
         self.problem = problem
         self.plan = _Plan(problem, costs)
         self.promise, self.promised = _promises(self.plan, problem)
+        # What the O hand-off reads, the same for every replay: the O steps oldest first, each
+        # rank's own work, an even share of all the work, the longest O, the last stage's rank
+        plan = self.plan
+        self.outputs = sorted(range(plan.outputs, len(plan.duration)), key=plan.microbatch)
+        self.work = [sum(plan.duration[rank * (plan.outputs // problem.pp):
+                                       (rank + 1) * (plan.outputs // problem.pp)])
+                     for rank in range(problem.pp)]
+        self.share = (sum(self.work) + sum(plan.duration[s] for s in self.outputs)) / problem.pp
+        self.longest_output = max((plan.duration[s] for s in self.outputs), default=0.0)
+        self.home = problem.shape().owner_of(problem.pp * problem.chunks - 1)[0]
 
     def place(self, cap: float, policy: Policy = Policy()) -> Placed:
         """Per-rank programs of F, B and W placed by the greedy replay (module docstring) with
@@ -297,13 +302,10 @@ class Placer:
         to_weight = m * k       # a B's W is the same (rank, chunk, span, micro-batch) one op on
 
         limit = cap * (1 + 1e-9)
-        outputs = list(range(plan.outputs, len(plan.duration)))   # O steps not placed yet
-        outputs.sort(key=plan.microbatch)
-        load = [plan.work(rank) for rank in range(problem.pp)]
-        share = (sum(load) + sum(plan.duration[s] for s in outputs)) / problem.pp
-        slack = (policy.output_slack or 0.0) * max((plan.duration[s] for s in outputs),
-                                                   default=0.0)
-        home = problem.shape().owner_of(problem.pp * V - 1)[0]
+        outputs = list(self.outputs)     # O steps not placed yet
+        load = list(self.work)           # each rank's work, with the O's it took
+        share, home = self.share, self.home
+        slack = (policy.output_slack or 0.0) * self.longest_output
 
         def output_for(rank: int, state: _Rank, now: float) -> Optional[int]:
             """The oldest ready O this rank takes: one that fits beside what it holds, while its
