@@ -12,6 +12,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -25,6 +28,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import sharded_state_dict_default
 
 from seq1f1b.plan.actions import virtual_stage
 from seq1f1b.plan.stage_layers import EVEN, StageLayers, layers_per_virtual_stage
@@ -188,6 +192,80 @@ class SequenceParallelNorm(MegatronModule):
         return F.layer_norm(hidden, (self.hidden_size,), weight, self.bias, self.eps)
 
 
+class OutputHead(LanguageModule):
+    """The final norm, the output layer and the loss of the last stage, as a module of its own:
+    what an O action runs (the output layer spread over the pipeline ranks, actions.OPS).
+
+    Every pipeline rank holds one, as a child `output_head` of its last model chunk, whose
+    GPTModel then stops before the final norm on the last stage (built with post_process
+    False), so the last stage sends its hidden states on like any other stage. It behaves as a
+    GPT chunk of no layers with pre_process False and post_process True: `forward_step_func(data,
+    head)` reads the span's labels and calls it with them, its input comes through
+    `set_input_tensor`; the layers are megatron's own (the norm of the layer spec, the
+    ColumnParallelLinear GPTModel builds, LanguageModule's loss), so its numbers are the last
+    stage's.
+
+    The copies are one parameter: the last stage's is the owner; the others are marked `shared`
+    (megatron counts such a gradient once in the grad norm) and give their checkpoint entries a
+    non-zero replica id, under the names the last stage's GPTModel gives them
+    (`decoder.final_layernorm.*`, `output_layer.weight`), so a checkpoint is the same with the
+    layer spread or not and every copy loads the owner's weights. Each parameter also gets a
+    gradient bucket of its own (`shared_embedding`, as megatron does for a tied embedding), so
+    the distributed optimizer shards it alike on every pipeline rank; the executor sums the
+    copies' gradients over the pipeline group after the data-parallel reduction.
+    """
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, owner: bool,
+                 parallel_output: bool = True,
+                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.pre_process, self.post_process = False, True
+        self.owner = owner
+        self.final_layernorm = SequenceParallelNorm(config, config.hidden_size,
+                                                    eps=config.layernorm_epsilon)
+        self.output_layer = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, vocab_size, config=config, init_method=config.init_method,
+            bias=False, skip_bias_add=False, gather_output=not parallel_output,
+            tp_group=self.pg_collection.tp)
+        self.input_tensor: Optional[torch.Tensor] = None
+        for param in self.parameters():
+            param.shared_embedding = True
+            param.shared = not owner
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """The last stage's hidden states of one span (a list, as megatron passes them)."""
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None,
+                **kwargs) -> torch.Tensor:
+        """Per-token losses [b, s] with `labels`, else the logits [b, s, V/TP], as GPTModel's."""
+        logits, _ = self.output_layer(self.final_layernorm(self.input_tensor))
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """This module's entries (under its own names, which load_state_dict reads) stored as
+        the last stage's (`decoder.final_layernorm.*`, `output_layer.*`: `prefix` without this
+        module's name, which the chunk appends); replica id 1 on every rank but the owner's."""
+        base = prefix[:-len("output_head.")] if prefix.endswith("output_head.") else prefix
+        entries = {}
+        for local, stored, module in (("final_layernorm.", "decoder.final_layernorm.",
+                                       self.final_layernorm),
+                                      ("output_layer.", "output_layer.", self.output_layer)):
+            part = sharded_state_dict_default(module, prefix + local, sharded_offsets, metadata)
+            for entry in part.values():
+                if isinstance(entry, ShardedBase):
+                    entry.key = base + stored + entry.key[len(prefix + local):]
+                    if not self.owner:
+                        replica = entry.replica_id
+                        entry.replica_id = ((1, *replica[1:]) if isinstance(replica, tuple)
+                                            else (1, replica))
+            entries.update(part)
+        return entries
+
+
 def span_layer_spec(config: TransformerConfig, attention_backend: str = "auto",
                     split_backward: bool = False) -> ModuleSpec:
     """megatron's local GPT layer spec with `SpanAttention` and `SequenceParallelNorm` injected.
@@ -237,14 +315,18 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
                       architecture: Architecture = Architecture(),
                       pg_collection: Optional[ProcessGroupCollection] = None,
                       split_backward: bool = False,
-                      reset_position_ids: bool = False) -> GPTModel:
+                      reset_position_ids: bool = False,
+                      spread_output: bool = False) -> GPTModel:
     """One GPTModel chunk (the layers of `vp_stage` on this pipeline rank) that can run spans.
 
     `config` must come from `architecture.transformer_fields()` (make_transformer_config does
     that); the architecture's rotary settings go to GPTModel here. `split_backward`: the layers'
     linears (span_layer_spec) and the output layer defer their weight gradients to W actions
     (runtime/wgrad.py). `reset_position_ids`: RoPE rows from the per-token position_ids (packed
-    documents whose positions restart; runtime/positions.py)."""
+    documents whose positions restart; runtime/positions.py). `spread_output`: the output layer
+    runs as O actions on any pipeline rank (a schedule with O's, actions.OPS): the rank's last
+    chunk gets an `OutputHead` (the owner's on the last stage, whose GPTModel then ends before
+    the final norm)."""
     if position_embedding_type not in POSITION_EMBEDDINGS:
         raise ValueError(f"--position-embedding-type {position_embedding_type!r}: Seq1F1B spans "
                          f"support {', '.join(POSITION_EMBEDDINGS)}")
@@ -253,6 +335,13 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
         raise ValueError("a V placement (zbv, seq1f1b-zbv, seq1f1b-zb-auto) puts the embedding "
                          "and the output layer in two chunks of pipeline rank 0, which megatron "
                          "cannot tie: use --untie-embeddings-and-output-weights")
+    if spread_output and share_embeddings_and_output_weights:
+        raise ValueError("a schedule that spreads the output layer over the pipeline ranks (O "
+                         "actions) gives every rank a copy of it, which megatron cannot tie to "
+                         "the embedding: use --untie-embeddings-and-output-weights")
+    head_chunk = spread_output and (vp_stage or 0) == (
+        config.virtual_pipeline_model_parallel_size or 1) - 1
+    owner, post_process = post_process, post_process and not spread_output
     pp_group = getattr(pg_collection, "pp", None)
     model = GPTModel(
         config=config,
@@ -269,8 +358,14 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
         make_span_aware(model.rotary_pos_emb)
     if reset_position_ids and position_embedding_type == "rope":
         use_position_ids(model)
-    if (split_backward or config.gradient_accumulation_fusion) and post_process:
-        make_split_backward(model.output_layer)
+    if head_chunk:
+        model.output_head = OutputHead(config, vocab_size, owner, parallel_output,
+                                       pg_collection)
+    if split_backward or config.gradient_accumulation_fusion:
+        if post_process:
+            make_split_backward(model.output_layer)
+        if head_chunk:
+            make_split_backward(model.output_head.output_layer)
     return model
 
 

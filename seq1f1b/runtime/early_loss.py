@@ -123,18 +123,8 @@ class EarlyLoss:
         hidden, gradient = state.inputs.pop(span)
         if not state.inputs:
             del self._open[microbatch]
-            self._report_ready()
+            wgrad_fusion.report_ready(self._params)
         return hidden, gradient.mul_(scale)
-
-    def _report_ready(self) -> None:
-        """Run each weight's gradient hook with megatron's dummy gradient (DDP adds nothing for
-        it and counts the weight ready for its bucket's reduction); nothing without DDP."""
-        for p in self._params:
-            if not hasattr(p, "grad_added_to_main_grad"):
-                continue
-            mark = p.grad_added_to_main_grad
-            torch.autograd.backward([p], [wgrad_fusion.dummy_gradient(p)])
-            p.grad_added_to_main_grad = mark
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The buffers, kept inputs and their gradients of micro-batches in flight (the memory

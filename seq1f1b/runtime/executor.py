@@ -5,8 +5,13 @@ of the micro-batch on the first stage), run the chunk on the span with its KV co
 receive the output grad (or scale the span's loss on the last stage; with
 `--loss-backward-in-forward` F already back-propagated it through the output layer and B scales
 the gradient it kept, runtime/early_loss.py), back-propagate from the output and from this
-span's K/V with the dK/dV later spans left, send the input grad. The order is the plan's; the
-executor adds none of its own, so what the validator and simulator saw is what runs.
+span's K/V with the dK/dV later spans left, send the input grad. With O actions (the output
+layer spread over the ranks, actions.OPS) the last stage's F sends its hidden states on and its B
+waits for their gradient, as a middle stage's; O = receive them, run the rank's copy of the
+output layer and the loss (megatron_adapter.OutputHead) through the user's forward step on the
+span's labels, back-propagate at once at the span's final scale, send the gradient back. The
+order is the plan's; the executor adds none of its own, so what the validator and simulator saw
+is what runs.
 Communication too: `PipelineChannels` issues the communication plan's groups right after the
 actions they follow (`seq1f1b.plan.communication`, checked under NCCL's rules).
 
@@ -46,8 +51,9 @@ import torch.distributed as dist
 from megatron.core.utils import get_attr_wrapped_model
 
 from seq1f1b import platform
-from seq1f1b.plan.actions import Action, Schedule, ScheduleError, require_output_in_last_stage
+from seq1f1b.plan.actions import Action, Schedule, ScheduleError
 from seq1f1b.runtime.attention import cached_mask_tensors
+from seq1f1b.runtime import wgrad_fusion
 from seq1f1b.runtime.early_loss import EarlyLoss
 from seq1f1b.runtime.grad_sync import GradSync
 from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
@@ -83,7 +89,8 @@ class StepInputs:
     loss_backward_in_forward: bool = False          # runtime/early_loss.py
 
 
-_TIMER_NAMES = {"F": "forward-compute", "B": "backward-compute", "W": "weight-grad-compute"}
+_TIMER_NAMES = {"F": "forward-compute", "B": "backward-compute", "W": "weight-grad-compute",
+                "O": "forward-compute"}
 """megatron's level-2 timers (--timing-log-level 2) of each op; a timer includes the action's
 wait for its received tensor."""
 
@@ -120,7 +127,15 @@ class Executor:
                                 f"has {len(inputs.model_chunks)}")
         if len(inputs.spans) != sched.splits:
             raise ScheduleError(f"{len(inputs.spans)} span boundaries for {sched.splits} splits")
-        require_output_in_last_stage(sched, "the runtime")
+        # The output layer as a module of its own on every rank (OutputHead), when the model was
+        # built for a schedule with O actions; without O's (forward only) the last stage runs it.
+        self.head = _output_head(inputs.model_chunks[-1])
+        if sched.spread_output and self.head is None:
+            raise ScheduleError(f"schedule {sched.name!r} runs the output layer as O actions on "
+                                "any pipeline rank: build the model with spread_output=True")
+        if self.head is not None and inputs.loss_backward_in_forward:
+            raise ScheduleError("--loss-backward-in-forward: with the output layer spread over "
+                                "the ranks an O action already runs its backward at once")
         program = sched.programs[inputs.rank]
         if inputs.forward_only:
             program = tuple(a for a in program if a.op == "F")
@@ -129,15 +144,20 @@ class Executor:
                              programs, sched.placement)
         self.schedule = sched
         self.program = program
+        self.head_in_forward = self.head is not None and not sched.spread_output
         config = inputs.config
         self.config = config
         self.device = platform.compute_device()
         dtype = config.pipeline_dtype or (torch.bfloat16 if config.bf16 else
                                           torch.float16 if config.fp16 else torch.float32)
+        self.dtype = dtype
         self.channels = PipelineChannels(sched, inputs.rank, inputs.pp_group, self._shape_of,
                                          dtype, self.device, inputs.p2p_timeout_s)
         self.sources = [SpanDataSource(it, inputs.seq_length, inputs.cp_rank, inputs.cp_size)
                         for it in inputs.data_iterators]
+        self._reads_left = self._data_reads()
+        self.reports: dict[tuple[int, int], tuple] = {}   # O's (num_tokens, reduced) by unit
+        self._loss_tokens: dict[int, torch.Tensor] = {}
         self.caches: dict[tuple[int, int], MicrobatchKVCache] = {}
         self.saved: dict[tuple[int, int, int], tuple[Optional[torch.Tensor], Any]] = {}
         self.losses: dict[int, MicrobatchLoss] = {}
@@ -160,6 +180,32 @@ class Executor:
                                 "actions: build the model with split_backward=True")
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _data_reads(self) -> dict[tuple[int, int], int]:
+        """(chunk, micro-batch) -> how many span reads of its data this rank's program makes:
+        one per F, one more per run of the output layer (an O, or the last stage's F that runs
+        it itself), which reads the last chunk's data; a micro-batch is dropped at its last."""
+        reads: dict[tuple[int, int], int] = {}
+        head_chunk = self.schedule.chunks - 1
+        for action in self.program:
+            chunk = head_chunk if action.op == "O" else action.chunk
+            if action.op in ("F", "O"):
+                reads[(chunk, action.microbatch)] = reads.get((chunk, action.microbatch), 0) + 1
+            if action.op == "F" and self.head_in_forward and self._is_last_stage(action):
+                reads[(chunk, action.microbatch)] += 1
+        return reads
+
+    def _read(self, chunk: int, microbatch: int, start: int, end: int) -> Optional[Iterator]:
+        """Span [start, end) of the micro-batch from chunk `chunk`'s data, dropped at its last
+        read."""
+        key = (chunk, microbatch)
+        self._reads_left[key] -= 1
+        return self.sources[chunk].span_iterator(microbatch, start, end,
+                                                 self._reads_left[key] == 0)
+
+    def _loss_here(self, action: Action) -> bool:
+        """Whether F `action` ends in the loss: the last stage's, unless O actions run it."""
+        return self._is_last_stage(action) and not self.schedule.spread_output
+
     def _shape_of(self, span: int) -> tuple[int, int, int]:
         start, end = self.inp.spans[span]
         length = (end - start) // self.inp.cp_size
@@ -201,14 +247,18 @@ class Executor:
             input_tensor.requires_grad_()
         model = self.inp.model_chunks[c]
         _set_input_tensor(model, input_tensor)
-        data = self.sources[c].span_iterator(i, start, end, last_span)
+        data = self._read(c, i, start, end)
         if j == 0:      # flash's varlen layout reads the document ids here, with no host sync
             cache.host_document_ids = self.sources[c].host_document_ids(i)
         early = self.early.get(c) if self._is_last_stage(action) else None
         with early.forward(i, j) if early is not None else contextlib.nullcontext() as cut:
             with span_context(SpanContext(i, j, start, end, cache)), self._autocast():
                 output, loss_func = self.inp.forward_step_func(data, model)
-            if self._is_last_stage(action):
+            if self.head is not None and self._is_last_stage(action):
+                output = output.to(self.dtype)      # megatron's Float16Module made it fp32
+                if self.head_in_forward:
+                    output, loss_func = self._head_forward(i, j, output)
+            if self._loss_here(action):
                 output = self._record_loss(action, output, loss_func)
                 if early is not None:
                     self._backward_loss_now(output)
@@ -222,9 +272,59 @@ class Executor:
             if last_span:
                 del self.caches[(i, c)]
             return
-        if not self._is_last_stage(action) and self.deallocate:
+        if not self._loss_here(action) and self.deallocate:
             output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
         self.saved[action.key()] = (input_tensor, None if early is not None else output)
+
+    def _head_forward(self, microbatch: int, span: int, hidden: torch.Tensor) -> tuple:
+        """The output layer and loss of one span on `hidden` (OutputHead): the user's forward
+        step on the head reads the span's labels from the last chunk's data; a half-precision
+        loss becomes fp32, as megatron's Float16Module returns it from the last stage."""
+        start, end = self.inp.spans[span]
+        self.head.set_input_tensor(hidden)
+        data = self._read(self.schedule.chunks - 1, microbatch, start, end)
+        with self._autocast():
+            output, loss_func = self.inp.forward_step_func(data, self.head)
+        if isinstance(output, torch.Tensor) and output.dtype in (torch.float16, torch.bfloat16):
+            output = output.float()
+        return output, loss_func
+
+    def output(self, action: Action) -> None:
+        """O(i,j): the output layer and the loss of span j, forward and backward at once, on the
+        last stage's hidden states, at the span's final scale (a micro-batch's scale needs only
+        its loss tokens, which the data gives: SpanDataSource.loss_tokens); the input gradient
+        goes back to the last stage, the weights' gradients into this rank's copy's (summed over
+        the pipeline ranks after the iteration: reduce_output_grads)."""
+        i, j = action.microbatch, action.span
+        hidden = self.channels.receive(action)
+        leaf = hidden.detach().requires_grad_()
+        if i not in self._loss_tokens and not getattr(self.config, "calculate_per_token_loss",
+                                                       False):
+            self._loss_tokens[i] = self.sources[self.schedule.chunks - 1].loss_tokens(i)
+        output, loss_func = self._head_forward(i, j, leaf)
+        result = loss_func(output)
+        if len(result) not in (2, 3):
+            raise ValueError("loss_func must return (loss, reduced) or (loss, num_tokens, "
+                             f"reduced); got {len(result)} values")
+        self.reports[(i, j)] = _map_tensors(result[1:], torch.Tensor.detach)
+        loss = result[0] * self._output_scale(i, j, len(result) == 3, result[0])
+        if self.config.grad_scale_func is not None:
+            loss = self.config.grad_scale_func(loss)
+        torch.autograd.backward([loss], grad_tensors=[torch.ones_like(loss)])
+        self.channels.send(action, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+
+    def _output_scale(self, microbatch: int, span: int, per_token_form: bool,
+                      loss: torch.Tensor) -> Any:
+        """d(iteration loss)/d(span loss), as MicrobatchLoss.backward_scale gives the last stage."""
+        m, cp = self.schedule.microbatches, self.inp.cp_size
+        if not per_token_form:
+            start, end = self.inp.spans[span]
+            return (end - start) / self.inp.spans[-1][1] * cp / m
+        if getattr(self.config, "calculate_per_token_loss", False):
+            return 1.0
+        dtype = loss.dtype if loss.is_floating_point() else torch.float64
+        tokens = self._loss_tokens[microbatch].to(self.device)
+        return (cp / (tokens.clamp(min=1).double() * m)).to(dtype)
 
     def _backward_loss_now(self, loss: torch.Tensor) -> None:
         """F's backward of the span's loss through the output layer alone, at unit scale (times
@@ -262,7 +362,7 @@ class Executor:
         i, j, c = action.microbatch, action.span, action.chunk
         input_tensor, output = self.saved.pop(action.key())
         cache = self.caches[(i, c)]
-        if self._is_last_stage(action):
+        if self._loss_here(action):
             record = self.losses[i]
             scale = record.backward_scale(j, self.schedule.microbatches,
                                           getattr(self.config, "calculate_per_token_loss", False),
@@ -311,7 +411,8 @@ class Executor:
                         [p for m in self.inp.model_chunks for p in m.parameters()],
                         span_bounds=tuple(self.inp.spans))
         show_chunk = self.schedule.chunks > 1
-        run_action = {"F": self.forward, "B": self.backward, "W": self.weight_grad}
+        run_action = {"F": self.forward, "B": self.backward, "W": self.weight_grad,
+                      "O": self.output}
         sync = not self.inp.forward_only
         timed = getattr(self.config, "timers", None) is not None
         self.channels.start()
@@ -338,15 +439,55 @@ class Executor:
             trace.end()
         if not self.inp.forward_only:
             self.grad_sync.finish()
+            if self.schedule.spread_output:     # every copy counts in its bucket's reduction
+                wgrad_fusion.report_ready(list(self.head.parameters()))
         early = sum(chunk.pending() for chunk in self.early.values())
         if self.saved or self.caches or self.losses or self.wgrad.pending() or early:
             raise RuntimeError(f"pipeline rank {self.inp.rank}: {len(self.saved)} activations, "
                                f"{len(self.caches)} KV caches, {len(self.wgrad.pending())} "
                                f"deferred weight gradients and {early} micro-batches' output-"
                                "layer gradients left after the iteration")
-        if not self._holds_last_stage():
+        if self.schedule.spread_output or not self._holds_last_stage():
             return []
         return [self.forward_data_store[i] for i in sorted(self.forward_data_store)]
+
+    def gather_output_reports(self) -> list:
+        """With O actions, after `run`: every O's reported loss gathered to the last stage's
+        rank (one all_gather_object over the pipeline group, the only host sync; outside the
+        hot loop), combined per micro-batch as the last stage combines its spans; returns
+        megatron's loss entries there (and sets `total_num_tokens`), [] elsewhere."""
+        local = {unit: _map_tensors(values, torch.Tensor.cpu)
+                 for unit, values in self.reports.items()}
+        gathered: list = [None] * dist.get_world_size(self.inp.pp_group)
+        dist.all_gather_object(gathered, local, group=self.inp.pp_group)
+        self.reports.clear()
+        self._loss_tokens.clear()
+        if not self._holds_last_stage():
+            return []
+        units = {unit: values for part in gathered for unit, values in part.items()}
+        lengths = [end - start for start, end in self.inp.spans]
+        store = []
+        zero = torch.zeros((), device=self.device)
+        for i in range(self.schedule.microbatches):
+            record = MicrobatchLoss(lengths)
+            for j in range(self.schedule.splits):
+                record.add(j, (zero, *_map_tensors(units[(i, j)],
+                                                   lambda t: t.to(self.device))))
+            self.total_num_tokens += record.total_tokens().to(self.device)
+            store.append(record.combined_reduced())
+        return store
+
+    def reduce_output_grads(self) -> None:
+        """Sum the output layer's gradient copies over the pipeline group (after the
+        data-parallel reduction: each copy holds what its rank's O's added, averaged over DP),
+        so every rank steps its copy with the whole gradient."""
+        for param in self.head.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad
+            dist.all_reduce(grad, group=self.inp.pp_group)
 
     def held_tensors(self) -> list[torch.Tensor]:
         """What the executor holds outside autograd's saved tensors: stage outputs, output grads
@@ -362,6 +503,27 @@ class Executor:
     def _holds_last_stage(self) -> bool:
         last = self.schedule.num_stages - 1
         return self.schedule.owner_of(last)[0] == self.inp.rank
+
+
+def _map_tensors(value: Any, func: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`value` (a loss function's reported values: tensors in dicts, lists, tuples) with `func`
+    applied to each tensor."""
+    if isinstance(value, torch.Tensor):
+        return func(value)
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, func) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(item, func) for item in value)
+    return value
+
+
+def _output_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The `output_head` of a (wrapped) model chunk (megatron_adapter.OutputHead), or None."""
+    while not hasattr(model, "output_head"):
+        if not hasattr(model, "module"):
+            return None
+        model = model.module
+    return model.output_head
 
 
 def _set_input_tensor(model: torch.nn.Module, tensor: Optional[torch.Tensor]) -> None:

@@ -250,12 +250,16 @@ def get_forward_backward_func(name: str = "seq1f1b",
                 barrier=config.barrier_with_L1_time)
         with platform.host_sync_forbidden():   # strict mode: no host sync in the hot loop
             store = executor.run()
+        if executor.schedule.spread_output:    # the losses O actions computed, to the last rank
+            store = executor.gather_output_reports()
         if config.finalize_model_grads_func is not None and not forward_only:
             config.finalize_model_grads_func(
                 list(chunks),
                 executor.total_num_tokens if getattr(config, "calculate_per_token_loss", False)
                 else None,
                 pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        if executor.schedule.spread_output:
+            executor.reduce_output_grads()
         if config.timers is not None:
             config.timers("forward-backward").stop()
         return store

@@ -10,8 +10,10 @@ the chunk, so exactly the last contribution to every gradient is counted (the fi
 learns the expected counts, later ones launch on them).
 
 A plan is data, so the window follows from it: for each model chunk, sync opens just before the
-chunk's last B action of the rank's program. Every gradient still to come after that point is
-counted: the B's own (biases, norms, embeddings and, without a split backward, everything) and,
+chunk's last B action of the rank's program (or its last O, for the last chunk, which holds the
+output layer's copy when O actions run it; the executor reports every copy's weights once more
+after the program, so a rank that runs no O still completes its buckets). Every gradient still
+to come after that point is counted: the B's own (biases, norms, embeddings and, without a split backward, everything) and,
 with a zero-bubble schedule, the weight gradients of every W that follows, which come in when W
 runs (megatron's `delay_wgrad_compute` mechanism, `seq1f1b.runtime.wgrad`), not at B. The count
 is the same every iteration because the program is, and a bucket launches only after its last
@@ -55,7 +57,9 @@ class GradSync:
         groups = ([(func, [c]) for c, func in enumerate(no_sync) if func is not None]
                   if isinstance(no_sync, (list, tuple)) else
                   [] if no_sync is None else [(no_sync, list(range(chunks)))])
-        last_b = {a.chunk: n for n, a in enumerate(program) if a.op == "B"}
+        # An O's gradients go into the output layer's copy, a child of the last chunk.
+        last_b = {chunks - 1 if a.op == "O" else a.chunk: n for n, a in enumerate(program)
+                  if a.op in ("B", "O")}
         first_f: dict[int, int] = {}
         for n, action in enumerate(program):
             if action.op == "F":

@@ -63,20 +63,45 @@ class SpanDataSource:
         self._host_ids: dict[int, torch.Tensor] = {}
         self._next_microbatch = 0
 
-    def span_iterator(self, microbatch: int, start: int, end: int, last_span: bool
+    def span_iterator(self, microbatch: int, start: int, end: int, last_use: bool
                       ) -> Optional[Iterator]:
         """A one-item iterator over micro-batch `microbatch` cut to [start, end).
 
-        Micro-batch i is pulled from the wrapped iterator at its first span and dropped after its
-        last span. A schedule may start a later micro-batch first (a searched order, a file):
-        the ones before it are pulled then and held (their tokens only) until their turn.
+        Micro-batch i is pulled from the wrapped iterator at its first use and dropped at its
+        last (`last_use`: the last span of its forwards, or the last read of the output layer
+        when O actions read this chunk's data too). A schedule may start a later micro-batch
+        first (a searched order, a file): the ones before it are pulled then and held (their
+        tokens only) until their turn.
         """
         if self.iterator is None:
             return None
+        item = self._item(microbatch)
+        if last_use:
+            del self._held[microbatch]
+        return iter([slice_span(item, self.seq_length, start, end, self.cp_rank, self.cp_size)])
+
+    def loss_tokens(self, microbatch: int) -> torch.Tensor:
+        """The loss tokens of the whole micro-batch `microbatch` (every span, every CP rank's
+        part): the sum of its `loss_mask`, on the device the mask is on, read without a host
+        sync. What megatron's per-token loss function counts; an O action scales its span's
+        loss by it (the last stage, which sees every span's loss, counts them from the losses)."""
+        if self.iterator is None:
+            raise RuntimeError("an O action (the output layer off the last stage) reads the "
+                               "labels and the loss mask: this pipeline rank has no data iterator")
+        item = self._item(microbatch)
+        mask = item.get("loss_mask") if isinstance(item, dict) else None
+        if mask is None:
+            raise RuntimeError("an O action (the output layer off the last stage) scales each "
+                               "span's loss by its micro-batch's loss tokens, read from the "
+                               "batch's 'loss_mask': this data iterator yields none")
+        return mask.sum()
+
+    def _item(self, microbatch: int) -> Any:
+        """Micro-batch `microbatch`, pulled (with any before it) if not yet held."""
         if microbatch not in self._held:
             if microbatch < self._next_microbatch:
                 raise RuntimeError(f"micro-batch {microbatch} requested again after its last "
-                                   "span: a chunk reads each micro-batch once")
+                                   "use: a chunk reads each micro-batch once")
             while self._next_microbatch <= microbatch:
                 pulled = next(self.iterator)
                 self._held[self._next_microbatch] = pulled
@@ -84,10 +109,7 @@ class SpanDataSource:
                 if ids is not None:
                     self._host_ids[self._next_microbatch] = ids
                 self._next_microbatch += 1
-        item = self._held[microbatch]
-        if last_span:
-            del self._held[microbatch]
-        return iter([slice_span(item, self.seq_length, start, end, self.cp_rank, self.cp_size)])
+        return self._held[microbatch]
 
     def host_document_ids(self, microbatch: int) -> Optional[torch.Tensor]:
         """Micro-batch `microbatch`'s document ids as the data loader made them in host memory

@@ -103,3 +103,16 @@ def dummy_gradient(weight: torch.nn.Parameter) -> Optional[torch.Tensor]:
     make = torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like
     weight.grad_added_to_main_grad = True
     return make(weight.main_grad, dtype=weight.dtype)
+
+
+def report_ready(params) -> None:
+    """Run each weight's gradient hook with megatron's dummy gradient (DDP adds nothing for it
+    and counts the weight ready for its bucket's reduction, with `overlap_grad_reduce`); nothing
+    for a weight without DDP. For gradients that went into `main_grad` outside autograd, or that
+    a rank never computes (an output-layer copy that runs no O action)."""
+    for param in params:
+        if not hasattr(param, "grad_added_to_main_grad"):
+            continue
+        mark = param.grad_added_to_main_grad
+        torch.autograd.backward([param], [dummy_gradient(param)])
+        param.grad_added_to_main_grad = mark
