@@ -277,9 +277,14 @@ def case_plan(case: "EquivalenceCase") -> Schedule:
                           case.chunks, budget=case_budget(case))
 
 
-def check_placement(schedule: str, untie_embeddings: bool) -> None:
-    """A V placement with tied embeddings, refused before any work (ValueError, one line):
-    megatron_adapter would refuse it only when the model is built."""
+def check_placement(schedule: str, untie_embeddings: bool, spread_output: bool = False) -> None:
+    """A V placement with tied embeddings, or tied embeddings with the output layer spread over
+    the ranks (`spread_output`: a file with O actions), refused before any work (ValueError,
+    one line): megatron_adapter would refuse them only when the model is built."""
+    if spread_output and not untie_embeddings:
+        raise ValueError(f"{schedule} runs the output layer on every pipeline rank (O actions), "
+                         "which megatron cannot tie to the embedding: add "
+                         "--untie-embeddings-and-output-weights")
     if schedule not in MEGATRON_SCHEDULES and not untie_embeddings \
             and not registry.get(schedule).searched and registry.get(schedule).placement == "vshape":
         raise ValueError(f"{schedule} places the embedding and the output layer in two chunks of "
@@ -354,9 +359,11 @@ def _config(case: EquivalenceCase, tp: int, pp: int, chunks: int, sequence_paral
 
 
 def _build(case: EquivalenceCase, config, *, pre_process: bool, post_process: bool,
-           vp_stage: Optional[int]) -> torch.nn.Module:
+           vp_stage: Optional[int], spread_output: bool = False) -> torch.nn.Module:
     """A chunk on the device, where Megatron-LM's get_model puts it: without a GPU the config
-    initialises on the host (`use_cpu_initialization`), and megatron-core never moves a model."""
+    initialises on the host (`use_cpu_initialization`), and megatron-core never moves a model.
+    `spread_output`: for a plan with O actions (every rank's last chunk holds the output
+    layer's copy)."""
     return megatron_adapter.build_model_chunk(
         config, vocab_size=case.vocab_size, max_sequence_length=case.seq_length,
         position_embedding_type=case.position_embedding_type, pre_process=pre_process,
@@ -365,7 +372,8 @@ def _build(case: EquivalenceCase, config, *, pre_process: bool, post_process: bo
         attention_backend=case.attention_backend,
         architecture=megatron_adapter.Architecture.from_args(case),
         split_backward=splits_backward(case.schedule),
-        reset_position_ids=case.reset_position_ids).to(platform.compute_device())
+        reset_position_ids=case.reset_position_ids,
+        spread_output=spread_output).to(platform.compute_device())
 
 
 def global_batch(case: EquivalenceCase, dp: int) -> list[dict]:
@@ -536,11 +544,13 @@ class ParallelLayout:
         config = _config(case, case.tp, case.pp, case.chunks, case.sequence_parallel, placement,
                          case.cp)
         rank = parallel_state.get_pipeline_model_parallel_rank()
+        spread = case.schedule not in MEGATRON_SCHEDULES and case_plan(case).spread_output
         models, self.shards = [], []
         for chunk in range(case.chunks):
             vp = chunk if chunked else None
             pre, post = megatron_adapter.chunk_roles(placement, case.pp, rank, chunk, case.chunks)
-            model = _build(case, config, vp_stage=vp, pre_process=pre, post_process=post)
+            model = _build(case, config, vp_stage=vp, pre_process=pre, post_process=post,
+                           spread_output=spread)
             params = dict(model.named_parameters())
             shards = _shard_index(model)
             missing = sorted(set(params) - {shard.name for shard in shards})

@@ -311,7 +311,7 @@ def _file_run(args: argparse.Namespace) -> Run:
         schedule = schedule_file.load(args.pipeline_schedule_file)
         registry.build(schedule.name, args.pp, args.num_microbatches, schedule.splits,
                        schedule.chunks)
-        check_placement(schedule.name, args.untie_embeddings)
+        check_placement(schedule.name, args.untie_embeddings, schedule.spread_output)
     except ValueError as err:           # ScheduleError too
         raise UsageError(str(err)) from None
     if args.num_layers % (args.pp * schedule.chunks) and not (

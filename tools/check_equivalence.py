@@ -67,6 +67,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.partition = "explicit"
     from seq1f1b.equivalence import (check_budget, check_documents, check_layout,
                                      check_placement, settle_shape_flags)
+    from seq1f1b.plan import schedule_file
     try:
         check_numbers(args)
         settle_shape_flags(args)
@@ -74,7 +75,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             _take_schedule_file(args, parser)
         args.schedule = args.schedule or "seq1f1b"
         check_documents(case_from_args(args))
-        check_placement(args.schedule, args.untie_embeddings)
+        check_placement(args.schedule, args.untie_embeddings,
+                        args.pipeline_schedule_file is not None
+                        and schedule_file.load(args.pipeline_schedule_file).spread_output)
         check_layout(case_from_args(args))
         check_budget(case_from_args(args))
     except ValueError as err:      # one line, before any process group exists (ScheduleError too)

@@ -281,7 +281,7 @@ def _file_schedule(args: argparse.Namespace):
         raise UsageError("--pipeline-schedule-file replaces --schedule: give one of them")
     if args.schedule_memory_cap is not None:
         raise UsageError("--schedule-memory-cap: a schedule file is not searched")
-    schedule = schedule_file.load(args.pipeline_schedule_file, to_run=False)
+    schedule = schedule_file.load(args.pipeline_schedule_file)
     schedule_file.check_shape(schedule, {"--pp": args.pp, "--microbatches": args.microbatches,
                                          "--splits": args.splits, "--chunks": args.chunks})
     args.schedule, args.pp, args.microbatches, args.splits, args.chunks = (

@@ -8,8 +8,8 @@ edited and run. P, m, k and V are read from the actions. A leading comment line
 (chunk c of rank r is stage cP + r). Blank lines and other `#` lines are skipped.
 
 A file may spread the output layer over the ranks (O actions, actions.OPS): `plan.py simulate`,
-`comm` and `memory` read it; the tools that run a schedule refuse it, since the runtime does not
-run O actions yet.
+`comm` and `memory` read it, `check_equivalence.py` and `benchmark.py` run it (every rank then
+holds a copy of the output layer, megatron_adapter.OutputHead).
 
 Before anything runs, the schedule is checked as the registry's are: every action parses, the
 dependency rules hold and it cannot deadlock (validate.py), and the communication it implies
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import (PLACEMENTS, Action, Schedule, ScheduleError, parse_action,
-                                  require_output_in_last_stage, split_full_backwards)
+                                  split_full_backwards)
 from seq1f1b.plan.communication import communication_plan
 from seq1f1b.plan.nccl import validate_modes
 from seq1f1b.plan.torch_format import read_torch_csv
@@ -49,15 +49,11 @@ _PLACEMENT_LINE = re.compile(r"#\s*placement\s*:\s*(\S+)\s*$")
 _TORCH_ACTION = re.compile(r"^\d+(F|B|W|I|FULL_BACKWARD)\d+$")
 
 
-def load(path: str | Path, to_run: bool = True) -> Schedule:
+def load(path: str | Path) -> Schedule:
     """Read, check and register the schedule in `path`; its name is the registry's
     (`file:PATH`). ScheduleError (one line naming the file and the first bad action) when it is
-    not valid, or, `to_run` (a trainer, the benchmark, the equivalence check), when it spreads the
-    output layer over the ranks (O actions), which plan.py reads and the runtime does not run
-    yet."""
+    not valid."""
     schedule = read(path)
-    if to_run:
-        require_output_in_last_stage(schedule, f"{FLAG} {path}")
     name = schedule.name
     if name in registry.names():
         if registry.build(name, schedule.pp, schedule.microbatches, schedule.splits,

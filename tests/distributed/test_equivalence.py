@@ -34,6 +34,7 @@ import pytest
 from launch import run_cases
 from seq1f1b.plan import registry, schedule_file
 from seq1f1b.plan.actions import Action, Schedule
+from spread_orders import spread_order
 
 L8 = {"num_layers": 8}
 FULL = {"recompute_granularity": "full"}
@@ -249,22 +250,59 @@ def _swapped(schedule: Schedule) -> Schedule:
               for a in program) for program in schedule.programs))
 
 
+SPREAD = [
+    (2, (2, 2, 2, 1, "loop"), {}),
+    (2, (2, 4, 2, 2, "vshape"), {}),
+    (2, (2, 4, 3, 2, "loop"), L8),
+    (4, (4, 4, 2, 1, "loop"), {**LLAMA, "ffn_hidden_size": 64}),
+    (4, (2, 4, 2, 2, "vshape"), {"tp": 2, "sequence_parallel": True}),
+    (4, (2, 4, 2, 2, "vshape"), {}),                        # DP 2
+    (4, (2, 2, 2, 1, "loop"), {"cp": 2}),
+    (4, (2, 2, 2, 1, "loop"), {"tp": 2, **UNFUSED}),
+]
+"""The output layer spread over the ranks (O actions: every rank's last chunk holds a copy,
+megatron_adapter.OutputHead): (world, (P, m, k, V, placement) of a searched order, the case's
+other fields). Each order is the greedy's with O's on several ranks (spread_orders.py),
+written to a file and run from it: PP 2 and 4, a loop of one and two chunks and a V (split
+backward), Llama layers, TP 2 with SP, DP 2, CP 2, unfused weight gradients."""
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("schedule_file")
     name, pp, m, k, v = FILE_PLAN
-    path = tmp_path_factory.mktemp("schedule_file") / f"{name}.csv"
+    path = folder / f"{name}.csv"
     path.write_text(schedule_file.write(_swapped(registry.build(name, pp, m, k, v))))
-    file_case = {"pipeline_schedule_file": str(path), "pp": pp, "num_microbatches": m,
-                 "splits": k, "chunks": v}
-    out = {world: run_cases(world, "equivalence_worker.py",
-                            cases + ([file_case] if world == 2 else []))
-           for world, cases in CASES.items()}
-    out["file"] = out[2].pop()
+    extra = {2: [("file", {"pipeline_schedule_file": str(path), "pp": pp, "num_microbatches": m,
+                           "splits": k, "chunks": v})]}
+    for n, (world, (pp, m, k, v, placement), fields) in enumerate(SPREAD):
+        path = folder / f"spread{n}.csv"
+        path.write_text(schedule_file.write(spread_order(pp, m, k, v, placement)))
+        extra.setdefault(world, []).append((("spread", n), {
+            "pipeline_schedule_file": str(path), "pp": pp, "num_microbatches": m, "splits": k,
+            "chunks": v, "untie_embeddings": True, **fields}))
+    out = {}
+    for world, cases in CASES.items():
+        added = extra.get(world, [])
+        ran = run_cases(world, "equivalence_worker.py", cases + [case for _, case in added])
+        out[world] = ran[:len(cases)]
+        out.update({key: result for (key, _), result in zip(added, ran[len(cases):])})
     return out
 
 
 def test_a_schedule_from_a_file_is_exact(results):
     result = results["file"]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    assert result["case"]["schedule"].startswith("file:") and result["params_compared"] > 0
+    assert result["loss_rel_diff"] <= 1e-6 and result["max_rel_grad_diff"] <= 1e-5, result
+    assert result["passed"]
+
+
+@pytest.mark.parametrize("n", range(len(SPREAD)))
+def test_the_output_layer_spread_over_the_ranks_is_exact(results, n):
+    """O actions on several ranks: the loss, every gradient, and each rank's copy of the output
+    layer's gradients (summed over the pipeline ranks) equal the unsplit model's."""
+    result = results[("spread", n)]
     assert "error" not in result, result.get("traceback", result.get("error"))
     assert result["case"]["schedule"].startswith("file:") and result["params_compared"] > 0
     assert result["loss_rel_diff"] <= 1e-6 and result["max_rel_grad_diff"] <= 1e-5, result

@@ -9,7 +9,9 @@ micro-batches call for, and the p2p and CP collectives of all four ranks replaye
 on its communicator, finish under both modes (eager: every communicator on one device stream).
 An order the search's greedy places keeping no promises, run from a file, finishes too, and so
 do runs with the output layer's backward in F (--loss-backward-in-forward: TP collectives move
-into F, the p2p and CP calls must not change)."""
+into F, the p2p and CP calls must not change), and orders with the output layer spread over the
+ranks (O actions: the last stage's hidden states to the O's rank and their gradient back), on a
+loop and a V, with TP 2 and SP, and with CP 2 (every rank replayed together)."""
 import pytest
 
 from launch import run_cases
@@ -20,6 +22,7 @@ from seq1f1b.plan.registry import build
 from seq1f1b.plan.schedules.greedy import Placer, Policy, Problem
 from seq1f1b.plan.schedules.zero_bubble_v import default_cap
 from seq1f1b.schedule_compare import CostModel
+from spread_orders import spread_order
 
 L8 = {"num_layers": 8}
 EARLY = {"loss_backward_in_forward": True}    # the output layer's backward in F (early_loss.py)
@@ -89,15 +92,30 @@ def no_promises_order() -> Schedule:
                     "vshape")
 
 
+SPREAD = [(2, (2, 4, 2, 1, "loop"), {}), (2, (2, 4, 2, 2, "vshape"), {}),
+          (4, (2, 4, 2, 2, "vshape"), {"tp": 2, "sequence_parallel": True}),
+          (4, (2, 2, 2, 1, "loop"), {"cp": 2})]
+"""(world, (P, m, k, V, placement) of an order with O's on both ranks, other fields)."""
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    path = tmp_path_factory.mktemp("no_promises") / "no_promises.csv"
+    folder = tmp_path_factory.mktemp("no_promises")
+    path = folder / "no_promises.csv"
     path.write_text(schedule_file.write(no_promises_order()))
-    file_case = {"pipeline_schedule_file": str(path), **NO_PROMISES}
-    out = {world: run_cases(world, "p2p_record_worker.py",
-                            cases + ([file_case] if world == 2 else []))
-           for world, cases in CASES.items()}
-    out["no_promises"] = out[2].pop()
+    extra = {2: [("no_promises", {"pipeline_schedule_file": str(path), **NO_PROMISES})]}
+    for n, (world, (pp, m, k, v, placement), fields) in enumerate(SPREAD):
+        path = folder / f"spread{n}.csv"
+        path.write_text(schedule_file.write(spread_order(pp, m, k, v, placement)))
+        extra.setdefault(world, []).append((("spread", n), {
+            "pipeline_schedule_file": str(path), "pp": pp, "num_microbatches": m, "splits": k,
+            "chunks": v, "untie_embeddings": True, **fields}))
+    out = {}
+    for world, cases in CASES.items():
+        added = extra.get(world, [])
+        ran = run_cases(world, "p2p_record_worker.py", cases + [case for _, case in added])
+        out[world] = ran[:len(cases)]
+        out.update({key: result for (key, _), result in zip(added, ran[len(cases):])})
     return out
 
 
@@ -126,6 +144,20 @@ def test_an_order_placed_keeping_no_promises_finishes_under_nccl_rules(results):
     assert result["groups"] > 0 and result["pipeline_groups"] == 1
     assert result["problems"] == {"lazy": [], "eager": []}
     assert result["plan_equal"]
+
+
+@pytest.mark.parametrize("n", range(len(SPREAD)))
+def test_orders_with_the_output_layer_spread_finish_under_nccl_rules(results, n):
+    world, _, fields = SPREAD[n]
+    result = results[("spread", n)]
+    assert result["error"] is None, result["error"]
+    assert result["case"].startswith("file:") and result["passed"]     # exact, too
+    assert result["groups"] > 0 and result["pipeline_groups"] == world // 2
+    assert result["problems"] == {"lazy": [], "eager": []}
+    assert result["plan_equal"]
+    if fields.get("cp"):
+        assert result["cp_same_order"]
+        assert result["global_problems"] == {"lazy": [], "eager": []}
 
 
 def test_the_old_order_passes_on_gloo_and_its_recorded_calls_deadlock(results):
