@@ -39,7 +39,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         architecture=Architecture.from_args(args),
         split_backward=splits_backward(args.pipeline_schedule),
-        reset_position_ids=args.reset_position_ids)
+        reset_position_ids=args.reset_position_ids,
+        spread_output=args.pipeline_spread_output)
 
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")

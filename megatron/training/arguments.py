@@ -814,6 +814,7 @@ def _validate_schedule(args: argparse.Namespace) -> None:
                 PIPE_SP_STRATEGIES.get(args.pipe_sp_strategy))
     del args.pipe_sp_splits, args.pipe_sp_strategy
     spans = args.seq1f1b_span_lengths
+    args.pipeline_spread_output = False     # a schedule file with O actions sets it
     if args.pipeline_schedule_file is not None:
         _load_schedule_file(args)
     if args.pipeline_schedule is None:
@@ -900,6 +901,15 @@ def _load_schedule_file(args: argparse.Namespace) -> None:
     except ScheduleError as err:
         _fail(str(err))
     args.pipeline_schedule = schedule.name
+    args.pipeline_spread_output = schedule.spread_output
+    if schedule.spread_output:
+        what = (f"--pipeline-schedule-file {args.pipeline_schedule_file} runs the output layer "
+                "on every pipeline rank (O actions)")
+        if not args.untie_embeddings_and_output_weights:
+            _fail(f"{what}, which megatron cannot tie to the embedding: add "
+                  "--untie-embeddings-and-output-weights")
+        if args.loss_backward_in_forward:
+            _fail(f"--loss-backward-in-forward: {what}, whose backward runs at once already")
     if args.seq1f1b_splits is None and args.seq1f1b_span_lengths is None:
         args.seq1f1b_splits = schedule.splits
 

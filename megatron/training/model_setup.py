@@ -91,6 +91,8 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
             vp_stage=vp, config=config).to(platform.compute_device())   # as Megatron's get_model
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if args.pipeline_spread_output:
+            _copy_output_layer_from_owner(chunk)
         if args.fp16 or args.bf16:
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
@@ -111,6 +113,22 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
         config.param_sync_func = param_sync if len(param_sync) > 1 else param_sync[0]
     config.finalize_model_grads_func = finalize_model_grads
     return model
+
+
+def _copy_output_layer_from_owner(chunk: torch.nn.Module) -> None:
+    """With O actions every rank's last chunk holds a copy of the output layer
+    (megatron_adapter.OutputHead), each initialised from its own rank's seed: all take the last
+    stage's (the owner's) weights, as a checkpoint load gives every copy the same ones."""
+    head = getattr(chunk, "output_head", None)
+    if head is None:
+        return
+    group = parallel_state.get_pipeline_model_parallel_group()
+    owners = torch.tensor([parallel_state.get_pipeline_model_parallel_rank() if head.owner
+                           else -1], device=platform.compute_device())
+    torch.distributed.all_reduce(owners, op=torch.distributed.ReduceOp.MAX, group=group)
+    with torch.no_grad():
+        for param in head.parameters():
+            torch.distributed.broadcast(param.data, group_src=int(owners), group=group)
 
 
 @contextlib.contextmanager
@@ -163,8 +181,11 @@ def build_lr_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer
 
 
 def reads_data_on_every_stage(args: object) -> bool:
-    """Whether every pipeline stage reads the micro-batches: with packed documents."""
-    return bool(args.reset_attention_mask or args.reset_position_ids)
+    """Whether every pipeline stage reads the micro-batches: with packed documents, and with
+    the output layer spread over the ranks (an O action reads its span's labels and loss mask
+    on any rank)."""
+    return bool(args.reset_attention_mask or args.reset_position_ids
+                or getattr(args, "pipeline_spread_output", False))
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -72,6 +72,7 @@ from seq1f1b.plan import registry, schedule_file
 
 sys.path.insert(0, str(ROOT / "tests"))
 import megatron_llama3_script as llama3  # noqa: E402
+from spread_orders import spread_order  # noqa: E402
 
 WORLD = 4
 CASES_PER_LAUNCH = 10
@@ -181,6 +182,16 @@ def _v_cases(data_prefix: str, root) -> dict:
         "--decoder-first-pipeline-num-layers", "1", "--load", str(root / V_RESHARD_FROM)]
     cases[("layout", "from_loop")] = flags + saving + [
         "--pipeline-model-parallel-layout", "Et*3|tL", "--load", str(root / V_RESHARD_FROM)]
+    spread = root / "spread-v.csv"       # the output layer on both ranks (O actions)
+    spread.write_text(schedule_file.write(spread_order(2, 4, 2, 2, "vshape")))
+    v_file = flags + V_FLAGS + ["--pipeline-schedule-file", str(spread), "--eval-interval", "2",
+                                "--eval-iters", "1"]
+    cases[("spread", "straight")] = v_file
+    cases[("spread", "seq1f1b-zbv")] = flags + V_SCHEDULES["seq1f1b-zbv"] + v_file[-4:]
+    cases[("spread", "first_half")] = v_file + ["--save", str(root / "spread"),
+                                                "--exit-interval", str(N)]
+    cases[("spread", "resumed")] = v_file + ["--load", str(root / "spread")]
+    cases[("spread", "to_loop")] = flags + saving + ["--load", str(root / "spread")]
     own, evaluated = str(root / "zbv"), ["--eval-interval", "2", "--eval-iters", "1"]
     cases[("v", "zbv", "straight")] = flags + V_SCHEDULES["zbv"] + evaluated
     cases[("v", "zbv", "first_half")] = flags + V_SCHEDULES["zbv"] + evaluated + [
@@ -225,6 +236,10 @@ OVERLAP_LAYOUTS = {   # name: (flags of both runs, flags the overlapped run adds
     "seq1f1b-early": (["--pipeline-schedule", "seq1f1b", "--seq1f1b-splits", "2",
                        "--use-distributed-optimizer", "--loss-backward-in-forward"], OVERLAP),
 }
+SPREAD_OVERLAP = ["--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
+                  "--use-distributed-optimizer", *OVERLAP]
+"""PP2 x DP2 with the distributed optimizer and both overlaps, four micro-batches of 1: a loop
+with the output layer spread (a file, `spread_overlap`) against seq1f1b-zb-h1 (`zb_overlap`)."""
 
 
 def _overlap_flags(data_prefix: str, layout: str, overlapped: bool) -> list[str]:
@@ -328,6 +343,14 @@ def results(data_prefix, tmp_path_factory):
         for overlapped in (False, True):
             cases[("overlap", layout, overlapped)] = {
                 "argv": _overlap_flags(data_prefix, layout, overlapped)}
+    spread = root / "spread-loop.csv"
+    spread.write_text(schedule_file.write(spread_order(2, 4, 2, 1, "loop")))
+    overlapped = _model_flags(data_prefix) + SPREAD_OVERLAP + [
+        "--pipeline-model-parallel-size", "2", "--train-iters", str(SCHEDULE_ITERS),
+        "--eval-interval", "5", "--eval-iters", "1"]
+    cases["spread_overlap"] = {"argv": overlapped + ["--pipeline-schedule-file", str(spread)]}
+    cases["zb_overlap"] = {"argv": overlapped + ["--pipeline-schedule", "seq1f1b-zb-h1",
+                                                 "--seq1f1b-splits", "2"]}
     fake = root / "fake_wandb"
     fake.mkdir()
     (fake / "wandb.py").write_text(FAKE_WANDB)
@@ -798,6 +821,38 @@ def test_a_v_run_resumes_exactly_and_its_checkpoint_resumes_in_a_loop(results):
         pytest.approx([r["grad_norm"] for r in resumed["history"]], rel=1e-5)
     losses = _losses(straight)
     assert losses[-1] < losses[0]
+
+
+def test_the_output_layer_spread_over_the_ranks_trains_as_the_last_stage_runs_it(results):
+    """O actions on both ranks of a V (a searched order from a file, every rank holding a copy
+    of the output layer): the losses, grad norms and evaluations of seq1f1b-zbv (the same
+    model: the copies start from the last stage's weights); saved at N and resumed bit for bit;
+    its checkpoint resumes in a loop without copies with the same losses."""
+    straight, zbv, first, resumed, to_loop = (results[("spread", case)] for case in (
+        "straight", "seq1f1b-zbv", "first_half", "resumed", "to_loop"))
+    assert len(straight["history"]) == RESHARD_ITERS and len(straight["validation"]) == 4
+    assert _losses(straight) == pytest.approx(_losses(zbv), rel=1e-6, abs=0)
+    assert [r["grad_norm"] for r in straight["history"]] == \
+        pytest.approx([r["grad_norm"] for r in zbv["history"]], rel=1e-5)
+    assert [e["lm loss"] for _, e in straight["validation"]] == \
+        pytest.approx([e["lm loss"] for _, e in zbv["validation"]], rel=1e-6)
+    assert first["history"] + resumed["history"] == straight["history"]   # bit for bit
+    assert first["validation"] + resumed["validation"] == straight["validation"]
+    assert _losses(to_loop) == pytest.approx(_losses(resumed), rel=1e-6, abs=0)
+
+
+def test_the_output_layer_spread_trains_with_the_distributed_optimizer_and_overlap(results):
+    """PP2 x DP2, distributed optimizer, overlapped gradient reduction and parameter gathering:
+    each copy's gradient has a bucket of its own, a rank without an O still reports it ready,
+    the copies' gradients are summed over the pipeline ranks after the DP reduction and counted
+    once in the grad norm: the run logs seq1f1b-zb-h1's figures."""
+    spread, plain = results["spread_overlap"], results["zb_overlap"]
+    assert len(spread["history"]) == SCHEDULE_ITERS
+    assert _losses(spread) == pytest.approx(_losses(plain), rel=1e-5, abs=0)
+    assert [r["grad_norm"] for r in spread["history"]] == \
+        pytest.approx([r["grad_norm"] for r in plain["history"]], rel=1e-4)
+    assert [e["lm loss"] for _, e in spread["validation"]] == \
+        pytest.approx([e["lm loss"] for _, e in plain["validation"]], rel=1e-5)
 
 
 def test_resume_keeps_the_checkpoints_padded_vocabulary(results):
