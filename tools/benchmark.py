@@ -306,12 +306,17 @@ def _file_run(args: argparse.Namespace) -> Run:
     """The entry of --pipeline-schedule-file (loaded: checked and registered)."""
     from seq1f1b.equivalence import check_placement
     from seq1f1b.plan import registry, schedule_file
+    from seq1f1b.plan.actions import require_output_in_last_stage
 
     try:
         schedule = schedule_file.load(args.pipeline_schedule_file)
         registry.build(schedule.name, args.pp, args.num_microbatches, schedule.splits,
                        schedule.chunks)
-        check_placement(schedule.name, args.untie_embeddings, schedule.spread_output)
+        check_placement(schedule.name, args.untie_embeddings)
+        require_output_in_last_stage(schedule, f"--pipeline-schedule-file "
+                                               f"{args.pipeline_schedule_file}: the "
+                                               f"benchmark's analysis (its ideal replay, "
+                                               f"calibration and memory estimate)")
     except ValueError as err:           # ScheduleError too
         raise UsageError(str(err)) from None
     if args.num_layers % (args.pp * schedule.chunks) and not (

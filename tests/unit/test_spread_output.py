@@ -3,6 +3,8 @@ timing and bytes, the cost model, the search and its bound, and the refusals whe
 modelled yet (issue 26, item 5)."""
 import importlib.util
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,8 +25,8 @@ from seq1f1b.plan.simulate import model_costs, simulate, uniform_costs
 from seq1f1b.plan.torch_format import write_torch_csv
 from seq1f1b.plan.validate import find_problems, validate
 
-_spec = importlib.util.spec_from_file_location(
-    "plan_cli", Path(__file__).resolve().parents[2] / "tools" / "plan.py")
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "tools" / "plan.py")
 plan_cli = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plan_cli)
 
@@ -187,7 +189,13 @@ def test_where_o_actions_are_not_modelled_yet_they_are_refused_in_one_line(capsy
         solve(schedule, costs, 1e9, 1.0)
     path = tmp_path / "spread.csv"
     path.write_text(schedule.to_csv())
-    assert schedule_file.load(path).spread_output      # plan.py, the check, the benchmark read it
+    assert schedule_file.load(path).spread_output      # plan.py, the check, the trainer run it
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "benchmark.py"),
+                           "--pipeline-schedule-file", str(path), "--pp", "2",
+                           "--num-microbatches", "1", "--untie-embeddings-and-output-weights"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "the benchmark's analysis" in proc.stderr
     code = plan_cli.main(["simulate", "--pipeline-schedule-file", str(path), "--uniform-cost",
                           "1", "2"])
     err = capsys.readouterr().err
