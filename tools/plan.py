@@ -669,11 +669,10 @@ def cmd_search(args: argparse.Namespace) -> None:
               f"bound {bound}")
     if args.save_schedule:
         saved = out["saved"]
-        use = ("plan.py simulate, comm and memory read it; the trainer does not run O actions "
-               "yet"
-               if schedule.spread_output else
-               f"train it: pretrain_gpt.py --pipeline-schedule-file {saved['path']}"
-               + (f" --pipeline-model-parallel-layout '{layout}'" if layout is not None else ""))
+        saved_spread = best[1].spread_output
+        use = (f"train it: pretrain_gpt.py --pipeline-schedule-file {saved['path']}"
+               + (f" --pipeline-model-parallel-layout '{layout}'" if layout is not None else "")
+               + (" --untie-embeddings-and-output-weights" if saved_spread else ""))
         print(f"wrote {saved['path']}: {saved['order']}'s order, makespan "
               f"{saved['makespan']:.6g} ({use})")
 

@@ -268,6 +268,12 @@ def test_plan_search_saves_a_spread_order_that_simulate_and_comm_read_back(capsy
                           "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     assert found["output_layer"] == "spread" and found["saved"]["path"] == str(path)
+    text = tmp_path / "text.csv"          # the line says how to train it
+    assert plan_cli.main(["search", "--pp", "2", "--microbatches", "2", "--splits", "4",
+                          *model, "--spread-output", "--save-schedule", str(text)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        f"(train it: pretrain_gpt.py --pipeline-schedule-file {text} "
+        "--untie-embeddings-and-output-weights)")
     assert schedule_file.load(path).spread_output
     assert plan_cli.main(["simulate", "--pipeline-schedule-file", str(path), *model,
                           "--json"]) == 0
