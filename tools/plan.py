@@ -966,8 +966,8 @@ def build_parser() -> Parser:
     search.add_argument("--save-schedule", metavar="FILE.csv",
                         help="write the shortest order found (with --exact, CP-SAT's where it is "
                              "shorter) as a schedule file, for pretrain_gpt.py "
-                             "--pipeline-schedule-file (one with the output layer spread: for "
-                             "plan.py simulate, comm and memory)")
+                             "--pipeline-schedule-file (one with the output layer spread also "
+                             "needs --untie-embeddings-and-output-weights there)")
     search.set_defaults(run=cmd_search)
 
     comp = commands.add_parser("compare", help="our schedules beside torch's ZB-V, DualPipeV "
