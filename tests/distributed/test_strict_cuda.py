@@ -4,7 +4,8 @@
 - equivalence: every world-2 case of test_equivalence (every registered schedule and megatron's
   own 1F1B; TP with and without sequence parallelism, DP, full and selective activation
   recompute, with dropout too) and its TP2 x PP2 cases with sequence parallelism, exact against
-  the unsplit model;
+  the unsplit model; and orders with the output layer spread over the ranks (O actions, from a
+  file) on a V at PP 2 and at TP2 x PP2 with sequence parallelism;
 - training: pretrain_gpt.py's PP2 x DP2 layout with the distributed optimizer, 2 x N iterations
   straight and N + N resumed from a checkpoint, bit for bit (batches reach the device on the
   stages that use them; the checkpoint's collectives pass NCCL's rules);
@@ -19,6 +20,8 @@ import pytest
 
 from launch import ROOT, _free_port, run_cases
 from test_benchmark import ENV
+from spread_orders import spread_order
+from seq1f1b.plan import schedule_file
 from test_equivalence import CASES
 from test_training import N, _resume_flags, data_prefix  # noqa: F401 (a fixture)
 
@@ -28,10 +31,21 @@ EQUIVALENCE = {2: CASES[2],
                    and case.get("sequence_parallel")]}
 
 
+SPREAD = {2: {}, 4: {"tp": 2, "sequence_parallel": True}}
+"""world -> the case's other fields, for a V order with O's on both ranks (P 2, m 4, k 2)."""
+
+
 @pytest.fixture(scope="module")
-def equivalence():
-    return {world: run_cases(world, "equivalence_worker.py", cases, env=STRICT)
-            for world, cases in EQUIVALENCE.items()}
+def equivalence(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spread") / "spread.csv"
+    path.write_text(schedule_file.write(spread_order(2, 4, 2, 2, "vshape")))
+    spread = {"pipeline_schedule_file": str(path), "pp": 2, "num_microbatches": 4, "splits": 2,
+              "chunks": 2, "untie_embeddings": True}
+    out = {world: run_cases(world, "equivalence_worker.py",
+                            cases + [{**spread, **SPREAD[world]}], env=STRICT)
+           for world, cases in EQUIVALENCE.items()}
+    out["spread"] = {world: out[world].pop() for world in SPREAD}
+    return out
 
 
 PARAMS = [(world, n) for world, cases in EQUIVALENCE.items() for n in range(len(cases))]
@@ -43,6 +57,13 @@ def test_strict_equivalence(equivalence, param):
     result = equivalence[world][n]
     assert "error" not in result, result.get("traceback", result.get("error"))
     assert result["passed"], result
+
+
+@pytest.mark.parametrize("world", sorted(SPREAD))
+def test_strict_equivalence_with_the_output_layer_spread(equivalence, world):
+    result = equivalence["spread"][world]
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    assert result["case"]["schedule"].startswith("file:") and result["passed"], result
 
 
 def test_strict_training_resumes_bit_for_bit(data_prefix, tmp_path):  # noqa: F811
