@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
-from seq1f1b.plan import registry
+from seq1f1b.plan import registry, schedule_file
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.plan.partition import partition
@@ -31,3 +32,17 @@ def spread_order(pp: int, m: int, k: int, chunks: int, placement: str) -> Schedu
     if len(set(schedule.output_ranks.values())) < 2:
         raise AssertionError(f"{schedule.name}: the search kept every O on one rank")
     return schedule
+
+
+def spread_cases(folder: Path, spread: list[tuple[int, tuple, dict]]
+                 ) -> dict[int, list[tuple[tuple[str, int], dict]]]:
+    """For each (world, (P, m, k, V, placement), other fields) of `spread`: its order written to
+    a file in `folder` and the equivalence case that runs it, keyed ("spread", n), by world."""
+    extra: dict[int, list] = {}
+    for n, (world, (pp, m, k, chunks, placement), fields) in enumerate(spread):
+        path = folder / f"spread{n}.csv"
+        path.write_text(schedule_file.write(spread_order(pp, m, k, chunks, placement)))
+        extra.setdefault(world, []).append((("spread", n), {
+            "pipeline_schedule_file": str(path), "pp": pp, "num_microbatches": m, "splits": k,
+            "chunks": chunks, "untie_embeddings": True, **fields}))
+    return extra

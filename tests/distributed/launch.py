@@ -41,3 +41,16 @@ def run_cases(world_size: int, worker: str, cases: list[dict], timeout_s: int = 
             raise RuntimeError(f"torchrun x{world_size} failed ({proc.returncode}):\n"
                                f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
         return json.loads(results_path.read_text())
+
+
+def run_worlds(worker: str, cases: dict[int, list[dict]],
+               extra: dict[int, list[tuple[object, dict]]]) -> dict:
+    """Each world's `cases` and its `extra` (key, case) pairs in one launch per world: the
+    result's [world] is the list of the cases' results, in order, and [key] each extra's."""
+    out: dict = {}
+    for world, listed in cases.items():
+        added = extra.get(world, [])
+        ran = run_cases(world, worker, listed + [case for _, case in added])
+        out[world] = ran[:len(listed)]
+        out.update({key: result for (key, _), result in zip(added, ran[len(listed):])})
+    return out

@@ -31,10 +31,10 @@ from dataclasses import replace
 
 import pytest
 
-from launch import run_cases
+from launch import run_worlds
 from seq1f1b.plan import registry, schedule_file
 from seq1f1b.plan.actions import Action, Schedule
-from spread_orders import spread_order
+from spread_orders import spread_cases
 
 L8 = {"num_layers": 8}
 FULL = {"recompute_granularity": "full"}
@@ -273,21 +273,11 @@ def results(tmp_path_factory):
     name, pp, m, k, v = FILE_PLAN
     path = folder / f"{name}.csv"
     path.write_text(schedule_file.write(_swapped(registry.build(name, pp, m, k, v))))
-    extra = {2: [("file", {"pipeline_schedule_file": str(path), "pp": pp, "num_microbatches": m,
-                           "splits": k, "chunks": v})]}
-    for n, (world, (pp, m, k, v, placement), fields) in enumerate(SPREAD):
-        path = folder / f"spread{n}.csv"
-        path.write_text(schedule_file.write(spread_order(pp, m, k, v, placement)))
-        extra.setdefault(world, []).append((("spread", n), {
-            "pipeline_schedule_file": str(path), "pp": pp, "num_microbatches": m, "splits": k,
-            "chunks": v, "untie_embeddings": True, **fields}))
-    out = {}
-    for world, cases in CASES.items():
-        added = extra.get(world, [])
-        ran = run_cases(world, "equivalence_worker.py", cases + [case for _, case in added])
-        out[world] = ran[:len(cases)]
-        out.update({key: result for (key, _), result in zip(added, ran[len(cases):])})
-    return out
+    first = [("file", {"pipeline_schedule_file": str(path), "pp": pp, "num_microbatches": m,
+                        "splits": k, "chunks": v})]
+    extra = spread_cases(folder, SPREAD)
+    extra[2] = first + extra.get(2, [])
+    return run_worlds("equivalence_worker.py", CASES, extra)
 
 
 def test_a_schedule_from_a_file_is_exact(results):

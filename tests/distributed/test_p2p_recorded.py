@@ -14,7 +14,7 @@ ranks (O actions: the last stage's hidden states to the O's rank and their gradi
 loop and a V, with TP 2 and SP, and with CP 2 (every rank replayed together)."""
 import pytest
 
-from launch import run_cases
+from launch import run_worlds
 from seq1f1b.plan import registry, schedule_file
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.costs import preset
@@ -22,7 +22,7 @@ from seq1f1b.plan.registry import build
 from seq1f1b.plan.schedules.greedy import Placer, Policy, Problem
 from seq1f1b.plan.schedules.zero_bubble_v import default_cap
 from seq1f1b.schedule_compare import CostModel
-from spread_orders import spread_order
+from spread_orders import spread_cases
 
 L8 = {"num_layers": 8}
 EARLY = {"loss_backward_in_forward": True}    # the output layer's backward in F (early_loss.py)
@@ -103,20 +103,10 @@ def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("no_promises")
     path = folder / "no_promises.csv"
     path.write_text(schedule_file.write(no_promises_order()))
-    extra = {2: [("no_promises", {"pipeline_schedule_file": str(path), **NO_PROMISES})]}
-    for n, (world, (pp, m, k, v, placement), fields) in enumerate(SPREAD):
-        path = folder / f"spread{n}.csv"
-        path.write_text(schedule_file.write(spread_order(pp, m, k, v, placement)))
-        extra.setdefault(world, []).append((("spread", n), {
-            "pipeline_schedule_file": str(path), "pp": pp, "num_microbatches": m, "splits": k,
-            "chunks": v, "untie_embeddings": True, **fields}))
-    out = {}
-    for world, cases in CASES.items():
-        added = extra.get(world, [])
-        ran = run_cases(world, "p2p_record_worker.py", cases + [case for _, case in added])
-        out[world] = ran[:len(cases)]
-        out.update({key: result for (key, _), result in zip(added, ran[len(cases):])})
-    return out
+    first = [("no_promises", {"pipeline_schedule_file": str(path), **NO_PROMISES})]
+    extra = spread_cases(folder, SPREAD)
+    extra[2] = first + extra.get(2, [])
+    return run_worlds("p2p_record_worker.py", CASES, extra)
 
 
 def test_cases_cover_every_registry_schedule_with_tp_and_sp():
