@@ -13,11 +13,12 @@ A plan is data, so the window follows from it: for each model chunk, sync opens 
 chunk's last B action of the rank's program (or its last O, for the last chunk, which holds the
 output layer's copy when O actions run it; the executor reports every copy's weights once more
 after the program, so a rank that runs no O still completes its buckets). Every gradient still
-to come after that point is counted: the B's own (biases, norms, embeddings and, without a split backward, everything) and,
-with a zero-bubble schedule, the weight gradients of every W that follows, which come in when W
-runs (megatron's `delay_wgrad_compute` mechanism, `seq1f1b.runtime.wgrad`), not at B. The count
-is the same every iteration because the program is, and a bucket launches only after its last
-counted gradient; contributions before the window are already in `main_grad`.
+to come after that point is counted: the B's own (biases, norms, embeddings and, without a
+split backward, everything) and, with a zero-bubble schedule, the weight gradients of every W
+that follows, which come in when W runs (megatron's `delay_wgrad_compute` mechanism,
+`seq1f1b.runtime.wgrad`), not at B. The count is the same every iteration because the program
+is, and a bucket launches only after its last counted gradient; contributions before the window
+are already in `main_grad`.
 
 Parameter gathering (`overlap_param_gather` with the distributed optimizer) is megatron's too: the
 optimizer step leaves the updated shards, and each module's forward pre-hook waits for (and if
