@@ -619,7 +619,7 @@ def cmd_search(args: argparse.Namespace) -> None:
             print(f"plan.py: --spread-output: {refused}", file=sys.stderr)
             kept = "no order with the layer spread fits the cap"
         else:
-            spread_costs = spread_budget.costs_for(spread.placement)
+            spread_costs = spread_budget.costs_for(spread.placement, spread.spread_output)
             spread_report = simulate(spread, spread_costs)
             bound = min(bound, searched_lower_bound(spread, spread_budget, cap))
             if spread_report.makespan < report.makespan:

@@ -382,6 +382,11 @@ def _add_pipeline_schedule_args(parser: ArgumentParser) -> None:
                         "the fit is in) (default: the schedule's own budget)")
     g.add_argument("--loss-backward-in-forward", action="store_true",
                    help=LOSS_BACKWARD_IN_FORWARD_HELP)
+    g.add_argument("--spread-output", action="store_true",
+                   help="searched schedules (seq1f1b-zb-auto): also search with the output layer "
+                        "and the loss of each span as an action of its own on any pipeline rank "
+                        "(every rank then holds a copy of the output layer), under the same "
+                        "cap, and run the shorter; needs --untie-embeddings-and-output-weights")
     g.add_argument("--pipe-sp-splits", type=int, help="alias of --seq1f1b-splits")
     g.add_argument("--pipe-sp-strategy", choices=tuple(PIPE_SP_STRATEGIES),
                    help="alias of --seq1f1b-partition: average = even, uniform_comp = compute")
@@ -845,6 +850,7 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     if name not in MEGATRON_SCHEDULES and not _searched(name) and _placement(name) == "vshape":
         _validate_v_placement(args)
     _validate_memory_cap(args)
+    _validate_spread_output(args)
     _validate_stage_layers(args)
     if args.pipeline_schedule_file is not None:
         _check_schedule_file_shape(args)
@@ -1009,6 +1015,31 @@ def _validate_memory_cap(args: argparse.Namespace) -> None:
         MemoryCap.parse(args.schedule_memory_cap)
     except ScheduleError as err:
         _fail(str(err))
+
+
+def _validate_spread_output(args: argparse.Namespace) -> None:
+    """--spread-output: a searched schedule's option (a schedule file says itself whether it
+    spreads the layer), with untied embeddings, not with what prices the layer in the last
+    stage."""
+    if not args.spread_output:
+        return
+    from seq1f1b.plan import registry
+
+    name = args.pipeline_schedule
+    if args.pipeline_schedule_file is not None:
+        _fail("--spread-output: a --pipeline-schedule-file has its O actions or not; drop the flag")
+    if name in MEGATRON_SCHEDULES or not registry.get(name).searched:
+        _fail(f"--spread-output: --pipeline-schedule {name} is not searched; seq1f1b-zb-auto "
+              "chooses where the output layer runs")
+    if not args.untie_embeddings_and_output_weights:
+        _fail("--spread-output gives every pipeline rank a copy of the output layer, which "
+              "megatron cannot tie to the embedding: add --untie-embeddings-and-output-weights")
+    if args.loss_backward_in_forward:
+        _fail("--loss-backward-in-forward with --spread-output: an O action runs the output "
+              "layer's backward at once already")
+    if args.seq1f1b_partition == "fit":
+        _fail("--spread-output with --seq1f1b-partition fit: the fit's measured times price the "
+              "output layer in the last stage; use the compute or even cut")
 
 
 def _validate_cp_spans(args: argparse.Namespace, k: int, unit: int) -> None:
@@ -1281,18 +1312,22 @@ def _place_schedule(args: argparse.Namespace) -> None:
     try:
         budget = schedule_budget(args)
         if says:
-            where = " and ".join("a V" if placement == "vshape" else "a loop"
-                                 for placement, _ in budget.options())
+            where = " and ".join(dict.fromkeys(
+                "a V" if placement == "vshape" else "a loop"
+                for placement, _ in budget.options()))
+            output = (", the output layer in the last stage and spread over the ranks"
+                      if args.spread_output else "")
             print(f" {name}: searching orders of F, B and W for "
                   f"P={args.pipeline_model_parallel_size} m={args.num_micro_batches} "
                   f"k={args.seq1f1b_splits} on {where} of {chunks} chunk"
-                  f"{'s' if chunks > 1 else ''} per rank ...", flush=True)
+                  f"{'s' if chunks > 1 else ''} per rank{output} ...", flush=True)
         schedule = registry.build(name, args.pipeline_model_parallel_size,
                                   args.num_micro_batches, args.seq1f1b_splits, chunks,
                                   budget=budget)
     except ScheduleError as err:
         _fail(f"--pipeline-schedule {name}: {err}")
     args.pipeline_placement = schedule.placement
+    args.pipeline_spread_output = schedule.spread_output
     if schedule.placement != _placement(name, chunks):
         _validate_stage_layers(args, schedule.placement)
     if says:

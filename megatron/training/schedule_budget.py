@@ -12,7 +12,7 @@ import argparse
 from typing import Optional
 
 from seq1f1b.plan.actions import Schedule
-from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget
+from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget, spreads_output
 from seq1f1b.plan.context_parallel import span_alignment
 from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.partition import partition
@@ -60,26 +60,31 @@ def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]]
                      stage_layers=StageLayers.of_flags(args),
                      cp=getattr(args, "context_parallel_size", 1) or 1,
                      tied_embeddings=not args.untie_embeddings_and_output_weights,
-                     loss_backward_in_forward=args.loss_backward_in_forward)
+                     loss_backward_in_forward=args.loss_backward_in_forward,
+                     spread_output=getattr(args, "spread_output", False))
     budget = run_budget(args.pipeline_schedule, args.pipeline_model_parallel_size,
                         args.num_micro_batches, args.virtual_pipeline_model_parallel_size or 1,
                         MemoryCap.parse(args.schedule_memory_cap)
                         if args.schedule_memory_cap else None, shape, fit)
     if lengths is not None and getattr(args, "pipeline_placement", None):
-        return budget.pinned(args.pipeline_placement)   # the model chunks are laid out for it
+        # the model chunks are laid out for it (with copies of the output layer, or without)
+        return budget.pinned(args.pipeline_placement, args.pipeline_spread_output)
     return budget
 
 
 def placement_report(schedule: Schedule, budget: ScheduleBudget) -> str:
     """What a searched schedule chose, in one line: its placement, simulated bubble and the
     fullest rank's held bytes against the cap."""
-    report = simulate(schedule, budget.costs_for(schedule.placement))
+    report = simulate(schedule, budget.costs_for(schedule.placement, schedule.spread_output))
     cap = searched_cap(schedule.pp, schedule.microbatches, schedule.splits, schedule.chunks,
                        budget)
     layout = {"vshape": "a V of two chunks per rank", "loop": "a loop of "
               f"{schedule.chunks} chunk{'s' if schedule.chunks > 1 else ''} per rank"}
     peak = max(rank.peak_held_bytes for rank in report.ranks)
-    return (f"placed on {layout[schedule.placement]}, simulated bubble "
+    output = ("" if not any(spreads_output(costs) for _, costs in budget.options()) else
+              ", the output layer spread over the ranks" if schedule.spread_output else
+              ", the output layer kept in the last stage (shorter here)")
+    return (f"placed on {layout[schedule.placement]}{output}, simulated bubble "
             f"{report.bubble_ratio:.1%} on the model's FLOPs, peak held {_size(peak)} per rank "
             f"under a cap of {_size(cap)}")
 

@@ -107,16 +107,20 @@ class ScheduleFunction:
                               budget=self._settings.budget)
 
     def _check_placement(self) -> None:
-        """The model chunks were laid out for args.pipeline_placement (chosen at validation);
-        a searched plan must be placed so (pinned to it when re-placed); the others' placement
-        is their name's."""
+        """The model chunks were laid out for args.pipeline_placement (chosen at validation), with
+        copies of the output layer when it chose to spread it: a searched plan must be placed so
+        (pinned to it when re-placed); the others' placement is their name's."""
         if not searched(self._args.pipeline_schedule):
             return
-        placement = self._plan().placement
-        if placement != self._args.pipeline_placement:
+        plan = self._plan()
+        if plan.placement != self._args.pipeline_placement:
             raise RuntimeError(f"--pipeline-schedule {self._args.pipeline_schedule}: the plan "
-                               f"is placed {placement}, the model chunks "
+                               f"is placed {plan.placement}, the model chunks "
                                f"{self._args.pipeline_placement}")
+        if plan.spread_output != self._args.pipeline_spread_output:
+            raise RuntimeError(f"--pipeline-schedule {self._args.pipeline_schedule}: the plan "
+                               f"{'spreads' if plan.spread_output else 'keeps'} the output "
+                               "layer, the model chunks were built the other way")
 
     def _switch_to_fit(self) -> None:
         args = self._args

@@ -60,32 +60,44 @@ class ScheduleBudget:
     stages on a rank, and with uneven first and last stages other layers in a stage. `only`
     restricts the search to one of them: a run pins the placement it chose at start-up
     (`pinned`), since its model chunks are built for it; the default cap still comes from the
-    schedule's own placement's costs."""
+    schedule's own placement's costs. An alternative whose costs spread the output layer (O
+    actions, `SpanCosts.output`) is searched with it spread; `only_spread` pins that choice
+    too."""
 
     costs: Optional[SpanCosts] = None
     cap: Optional[float] = None
     placement: Optional[str] = None
     alternatives: tuple[tuple[str, SpanCosts], ...] = ()
     only: Optional[str] = None
+    only_spread: Optional[bool] = None
 
     def options(self, restricted: bool = True) -> list[tuple[Optional[str], Optional[SpanCosts]]]:
         """Every (placement, costs) the search may take, this budget's own first; all of them
         when not `restricted` by `only`."""
         found = [(self.placement, self.costs)] + list(self.alternatives)
         if restricted and self.only is not None:
-            found = [option for option in found if option[0] == self.only]
+            found = [option for option in found if option[0] == self.only and (
+                self.only_spread is None or spreads_output(option[1]) == self.only_spread)]
             if not found:
                 raise ScheduleError(f"placement {self.only!r}: the budget has no costs for it")
         return found
 
-    def costs_for(self, placement: str) -> Optional[SpanCosts]:
-        """The costs of `placement` (a built schedule's): its alternative's, else this
-        budget's own."""
-        return dict(self.alternatives).get(placement, self.costs)
+    def costs_for(self, placement: str, spread_output: bool = False) -> Optional[SpanCosts]:
+        """The costs of `placement` (a built schedule's), with the output layer spread or not
+        as the schedule has it (this budget's own when none match)."""
+        return next((costs for option, costs in self.options(restricted=False)
+                     if option in (placement, None) and spreads_output(costs) == spread_output),
+                    self.costs)
 
-    def pinned(self, placement: str) -> "ScheduleBudget":
-        """This budget with the search restricted to `placement`."""
-        return replace(self, only=placement)
+    def pinned(self, placement: str, spread_output: Optional[bool] = None) -> "ScheduleBudget":
+        """This budget with the search restricted to `placement` (and to the output layer
+        spread or kept, when `spread_output` is given)."""
+        return replace(self, only=placement, only_spread=spread_output)
+
+
+def spreads_output(costs: Optional[SpanCosts]) -> bool:
+    """Whether `costs` price the output layer as O actions (the layer spread over the ranks)."""
+    return costs is not None and costs.output is not None
 
 
 def resolve_budget(cap: Optional[MemoryCap], costs: Optional[SpanCosts],
@@ -153,14 +165,12 @@ def searched_placements(name: str, chunks: int) -> tuple[str, ...]:
 
 def searched_lower_bound(schedule: Schedule, budget: ScheduleBudget, cap: float) -> float:
     """The least lower bound under `cap` (the cap the search placed under) over every placement
-    the search of `schedule` could take under `budget` (the pinned one only, when pinned): its
-    gap then says how far it is from the best schedule of any of them at that memory, not only
-    of the placement it chose."""
-    placements = ((budget.only,) if budget.only is not None
-                  else searched_placements(schedule.name, schedule.chunks))
-    return min(lower_bound(replace(schedule, placement=placement), budget.costs_for(placement),
+    (and the output layer kept or spread) the search of `schedule` could take under `budget`
+    (the pinned one only, when pinned): its gap then says how far it is from the best schedule
+    of any of them at that memory, not only of the one it chose."""
+    return min(lower_bound(replace(schedule, placement=placement or schedule.placement), costs,
                            cap)
-               for placement in placements)
+               for placement, costs in budget.options())
 
 
 @dataclass(frozen=True)
@@ -181,6 +191,7 @@ class RunShape:
     cp: int = 1                 # context-parallel ranks per span: each holds 1/C of the bytes
     tied_embeddings: bool = False   # a V would put both in two chunks of rank 0: loop only
     loss_backward_in_forward: bool = False   # the output layer's backward at F (early_loss)
+    spread_output: bool = False     # also search with the output layer as O actions
 
 
 NOMINAL_FLOPS_PER_SECOND = 312e12
@@ -199,8 +210,15 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
     durations: each span's F on the stages scaled so that they sum to the fit's F of that span,
     and B (with W) to its B, the model keeping each stage's share (the output layer's on the
     last). Without a cap the schedule's default cap on those costs (model_budget). Tied
-    embeddings on two chunks pin a loop."""
-    def costs_of(schedule: Schedule, whole: bool) -> SpanCosts:
+    embeddings on two chunks pin a loop. With `shape.spread_output` every placement is offered
+    again with the output layer as O actions on any rank (model_costs(spread_output=True)),
+    under the same cap (the given one, or the default with the layer in the last stage): the
+    search keeps the shorter. Not with `fit` (it measures the last stage with the layer)."""
+    if fit is not None and shape.spread_output:
+        raise ScheduleError("a fit of measured times prices the output layer in the last stage: "
+                            "it cannot price the layer spread over the ranks")
+
+    def costs_of(schedule: Schedule, whole: bool, spread: bool = False) -> SpanCosts:
         costs = model_costs(schedule, shape.model,
                             [shape.seq_length] if whole else list(shape.span_lengths),
                             flops_per_second=NOMINAL_FLOPS_PER_SECOND, tp=shape.tp,
@@ -210,12 +228,19 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
                             stage_layers=shape.stage_layers.for_reference() if whole
                             else shape.stage_layers, cp=shape.cp,
                             # the cap's reference is stock 1F1B's peak
-                            loss_backward_in_forward=shape.loss_backward_in_forward and not whole)
+                            loss_backward_in_forward=shape.loss_backward_in_forward and not whole,
+                            spread_output=spread)
         if fit is None or whole:
             return costs
         return _scaled_to_fit(costs, fit, span_bounds(list(shape.span_lengths)))
 
     budget = model_budget(name, pp, microbatches, len(shape.span_lengths), chunks, cap, costs_of)
+    if budget is not None and shape.spread_output:
+        from seq1f1b.plan import registry          # registry imports this module
+        base = registry.build(name, pp, microbatches, len(shape.span_lengths), chunks)
+        budget = replace(budget, alternatives=budget.alternatives + tuple(
+            (placement, costs_of(replace(base, placement=placement), False, spread=True))
+            for placement, _ in budget.options(restricted=False)))
     if budget is not None and shape.tied_embeddings and chunks == 2:
         # A V puts the embedding and the output layer in two chunks of rank 0, which megatron
         # cannot tie (megatron_adapter); a loop of two chunks ties them as interleaving does.

@@ -349,6 +349,13 @@ def results(data_prefix, tmp_path_factory):
         "--pipeline-model-parallel-size", "2", "--train-iters", str(SCHEDULE_ITERS),
         "--eval-interval", "5", "--eval-iters", "1"]
     cases["spread_overlap"] = {"argv": overlapped + ["--pipeline-schedule-file", str(spread)]}
+    # two layers, k = 4: the output layer weighs a stage, and the search spreads it
+    searched = _model_flags(data_prefix) + TP2_PP2 + [
+        "--untie-embeddings-and-output-weights", "--num-layers", "2", "--seq1f1b-splits", "4",
+        "--train-iters", str(N), "--eval-iters", "0"]
+    cases["search_spread"] = {"argv": searched + ["--pipeline-schedule", "seq1f1b-zb-auto",
+                                                  "--spread-output"]}
+    cases["search_spread_reference"] = {"argv": searched}
     cases["zb_overlap"] = {"argv": overlapped + ["--pipeline-schedule", "seq1f1b-zb-h1",
                                                  "--seq1f1b-splits", "2"]}
     fake = root / "fake_wandb"
@@ -853,6 +860,19 @@ def test_the_output_layer_spread_trains_with_the_distributed_optimizer_and_overl
         pytest.approx([r["grad_norm"] for r in plain["history"]], rel=1e-4)
     assert [e["lm loss"] for _, e in spread["validation"]] == \
         pytest.approx([e["lm loss"] for _, e in plain["validation"]], rel=1e-5)
+
+
+def test_the_search_with_spread_output_trains_the_order_it_chose(results):
+    """--pipeline-schedule seq1f1b-zb-auto --spread-output searches with the output layer kept
+    and spread, says which it runs, builds the copies when it spreads, and logs seq1f1b's
+    losses (the same model)."""
+    spread, reference = results["search_spread"], results["search_spread_reference"]
+    assert ", the output layer spread over the ranks, simulated bubble " in spread["stdout"], \
+        spread["stdout"][-2000:]
+    assert len(spread["history"]) == N
+    assert _losses(spread) == pytest.approx(_losses(reference), rel=1e-5, abs=0)
+    assert [r["grad_norm"] for r in spread["history"]] == \
+        pytest.approx([r["grad_norm"] for r in reference["history"]], rel=1e-4)
 
 
 def test_resume_keeps_the_checkpoints_padded_vocabulary(results):

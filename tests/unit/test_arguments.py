@@ -407,6 +407,27 @@ def test_v_placement_flags_are_refused_in_one_line(tmp_path, capsys, monkeypatch
     assert "\n" not in err and not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize("changes, flag", [
+    (dict(pipeline_schedule="seq1f1b"), "--spread-output: --pipeline-schedule seq1f1b is not"),
+    (dict(untie_embeddings_and_output_weights=None), "--untie-embeddings-and-output-weights"),
+    (dict(loss_backward_in_forward=True), "--loss-backward-in-forward with --spread-output"),
+    (dict(seq1f1b_partition="fit"), "--spread-output with --seq1f1b-partition fit"),
+])
+def test_spread_output_flags_are_refused_in_one_line(tmp_path, capsys, monkeypatch, changes,
+                                                     flag):
+    """--spread-output: the searched schedule's option, with untied output weights, not with
+    what prices the output layer in the last stage."""
+    monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
+    flags = _with(tmp_path, pipeline_schedule="seq1f1b-zb-auto", spread_output=True,
+                  untie_embeddings_and_output_weights=True)
+    flags.update({"--" + key.replace("_", "-"): value for key, value in changes.items()})
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate_args(_argv(flags), WORLD)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and flag in err, err
+    assert "\n" not in err and not (tmp_path / "ckpt").exists()
+
+
 def test_the_searched_schedule_chooses_its_placement_at_validation(tmp_path, monkeypatch,
                                                                      capsys):
     """seq1f1b-zb-auto runs on the model's layout: one chunk per rank (a loop), or two (a V or a

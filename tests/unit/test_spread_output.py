@@ -12,7 +12,7 @@ import pytest
 
 from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.bounds import lower_bound
-from seq1f1b.plan.budget import ScheduleBudget
+from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget, spreads_output
 from seq1f1b.plan import schedule_file
 from seq1f1b.plan.communication import ACTIVATION, GRADIENT, Message, communication_plan
 from seq1f1b.plan.nccl import validate_modes
@@ -295,3 +295,35 @@ def test_plan_search_saves_a_spread_order_that_simulate_and_comm_read_back(capsy
     replica = estimate["padded_vocab_size"] * preset("7b").hidden_size / 8
     assert [spread - kept for spread, kept in zip(*params)] == pytest.approx(
         [0.0 if rank == home else replica for rank in range(2)])
+
+
+def test_a_run_budget_with_spread_output_offers_both_and_the_search_keeps_the_shorter(capsys):
+    """RunShape.spread_output (the trainer's --spread-output): every placement again with the
+    layer as O actions, under the cap of the search that keeps it; the search keeps the shorter
+    (here the spread one, the order `plan.py search --spread-output` finds), `costs_for` prices
+    the order it chose, and pinning to the choice keeps it (the model is built for it)."""
+    model = preset("7b")
+    spans = tuple(partition(65536, 2, "compute", model, tp=8, sequence_parallel=True))
+    kept_shape = RunShape(model, 65536, spans, tp=8, sequence_parallel=True)
+    cap = MemoryCap.parse("0.5x")
+    kept_budget = run_budget("seq1f1b-zb-auto", 4, 8, 2, cap, kept_shape)
+    budget = run_budget("seq1f1b-zb-auto", 4, 8, 2, cap,
+                        replace(kept_shape, spread_output=True))
+    assert budget.cap == kept_budget.cap
+    assert sorted((p, spreads_output(c)) for p, c in budget.options()) == [
+        ("loop", False), ("loop", True), ("vshape", False), ("vshape", True)]
+    kept = build("seq1f1b-zb-auto", 4, 8, 2, 2, budget=kept_budget)
+    chosen = build("seq1f1b-zb-auto", 4, 8, 2, 2, budget=budget)
+    assert chosen.spread_output and not kept.spread_output
+    report = simulate(chosen, budget.costs_for(chosen.placement, True))
+    assert report.makespan < simulate(kept, kept_budget.costs_for(kept.placement)).makespan
+    assert plan_cli.main(["search", "--pp", "4", "--microbatches", "8", "--splits", "2",
+                          "--model", "7b", "--seq-length", "65536", "--tp", "8",
+                          "--sequence-parallel", "--partition", "compute",
+                          "--schedule-memory-cap", "0.5x", "--spread-output", "--json"]) == 0
+    searched = json.loads(capsys.readouterr().out)
+    assert (searched["output_layer"], searched["placement"]) == ("spread", chosen.placement)
+    assert report.makespan == pytest.approx(searched["makespan"], rel=1e-12)
+    pinned = budget.pinned(chosen.placement, True)
+    assert [(p, spreads_output(c)) for p, c in pinned.options()] == [(chosen.placement, True)]
+    assert build("seq1f1b-zb-auto", 4, 8, 2, 2, budget=pinned).programs == chosen.programs
