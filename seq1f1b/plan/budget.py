@@ -168,8 +168,8 @@ def searched_lower_bound(schedule: Schedule, budget: ScheduleBudget, cap: float)
     (and the output layer kept or spread) the search of `schedule` could take under `budget`
     (the pinned one only, when pinned): its gap then says how far it is from the best schedule
     of any of them at that memory, not only of the one it chose."""
-    return min(lower_bound(replace(schedule, placement=placement or schedule.placement), costs,
-                           cap)
+    own = searched_placements(schedule.name, schedule.chunks)[0]   # a budget's placement None
+    return min(lower_bound(replace(schedule, placement=placement or own), costs, cap)
                for placement, costs in budget.options())
 
 

@@ -385,6 +385,17 @@ def test_observability_and_overlap_defaults_are_megatrons(tmp_path):
 V_SCHEDULES = {"zbv": True, "seq1f1b-zbv": True, "seq1f1b-zb-auto": None}
 
 
+def _assert_refused_in_one_line(tmp_path, capsys, flags: dict, changes: dict, flag: str) -> None:
+    """`flags` with `changes` (keys: flag names with _ for -) stop validation with one line on
+    stderr naming `flag`, exit code 2, and nothing written."""
+    flags = {**flags, **{"--" + key.replace("_", "-"): value for key, value in changes.items()}}
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate_args(_argv(flags), WORLD)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and flag in err, err
+    assert "\n" not in err and not (tmp_path / "ckpt").exists()
+
+
 @pytest.mark.parametrize("changes, flag", [
     (dict(num_layers_per_virtual_pipeline_stage=1), "--num-layers-per-virtual-pipeline-stage"),
     (dict(pipeline_schedule="seq1f1b-zbv", schedule_memory_cap=None,
@@ -399,12 +410,7 @@ def test_v_placement_flags_are_refused_in_one_line(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
     flags = _with(tmp_path, pipeline_schedule="seq1f1b-zb-auto",
                   num_layers_per_virtual_pipeline_stage=2, untie_embeddings_and_output_weights=True)
-    flags.update({"--" + key.replace("_", "-"): value for key, value in changes.items()})
-    with pytest.raises(SystemExit) as exit_info:
-        parse_and_validate_args(_argv(flags), WORLD)
-    err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and flag in err, err
-    assert "\n" not in err and not (tmp_path / "ckpt").exists()
+    _assert_refused_in_one_line(tmp_path, capsys, flags, changes, flag)
 
 
 @pytest.mark.parametrize("changes, flag", [
@@ -420,12 +426,7 @@ def test_spread_output_flags_are_refused_in_one_line(tmp_path, capsys, monkeypat
     monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
     flags = _with(tmp_path, pipeline_schedule="seq1f1b-zb-auto", spread_output=True,
                   untie_embeddings_and_output_weights=True)
-    flags.update({"--" + key.replace("_", "-"): value for key, value in changes.items()})
-    with pytest.raises(SystemExit) as exit_info:
-        parse_and_validate_args(_argv(flags), WORLD)
-    err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and flag in err, err
-    assert "\n" not in err and not (tmp_path / "ckpt").exists()
+    _assert_refused_in_one_line(tmp_path, capsys, flags, changes, flag)
 
 
 def test_the_searched_schedule_chooses_its_placement_at_validation(tmp_path, monkeypatch,
