@@ -92,7 +92,7 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         if args.pipeline_spread_output:
-            _copy_output_layer_from_owner(chunk)
+            _copy_output_layer_from_owner(chunk, args.pipeline_placement)
         if args.fp16 or args.bf16:
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
@@ -115,20 +115,22 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
     return model
 
 
-def _copy_output_layer_from_owner(chunk: torch.nn.Module) -> None:
+def _copy_output_layer_from_owner(chunk: torch.nn.Module, placement: str) -> None:
     """With O actions every rank's last chunk holds a copy of the output layer
     (megatron_adapter.OutputHead), each initialised from its own rank's seed: all take the last
-    stage's (the owner's) weights, as a checkpoint load gives every copy the same ones."""
+    stage's (the owner's, its pipeline rank from `placement`) weights, as a checkpoint load
+    gives every copy the same ones."""
     head = getattr(chunk, "output_head", None)
     if head is None:
         return
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    owner = next(rank for rank in range(pp) if megatron_adapter.chunk_roles(
+        placement, pp, rank, chunks - 1, chunks)[1])
     group = parallel_state.get_pipeline_model_parallel_group()
-    owners = torch.tensor([parallel_state.get_pipeline_model_parallel_rank() if head.owner
-                           else -1], device=platform.compute_device())
-    torch.distributed.all_reduce(owners, op=torch.distributed.ReduceOp.MAX, group=group)
     with torch.no_grad():
         for param in head.parameters():
-            torch.distributed.broadcast(param.data, group_src=int(owners), group=group)
+            torch.distributed.broadcast(param.data, group_src=owner, group=group)
 
 
 @contextlib.contextmanager

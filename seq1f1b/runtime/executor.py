@@ -57,7 +57,7 @@ from seq1f1b.runtime import wgrad_fusion
 from seq1f1b.runtime.early_loss import EarlyLoss
 from seq1f1b.runtime.grad_sync import GradSync
 from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
-from seq1f1b.runtime.loss import MicrobatchLoss
+from seq1f1b.runtime.loss import MicrobatchLoss, span_scale
 from seq1f1b.runtime.p2p import PipelineChannels
 from seq1f1b.runtime.span_data import SpanDataSource
 from seq1f1b.runtime.trace import ExecutionTrace
@@ -315,16 +315,13 @@ class Executor:
 
     def _output_scale(self, microbatch: int, span: int, per_token_form: bool,
                       loss: torch.Tensor) -> Any:
-        """d(iteration loss)/d(span loss), as MicrobatchLoss.backward_scale gives the last stage."""
-        m, cp = self.schedule.microbatches, self.inp.cp_size
-        if not per_token_form:
-            start, end = self.inp.spans[span]
-            return (end - start) / self.inp.spans[-1][1] * cp / m
-        if getattr(self.config, "calculate_per_token_loss", False):
-            return 1.0
-        dtype = loss.dtype if loss.is_floating_point() else torch.float64
-        tokens = self._loss_tokens[microbatch].to(self.device)
-        return (cp / (tokens.clamp(min=1).double() * m)).to(dtype)
+        """d(iteration loss)/d(span loss), as the last stage's MicrobatchLoss gives it."""
+        start, end = self.inp.spans[span]
+        per_token_loss = getattr(self.config, "calculate_per_token_loss", False)
+        tokens = self._loss_tokens.get(microbatch)
+        return span_scale(per_token_form, (end - start) / self.inp.spans[-1][1],
+                          self.schedule.microbatches, per_token_loss, self.inp.cp_size, loss,
+                          tokens.to(self.device) if tokens is not None else None)
 
     def _backward_loss_now(self, loss: torch.Tensor) -> None:
         """F's backward of the span's loss through the output layer alone, at unit scale (times

@@ -42,6 +42,26 @@ def _combine(values: list[Any], weights: list[float] | None) -> Any:
     return total
 
 
+def span_scale(per_token_form: bool, span_share: float, num_microbatches: int,
+               per_token_loss: bool, cp_size: int, loss: Any,
+               tokens: Optional[torch.Tensor] = None) -> float | torch.Tensor:
+    """d(iteration loss)/d(loss of one span) (module doc): `span_share` is the span's length over
+    the sequence's (mean form), `tokens` the micro-batch's loss tokens over every span and CP
+    rank (per-token form, not needed with `per_token_loss`). In the per-token form the factor
+    stays on the tokens' device (reading the count on the host would stall the GPU at every
+    span's backward), computed in float64 and cast to the loss's dtype, which is what the
+    multiplication by the same Python float would round it to. Megatron's DDP averages
+    gradients over DP x CP: the CP ranks' parts of the micro-batch's loss add up only once
+    multiplied back by C."""
+    if not per_token_form:
+        return span_share * cp_size / num_microbatches
+    if per_token_loss:
+        return 1.0
+    dtype = loss.dtype if isinstance(loss, torch.Tensor) and loss.is_floating_point() \
+        else torch.float64
+    return (cp_size / (tokens.clamp(min=1).double() * num_microbatches)).to(dtype)
+
+
 @dataclass
 class MicrobatchLoss:
     """Loss outputs of the spans of one micro-batch on the last stage."""
@@ -92,30 +112,20 @@ class MicrobatchLoss:
 
     def backward_scale(self, span: int, num_microbatches: int, per_token_loss: bool,
                        cp_size: int = 1) -> float | torch.Tensor:
-        """The factor d(iteration loss)/d(loss of span `span`).
-
-        In the per-token form it depends on the token count, a tensor on the loss's device: the
-        factor stays there (reading the count on the host would stall the GPU at every span's
-        backward), computed in float64 and cast to the loss's dtype, which is what the
-        multiplication by the same Python float would round it to."""
+        """The factor d(iteration loss)/d(loss of span `span`) (span_scale), the same for every
+        span of the micro-batch in the per-token form: computed at its first backward."""
         if not self.complete:
             raise RuntimeError("backward of a span before every span of its micro-batch has a loss")
-        if self.per_token_form:
-            if per_token_loss:
-                return 1.0
-            loss = self.losses[span]
-            dtype = loss.dtype if isinstance(loss, torch.Tensor) and loss.is_floating_point() \
-                else torch.float64
-            # The same for every span of the micro-batch: computed at its first backward.
-            # Megatron's DDP averages gradients over DP x CP: the CP ranks' parts of the
-            # micro-batch's loss add up only once multiplied back by C.
-            key = (dtype, num_microbatches, cp_size)
-            if key not in self._scales:
-                tokens = self.total_tokens() if self.cp_tokens is None else self.cp_tokens
-                scale = cp_size / (tokens.clamp(min=1).double() * num_microbatches)
-                self._scales[key] = scale.to(dtype)
-            return self._scales[key]
-        return self._weights()[span] * cp_size / num_microbatches
+        loss = self.losses[span]
+        if not self.per_token_form or per_token_loss:
+            return span_scale(self.per_token_form, self._weights()[span], num_microbatches,
+                              per_token_loss, cp_size, loss)
+        key = (getattr(loss, "dtype", None), num_microbatches, cp_size)
+        if key not in self._scales:
+            tokens = self.total_tokens() if self.cp_tokens is None else self.cp_tokens
+            self._scales[key] = span_scale(True, 1.0, num_microbatches, False, cp_size, loss,
+                                           tokens)
+        return self._scales[key]
 
     def combined_reduced(self) -> Any:
         """One reported value for the micro-batch, as megatron would report it unsplit."""
