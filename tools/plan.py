@@ -117,7 +117,8 @@ def _add_problem_args(parser: argparse.ArgumentParser, cost_help: str) -> None:
 def _add_spread_arg(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--spread-output", action="store_true",
                         help=what + ": the layer need not load the last stage's rank alone "
-                                    "(plan layer only: the trainer does not run it yet)")
+                                    "(pretrain_gpt.py trains it: --pipeline-schedule "
+                                    "seq1f1b-zb-auto --spread-output, or the saved order)")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
