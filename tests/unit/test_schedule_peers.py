@@ -166,10 +166,11 @@ def test_the_search_beats_torchs_interleaved_zero_bubble_at_p16():
 def test_under_seq1f1bs_peak_a_v_that_keeps_no_promises_gets_near_cp_sats_order():
     """7B costs, P = 4, m = 4, k = 2, capped at seq1f1b's peak. Keeping room for what admitted
     micro-batches will allocate later, no replay on the V did better than 3.08 and the search
-    ended at 2.920 (2.892 on a loop), while CP-SAT found a V order of 2.655 in 150 s (two
+    ended at 2.920 (2.892 on a loop), while CP-SAT found a V order of 2.651 in 300 s (two
     workers; not proven optimal, bound 2.524) that holds each rank near the cap. Keeping none
-    (Policy.promises = "none"), the replays get closer and the V search ends within 4% of
-    CP-SAT's order, inside the cap."""
+    (Policy.promises = "none"), the replays get closer and the V search ended at 2.744; with
+    the depth search also from the replays near the best (DEPTH_SEARCH_REACH) it ends within
+    2.5% of CP-SAT's order (2.709), inside the cap."""
     from seq1f1b.plan.actions import ScheduleError
     from seq1f1b.plan.schedules.greedy import Placer, Policy, Problem
     costs = COSTS["model"]
@@ -193,4 +194,4 @@ def test_under_seq1f1bs_peak_a_v_that_keeps_no_promises_gets_near_cp_sats_order(
     auto = build("seq1f1b-zb-auto", 4, 4, 2, 2,
                  budget=ScheduleBudget(span_costs, cap, "vshape", (), "vshape"))
     assert row(auto, costs).peak <= cap
-    assert row(auto, costs).makespan <= 2.655 * 1.04
+    assert row(auto, costs).makespan <= 2.651 * 1.025

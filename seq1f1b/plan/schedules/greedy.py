@@ -40,7 +40,8 @@ twin, the accumulators) waits only until it fits beside what the rank holds now.
 replay where every rank waits for room that nothing will free (refused, like any stuck one), but
 where it goes through it holds the cap as tightly as an exact solver does: at 7B, P = 4, m = 4,
 k = 2 on a V under Seq1F1B's peak its replays were 2.90 s against 3.08 s for the others, and the
-search ended at 2.744 s against 2.920 s (CP-SAT's best order in 150 s: 2.655 s).
+search ended at 2.744 s against 2.920 s (2.709 s with the depth search from more replays,
+zero_bubble_v.py; CP-SAT's best order in 300 s: 2.651 s).
 
 With the output layer spread (`Problem.spread_output`: O actions, actions.OPS) an O is no
 rank's own: a rank that is free takes the oldest ready O before anything else (the last stage's
