@@ -584,10 +584,8 @@ def cmd_search(args: argparse.Namespace) -> None:
     if args.spread_output and _model(args) is None:
         raise UsageError("--spread-output needs a model (--model or its dimensions): unit "
                          "costs have no output layer to spread")
-    for flag in ("search_layout", "exact"):
-        if args.spread_output and getattr(args, flag):
-            raise UsageError(f"--spread-output: --{flag.replace('_', '-')} does not model the "
-                             "O actions yet")
+    if args.spread_output and args.search_layout:
+        raise UsageError("--spread-output: --search-layout does not model the O actions yet")
     if args.search_layout and _stage_layers(args).uneven:
         raise UsageError(f"--search-layout chooses every stage's layers: drop {FIRST_FLAG} / "
                          f"{LAST_FLAG} / {LAYOUT_FLAG}")
@@ -962,7 +960,9 @@ def build_parser() -> Parser:
                             "an action of its own (O) on whichever rank the search puts it, "
                             "every rank holding the output weights, and keep the shorter")
     search.add_argument("--exact", action="store_true",
-                        help="also solve the same problem exactly (CP-SAT) within --time-limit")
+                        help="also solve the same problem exactly (CP-SAT) within --time-limit "
+                             "(with --spread-output: the problem of the order kept, the layer "
+                             "spread or in the last stage)")
     search.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS")
     search.add_argument("--save-schedule", metavar="FILE.csv",
                         help="write the shortest order found (with --exact, CP-SAT's where it is "

@@ -2,19 +2,22 @@
 what `plan.py search --exact` runs to measure how far the search (seq1f1b-zb-auto) is from it.
 
 The model is the search's problem, nothing relaxed: every F, B and W of every (micro-batch, span,
-chunk) is an interval of its cost's length on its rank; a rank runs one at a time (no overlap);
-an action starts after each action it depends on has ended (`actions.dependencies`, the one
-place the rules live); and each rank's held bytes (allocated when an action starts, released
-after it ends, as `simulate.held_change` says) stay within the cap at all times (a reservoir
-constraint). The makespan is minimised. Every unit's backward is split: a W right after its B
-is the full backward, so nothing is lost. The search's best order is given to the solver as a
-hint (replayed with the solver's integer durations, so it is feasible as given): the solver
-starts from it and only improves on it.
+chunk) is an interval of its cost's length on its rank (with the output layer spread, every O
+of every (micro-batch, span) one on a rank the solver chooses: an optional interval on each
+rank, exactly one present, its bytes held there while it runs); a rank runs one at a time (no
+overlap); an action starts after each action it depends on has ended (`actions.dependencies`,
+the one place the rules live); and each rank's held bytes (allocated when an action starts,
+released after it ends, as `simulate.held_change` says) stay within the cap at all times (a
+reservoir constraint). The makespan is minimised. Every unit's backward is split: a W right
+after its B is the full backward, so nothing is lost. The search's best order is given to the
+solver as a hint (replayed with the solver's integer durations, so it is feasible as given):
+the solver starts from it and only improves on it.
 
 CP-SAT works on integers: durations are scaled so that the longest action is 10^4 ticks, and
 bytes are counted exactly, in the largest unit they are all whole multiples of. The makespan
-reported is the simulator's, with the true costs; `bound` is the solver's proven lower bound scaled back (within the
-duration rounding, under 10^-4 of the longest action per action on the critical path).
+reported is the simulator's, with the true costs; `bound` is the solver's proven lower bound
+scaled back (within the duration rounding, under 10^-4 of the longest action per action on the
+critical path).
 """
 from __future__ import annotations
 
@@ -50,12 +53,13 @@ class ExactResult:
 
 def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
           hint: Optional[Schedule] = None, workers: int = 2) -> ExactResult:
-    """The order of F, B and W with the least makespan for `shape`'s problem (P, m, k, V,
-    placement; its programs are ignored) under `costs` with each rank holding at most `cap`.
+    """The order of F, B and W (and O, when `shape` spreads the output layer) with the least
+    makespan for `shape`'s problem (P, m, k, V, placement, whether O's; its programs are
+    otherwise ignored) under `costs` with each rank holding at most `cap`.
     `hint`: a valid schedule to start from (its units' backwards split or not)."""
-    if costs.output is not None:
-        raise ScheduleError("--exact: the output layer spread over the ranks (O actions) is not "
-                            "modelled by the exact solver yet")
+    if (costs.output is not None) != shape.spread_output:
+        raise ScheduleError("--exact: the costs and the shape disagree on whether the output "
+                            "layer is spread over the ranks (O actions)")
     try:
         from ortools.sat.python import cp_model
     except ImportError:       # pinned in requirements.txt; a trimmed install may lack it
@@ -68,48 +72,64 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
     actions = [(rank, Action(op, i, j, c)) for rank in range(shape.pp)
                for c in range(shape.chunks) for op in ("F", "B", "W")
                for i in range(shape.microbatches) for j in range(shape.splits)]
-    longest = max(costs.duration(shape.stage_of(r, a.chunk), a) for r, a in actions)
+    # An O runs on one rank the solver chooses: one start and end, an optional interval and
+    # an optional memory event on every rank, exactly one present.
+    outputs = [Action("O", i, j) for i in range(shape.microbatches)
+               for j in range(shape.splits)] if shape.spread_output else []
+    durations = {key(rank, action): costs.duration(shape.stage_of(rank, action.chunk), action)
+                 for rank, action in actions}
+    durations.update({key(None, action): costs.duration(0, action) for action in outputs})
+    longest = max(durations.values())
     scale = TICKS / longest if longest > 0 else 1.0
     unit = _memory_unit(tables)
+    length = {k: max(1, round(seconds * scale)) for k, seconds in durations.items()}
 
     model = cp_model.CpModel()
-    horizon = sum(max(1, round(costs.duration(shape.stage_of(r, a.chunk), a) * scale)) + 1
-                  for r, a in actions)
-    start, end, intervals = {}, {}, {rank: [] for rank in range(shape.pp)}
-    length = {(rank, action): max(1, round(costs.duration(shape.stage_of(rank, action.chunk),
-                                                           action) * scale))
-              for rank, action in actions}
-    for rank, action in actions:
-        s = model.NewIntVar(0, horizon, f"s{rank}{action}")
-        e = model.NewIntVar(0, horizon, f"e{rank}{action}")
-        intervals[rank].append(model.NewIntervalVar(s, length[rank, action], e,
-                                                    f"i{rank}{action}"))
-        start[rank, action], end[rank, action] = s, e
-    for rank, action in actions:
-        for need in dependencies(shape, rank, action):
-            model.Add(start[rank, action] >= end[need])
+    horizon = sum(length.values()) + len(length)
+    start, end = {}, {}
+    for k in length:
+        start[k] = model.NewIntVar(0, horizon, f"s{k}")
+        end[k] = model.NewIntVar(0, horizon, f"e{k}")
+    intervals = {rank: [model.NewIntervalVar(start[rank, a], length[rank, a], end[rank, a], "")
+                        for r, a in actions if r == rank] for rank in range(shape.pp)}
+    always = model.NewConstant(1)
+    events: dict[int, list] = {rank: [] for rank in range(shape.pp)}  # (time, change, active)
+
+    def add_events(rank: int, action: Action, stage: int, active) -> None:
+        up, down = _memory_changes(tables, stage, action, unit)
+        k = key(rank, action)
+        if up:
+            events[rank].append((start[k], up, active))
+        if down:
+            events[rank].append((end[k], -down, active))
+
+    runs_on = {}
+    for action in outputs:
+        k = key(None, action)
+        runs_on[action] = [model.NewBoolVar(f"o{rank}{action}") for rank in range(shape.pp)]
+        model.AddExactlyOne(runs_on[action])
+        for rank, present in enumerate(runs_on[action]):
+            intervals[rank].append(model.NewOptionalIntervalVar(start[k], length[k], end[k],
+                                                                present, ""))
+            add_events(rank, action, 0, present)
+    for rank, action in actions + [(None, action) for action in outputs]:
+        for need_rank, need in dependencies(shape, rank or 0, action):
+            model.Add(start[key(rank, action)] >= end[key(need_rank, need)])
         if action.op == "W":
             model.Add(start[rank, action] >= end[rank, action.with_op("B")])
-    times: dict[int, list] = {rank: [] for rank in range(shape.pp)}
-    changes: dict[int, list[int]] = {rank: [] for rank in range(shape.pp)}
     for rank, action in actions:
-        up, down = _memory_changes(tables, shape.stage_of(rank, action.chunk), action, unit)
-        if up:
-            times[rank].append(start[rank, action])
-            changes[rank].append(up)
-        if down:
-            times[rank].append(end[rank, action])
-            changes[rank].append(-down)
+        add_events(rank, action, shape.stage_of(rank, action.chunk), always)
     for rank in range(shape.pp):
         model.AddNoOverlap(intervals[rank])
-        if times[rank]:
-            model.AddReservoirConstraint(times[rank], changes[rank], 0,
-                                         math.floor(cap / unit * (1 + 1e-12)))
+        if events[rank]:
+            times, changes, actives = zip(*events[rank])
+            model.AddReservoirConstraintWithActive(list(times), list(changes), list(actives), 0,
+                                                   math.floor(cap / unit * (1 + 1e-12)))
     makespan = model.NewIntVar(0, horizon, "makespan")
     model.AddMaxEquality(makespan, list(end.values()))
     model.Minimize(makespan)
     if hint is not None:
-        _add_hint(model, hint, length, start)
+        _add_hint(model, hint, length, start, runs_on)
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(time_limit_s)
@@ -121,9 +141,9 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
         return ExactResult(None, math.inf, math.inf, bound, False, name)
     programs = []
     for rank in range(shape.pp):
-        mine = [(solver.Value(start[r, a]), a) for r, a in actions if r == rank]
-        programs.append(tuple(a for _, a in sorted(mine, key=lambda t: (t[0], "FBW".index(
-            t[1].op)))))
+        mine = [a for r, a in actions if r == rank]
+        mine += [a for a in outputs if solver.Value(runs_on[a][rank])]
+        programs.append(tuple(sorted(mine, key=lambda a: solver.Value(start[key(rank, a)]))))
     schedule = Schedule("exact", shape.pp, shape.microbatches, shape.splits, shape.chunks,
                         tuple(programs), shape.placement)
     report = simulate(schedule, costs)
@@ -159,9 +179,16 @@ def _memory_changes(tables: dict, stage: int, action: Action, unit: Fraction
     return units(rise), units(release)
 
 
-def _add_hint(model, hint: Schedule, length: dict, start: dict) -> None:
+def key(rank: Optional[int], action: Action) -> tuple[Optional[int], Action]:
+    """The solver's name for `action` on `rank`: an O's is the same on every rank (None), as
+    the solver chooses its rank."""
+    return (None, action) if action.op == "O" else (rank, action)
+
+
+def _add_hint(model, hint: Schedule, length: dict, start: dict, runs_on: dict) -> None:
     """Start times of `hint` replayed with the solver's own integer durations (so the hint is
-    feasible as given); a full backward becomes its B then its W."""
+    feasible as given), and the rank of each of its O's; a full backward becomes its B then its
+    W."""
     programs = tuple(map(tuple, split_full_backwards(hint.programs)))
     split_hint = Schedule("hint", hint.pp, hint.microbatches, hint.splits, hint.chunks,
                           programs, hint.placement)
@@ -170,6 +197,10 @@ def _add_hint(model, hint: Schedule, length: dict, start: dict) -> None:
     free = [0] * hint.pp
     for step in graph.order:
         rank, action = graph.steps[step]
+        k = key(rank, action)
         begin = max([free[rank]] + [finished[need] for need in graph.needs[step]])
-        model.AddHint(start[rank, action], begin)
-        finished[step] = free[rank] = begin + length[rank, action]
+        model.AddHint(start[k], begin)
+        finished[step] = free[rank] = begin + length[k]
+    for action, present in runs_on.items():
+        for rank, literal in enumerate(present):
+            model.AddHint(literal, rank == hint.output_rank(action.microbatch, action.span))

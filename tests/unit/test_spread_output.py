@@ -184,9 +184,9 @@ def test_where_o_actions_are_not_modelled_yet_they_are_refused_in_one_line(capsy
     schedule = Schedule.from_text(SPREAD)
     with pytest.raises(ScheduleError, match="spreads the output layer over the ranks"):
         write_torch_csv(schedule)
-    costs = uniform_costs(schedule, 1.0, 2.0, output=0.5)
-    with pytest.raises(ScheduleError, match="--exact"):
-        solve(schedule, costs, 1e9, 1.0)
+    kept = Schedule.from_text(SPREAD.replace(" O0.0", "").replace(" O0.1", ""))
+    with pytest.raises(ScheduleError, match="disagree on whether the output layer is spread"):
+        solve(kept, uniform_costs(schedule, 1.0, 2.0, 1.0, output=0.5), 1e9, 1.0)
     path = tmp_path / "spread.csv"
     path.write_text(schedule.to_csv())
     assert schedule_file.load(path).spread_output      # plan.py, the check, the trainer run it
@@ -201,11 +201,41 @@ def test_where_o_actions_are_not_modelled_yet_they_are_refused_in_one_line(capsy
     err = capsys.readouterr().err
     assert code == 2 and "--output-cost" in err and len(err.splitlines()) == 1
     for argv, flag in ((["--uniform-cost", "1", "2", "1"], "needs a model"),
-                       (["--model", "7b", "--seq-length", "4096", "--exact"], "--exact")):
+                       (["--model", "7b", "--seq-length", "4096", "--search-layout"],
+                        "--search-layout")):
         code = plan_cli.main(["search", "--pp", "2", "--microbatches", "2", "--splits", "2",
                               "--spread-output", *argv])
         err = capsys.readouterr().err
         assert code == 2 and flag in err and len(err.splitlines()) == 1, err
+
+
+def test_the_exact_solver_chooses_each_os_rank_and_proves_the_search_optimal():
+    """P = 2 on a V, m = 2, k = 2, TINY's costs (its output layer outweighs a stage's layers),
+    capped at twice Seq1F1B's peak with the layer kept. CP-SAT places every O once, on whichever
+    rank, holds the cap and proves its optimum, the search's order as its hint; the search is
+    at it. The optimum runs O's on both ranks, and is shorter than the replay that keeps every O
+    on the last stage's rank."""
+    shape = build("seq1f1b-zbv", 2, 2, 2, 2)
+    spans = partition(4096, 2, "even")
+    costs = model_costs(shape, TINY, spans, flops_per_second=1e12, spread_output=True)
+    plain = model_costs(shape, TINY, spans, flops_per_second=1e12)
+    cap = 2.0 * max(r.peak_held_bytes for r in simulate(shape, plain).ranks)
+    auto = build("seq1f1b-zb-auto", 2, 2, 2, 2,
+                 budget=ScheduleBudget(costs, cap, "vshape", (), "vshape"))
+    assert auto.spread_output
+    searched = simulate(auto, costs).makespan
+    found = solve(auto, costs, cap, time_limit_s=60, hint=auto)
+    assert found.optimal, found.status
+    validate(found.schedule)
+    assert sorted(found.schedule.output_ranks) == [(i, j) for i in range(2) for j in range(2)]
+    assert found.peak <= cap * (1 + 1e-9)
+    assert found.bound <= found.makespan * (1 + 1e-4) and found.makespan <= searched
+    assert searched <= found.makespan * (1 + 1e-4)
+    assert lower_bound(auto, costs, cap) <= found.makespan * (1 + 1e-9)
+    assert len(set(found.schedule.output_ranks.values())) == 2
+    at_home = Placer(Problem(2, 2, 2, 2, "vshape", spread_output=True), costs).place(
+        cap, Policy(output_slack=None))
+    assert at_home.makespan > found.makespan * (1 + 1e-3)
 
 
 def test_plan_search_keeps_the_layer_in_the_last_stage_where_that_is_shorter(capsys):
