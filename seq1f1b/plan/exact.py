@@ -76,9 +76,9 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
     # an optional memory event on every rank, exactly one present.
     outputs = [Action("O", i, j) for i in range(shape.microbatches)
                for j in range(shape.splits)] if shape.spread_output else []
-    durations = {key(rank, action): costs.duration(shape.stage_of(rank, action.chunk), action)
+    durations = {_key(rank, action): costs.duration(shape.stage_of(rank, action.chunk), action)
                  for rank, action in actions}
-    durations.update({key(None, action): costs.duration(0, action) for action in outputs})
+    durations.update({_key(None, action): costs.duration(0, action) for action in outputs})
     longest = max(durations.values())
     scale = TICKS / longest if longest > 0 else 1.0
     unit = _memory_unit(tables)
@@ -97,7 +97,7 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
 
     def add_events(rank: int, action: Action, stage: int, active) -> None:
         up, down = _memory_changes(tables, stage, action, unit)
-        k = key(rank, action)
+        k = _key(rank, action)
         if up:
             events[rank].append((start[k], up, active))
         if down:
@@ -105,7 +105,7 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
 
     runs_on = {}
     for action in outputs:
-        k = key(None, action)
+        k = _key(None, action)
         runs_on[action] = [model.NewBoolVar(f"o{rank}{action}") for rank in range(shape.pp)]
         model.AddExactlyOne(runs_on[action])
         for rank, present in enumerate(runs_on[action]):
@@ -113,8 +113,8 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
                                                                 present, ""))
             add_events(rank, action, 0, present)
     for rank, action in actions + [(None, action) for action in outputs]:
-        for need_rank, need in dependencies(shape, rank or 0, action):
-            model.Add(start[key(rank, action)] >= end[key(need_rank, need)])
+        for need_rank, need in dependencies(shape, 0 if rank is None else rank, action):
+            model.Add(start[_key(rank, action)] >= end[_key(need_rank, need)])
         if action.op == "W":
             model.Add(start[rank, action] >= end[rank, action.with_op("B")])
     for rank, action in actions:
@@ -143,7 +143,7 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
     for rank in range(shape.pp):
         mine = [a for r, a in actions if r == rank]
         mine += [a for a in outputs if solver.Value(runs_on[a][rank])]
-        programs.append(tuple(sorted(mine, key=lambda a: solver.Value(start[key(rank, a)]))))
+        programs.append(tuple(sorted(mine, key=lambda a: solver.Value(start[_key(rank, a)]))))
     schedule = Schedule("exact", shape.pp, shape.microbatches, shape.splits, shape.chunks,
                         tuple(programs), shape.placement)
     report = simulate(schedule, costs)
@@ -179,7 +179,7 @@ def _memory_changes(tables: dict, stage: int, action: Action, unit: Fraction
     return units(rise), units(release)
 
 
-def key(rank: Optional[int], action: Action) -> tuple[Optional[int], Action]:
+def _key(rank: Optional[int], action: Action) -> tuple[Optional[int], Action]:
     """The solver's name for `action` on `rank`: an O's is the same on every rank (None), as
     the solver chooses its rank."""
     return (None, action) if action.op == "O" else (rank, action)
@@ -197,7 +197,7 @@ def _add_hint(model, hint: Schedule, length: dict, start: dict, runs_on: dict) -
     free = [0] * hint.pp
     for step in graph.order:
         rank, action = graph.steps[step]
-        k = key(rank, action)
+        k = _key(rank, action)
         begin = max([free[rank]] + [finished[need] for need in graph.needs[step]])
         model.AddHint(start[k], begin)
         finished[step] = free[rank] = begin + length[k]
