@@ -286,7 +286,8 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
                 for family in families for slack in slacks]
 
     def depth_search(best: Placed, policy: Policy) -> Placed:
-        """`best` (the replay of `policy`) improved by moving one rank's depth at a time."""
+        """`best` (the replay of `policy`) improved by moving one rank's depth at a time,
+        `rounds` passes."""
         depth = _depths(best.programs)     # what the free replay reached on each rank
         for _ in range(rounds):
             improved = False
@@ -314,6 +315,8 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
         first = min(family, key=lambda f: f[0].makespan)
         own = depth_search(*first)
         starts.append(own)
+        if not rounds:      # no depth search: the other replays are longer as they stand
+            continue
         others = [depth_search(*f) for f in family if f is not first
                   and f[0].makespan <= first[0].makespan * DEPTH_SEARCH_REACH]
         shortest_other = min(others, key=lambda placed: placed.makespan, default=own)
