@@ -64,6 +64,7 @@ from seq1f1b.plan.schedules.greedy import Problem, unit_costs  # noqa: E402
 from seq1f1b.plan.schedules.zero_bubble_v import default_cap, searched_cap  # noqa: E402
 from seq1f1b.plan.bounds import gap_to_bound, lower_bound  # noqa: E402
 from seq1f1b.plan.exact import solve  # noqa: E402
+from seq1f1b.plan.rank_bound import rank_bound  # noqa: E402
 from seq1f1b.schedule_compare import UNIT, CostModel, compare  # noqa: E402
 
 A100_BF16_TFLOPS = NOMINAL_FLOPS_PER_SECOND / 1e12
@@ -637,11 +638,18 @@ def cmd_search(args: argparse.Namespace) -> None:
             best = ("cp-sat", found.schedule, found.makespan)
         out["exact"] = {"status": found.status, "optimal": found.optimal,
                         "makespan": _finite(found.makespan), "peak": _finite(found.peak),
-                        "bound": found.bound,
-                        "search_over_exact": out["makespan"] / found.makespan - 1
-                        if math.isfinite(found.makespan) else None,
-                        "search_over_bound": out["makespan"] / found.bound - 1
-                        if found.bound > 0 else None}
+                        "whole_bound": found.bound, "rank_bound": None, "rank_bounds": None}
+        if not found.optimal:
+            # one rank at a time, each exactly with its memory: often far above the whole
+            # problem's bound under a cap (seq1f1b/plan/rank_bound.py)
+            relaxed = rank_bound(schedule, costs, cap, args.time_limit, hint=best[1])
+            out["exact"].update(rank_bound=relaxed.bound, rank_bounds=list(relaxed.per_rank))
+        bound = max(found.bound, out["exact"]["rank_bound"] or 0.0)
+        out["exact"].update(
+            bound=bound,
+            search_over_exact=out["makespan"] / found.makespan - 1
+            if math.isfinite(found.makespan) else None,
+            search_over_bound=out["makespan"] / bound - 1 if bound > 0 else None)
     if args.save_schedule:
         order, saved, makespan = best
         with open(args.save_schedule, "w") as file:
@@ -664,8 +672,11 @@ def cmd_search(args: argparse.Namespace) -> None:
                  if exact["search_over_bound"] is not None else "none")
         found = (f"makespan {exact['makespan']:.6g} (search {exact['search_over_exact']:+.2%})"
                  if exact["makespan"] is not None else "no order found in the time")
+        parts = "" if exact["rank_bound"] is None else (
+            f" (the larger of one rank at a time's {exact['rank_bound']:.6g} and the whole "
+            f"problem's {exact['whole_bound']:.6g})")
         print(f"exact (CP-SAT, {args.time_limit:g} s): {exact['status']}, {found}, proven "
-              f"bound {bound}")
+              f"bound {bound}{parts}")
     if args.save_schedule:
         saved = out["saved"]
         saved_spread = best[1].spread_output
@@ -962,8 +973,12 @@ def build_parser() -> Parser:
     search.add_argument("--exact", action="store_true",
                         help="also solve the same problem exactly (CP-SAT) within --time-limit "
                              "(with --spread-output: the problem of the order kept, the layer "
-                             "spread or in the last stage)")
-    search.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS")
+                             "spread or in the last stage); where that proves nothing, bound it "
+                             "from below one rank at a time, each exactly with its memory, "
+                             "within as much time again")
+    search.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+                        help="CP-SAT's time on the whole problem (and as much again on the "
+                             "one-rank bounds)")
     search.add_argument("--save-schedule", metavar="FILE.csv",
                         help="write the shortest order found (with --exact, CP-SAT's where it is "
                              "shorter) as a schedule file, for pretrain_gpt.py "

@@ -49,8 +49,8 @@ Group = tuple[str, int, int]
 def lower_bound(shape: Schedule, costs: SpanCosts, cap: Optional[float] = None) -> float:
     """Makespan no valid schedule of `shape`'s problem can beat under `costs`, with each rank
     holding at most `cap` bytes when given (module doc)."""
-    heads, tails = _heads(shape, costs), _tails(shape, costs)
-    durations = _durations(shape, costs)
+    heads, tails = group_heads(shape, costs), group_tails(shape, costs)
+    durations = group_durations(shape, costs)
     tables = held_tables(costs) if cap is not None else None
     best = sum(durations[g] for g in durations) * shape.microbatches / shape.pp
     for rank in range(shape.pp):
@@ -96,7 +96,8 @@ def gap_to_bound(makespan: float, bound: float) -> float:
     return 0.0 if abs(gap) < 1e-9 else gap
 
 
-def _durations(shape: Schedule, costs: SpanCosts) -> dict[Group, float]:
+def group_durations(shape: Schedule, costs: SpanCosts) -> dict[Group, float]:
+    """Each group's cost (W's 0 without W costs; O's with the output layer spread)."""
     weight = costs.weight or tuple((0.0,) * shape.splits for _ in range(shape.num_stages))
     tables = {"F": costs.forward, "B": costs.backward, "W": weight}
     found = {(op, v, j): tables[op][v][j] for op in "FBW" for v in range(shape.num_stages)
@@ -150,12 +151,12 @@ def _needs(shape: Schedule, costs: SpanCosts) -> dict[Group, list[tuple[Group, f
     return needs
 
 
-def _heads(shape: Schedule, costs: SpanCosts) -> dict[Group, list[float]]:
+def group_heads(shape: Schedule, costs: SpanCosts) -> dict[Group, list[float]]:
     """For each group, the sorted earliest starts of its m actions."""
-    return _stream(_needs(shape, costs), _durations(shape, costs), shape.microbatches)
+    return _stream(_needs(shape, costs), group_durations(shape, costs), shape.microbatches)
 
 
-def _tails(shape: Schedule, costs: SpanCosts) -> dict[Group, list[float]]:
+def group_tails(shape: Schedule, costs: SpanCosts) -> dict[Group, list[float]]:
     """For each group, the sorted least time its m actions leave between their end and the
     iteration's: the dependants' work, one after another on their rank, and the hops (heads of
     the iteration run backwards)."""
@@ -164,7 +165,33 @@ def _tails(shape: Schedule, costs: SpanCosts) -> dict[Group, list[float]]:
         dependants.setdefault(group, [])
         for need, hop in needs:
             dependants.setdefault(need, []).append((group, hop))
-    return _stream(dependants, _durations(shape, costs), shape.microbatches)
+    return _stream(dependants, group_durations(shape, costs), shape.microbatches)
+
+
+def group_lags(shape: Schedule, costs: SpanCosts) -> dict[Group, dict[Group, float]]:
+    """For each group, the least time from its start to the start of each group that depends
+    on it within one micro-batch: the longest chain of actions and hops between them."""
+    needs, durations = _needs(shape, costs), group_durations(shape, costs)
+    order: list[Group] = []
+
+    def visit(group: Group) -> None:         # dependencies first
+        if group not in order:
+            for need, _ in needs[group]:
+                visit(need)
+            order.append(group)
+
+    for group in needs:
+        visit(group)
+    lags: dict[Group, dict[Group, float]] = {}
+    for source in order:
+        reach = {source: 0.0}
+        for group in order[order.index(source) + 1:]:
+            after = [reach[need] + durations[need] + hop for need, hop in needs[group]
+                     if need in reach]
+            if after:
+                reach[group] = max(after)
+        lags[source] = reach
+    return lags
 
 
 def _stream(before: dict[Group, list[tuple[Group, float]]], durations: dict[Group, float],

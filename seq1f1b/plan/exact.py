@@ -8,8 +8,11 @@ rank, exactly one present, its bytes held there while it runs); a rank runs one 
 overlap); an action starts after each action it depends on has ended (`actions.dependencies`,
 the one place the rules live); and each rank's held bytes (allocated when an action starts,
 released after it ends, as `simulate.held_change` says) stay within the cap at all times (a
-reservoir constraint). The makespan is minimised. Every unit's backward is split: a W right
-after its B is the full backward, so nothing is lost. The search's best order is given to the
+reservoir constraint). The makespan is minimised. Every unit's backward is split, as in the
+search's orders: a W right after its B takes as long as the full backward, but holds more at its
+peak where a stage has several layer groups (a full backward frees activations as it goes,
+`simulate._HELD`), so under a tight cap the optimum and bound are those of orders that split
+every backward (rank_bound.py's bound holds for both). The search's best order is given to the
 solver as a hint (replayed with the solver's integer durations, so it is feasible as given):
 the solver starts from it and only improves on it.
 
@@ -81,7 +84,7 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
     durations.update({_key(None, action): costs.duration(0, action) for action in outputs})
     longest = max(durations.values())
     scale = TICKS / longest if longest > 0 else 1.0
-    unit = _memory_unit(tables)
+    unit = memory_unit(tables)
     length = {k: max(1, round(seconds * scale)) for k, seconds in durations.items()}
 
     model = cp_model.CpModel()
@@ -157,7 +160,7 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
                        bound, status == cp_model.OPTIMAL, name)
 
 
-def _memory_unit(tables: dict) -> Fraction:
+def memory_unit(tables: dict) -> Fraction:
     """The largest amount every byte count of `tables` is a whole multiple of (bytes are whole
     numbers on a model, simple fractions under unit costs): CP-SAT's memory unit, exact. The
     layer groups' shares of a full backward are left out: every backward here is split."""
