@@ -23,8 +23,9 @@ so memory is even across ranks.
   backwards go first, whether a forward waits for a backward due before it would end; each
   again with promised bytes kept in turn where keeping them for every admitted micro-batch at
   once held a forward back, and again keeping none; then, from the best replay of each way of
-  keeping promises (the other two only when their best replay is the shorter) and from each
-  replay of that way within DEPTH_SEARCH_REACH of it, a local search over per-rank caps on the
+  keeping promises (the other two only when their best replay is within DEPTH_SEARCH_REACH of
+  at once's) and from each replay of that way within DEPTH_SEARCH_REACH of its best, a local
+  search over per-rank caps on the
   spans in flight between F and B); the better of the best construction that fits and each
   way's result from its best replay, and its shortest from any, is
   improved by moves on its critical path (refine.py), and the shortest simulated makespan
@@ -39,6 +40,7 @@ so memory is even across ranks.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 from typing import Optional
 
@@ -73,7 +75,13 @@ policy's (2.969 s) to depths whose replay is 2.870 s and to 2.709 s after the re
 88 capped 7B cases (P, m, k from (2, 2, 2) to (8, 8, 2), k 1 to 4, capped at every rival's
 peak) three ended shorter (by 1.29%, 0.21% and 0.04%), none longer (the best replay's result
 is still refined), the search taking about 1.3 times as long; 60 cases under unit and skewed
-costs ended the same. From every replay of the family it found nothing more in 1.75 times."""
+costs ended the same. From every replay of the family it found nothing more in 1.75 times.
+A way of keeping promises whose best replay is up to this factor longer than at once's is
+searched on too (it was only where shorter): at 7B/64K with even spans, P = 4, m = 4, k = 2 on a
+V under Seq1F1B's peak, keeping promises in turn (best replay 3.506 s against 3.442) led to
+depths and an order of 3.136 s, at once's to 3.259 s. Over the 88 cases with even spans three
+ended shorter (by 2.91%, 0.33% and 0.69%), none longer; with the compute partition none
+changed. Families whose best replay ties at once's stay out (the same work again)."""
 
 
 def _v_problem(name: str, pp: int, microbatches: int, splits: int, chunks: int, unit: int
@@ -273,13 +281,21 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
                             f"(pp={problem.pp}, m={problem.microbatches}, k={problem.splits}); "
                             "raise the cap")
     starts = []
-    families = [[f for f in found if f[1].promises == way] for way in PROMISES]
     # A way of keeping promises other than at once is searched on only where its best replay
-    # did better: where the cap is loose (or so tight that admitting more chokes the pipeline)
-    # the replays tie, and the depth search and refinement would repeat the same work.
-    families = families[:1] + [family for family in families[1:] if family and (
-        not families[0] or min(f[0].makespan for f in family)
-        < min(f[0].makespan for f in families[0]))]
+    # differs from at once's by less than DEPTH_SEARCH_REACH, or is shorter: where the cap is
+    # loose (or so tight that admitting more chokes the pipeline) the replays tie, and the
+    # depth search and refinement would repeat the same work; a little longer, depths may
+    # still make it the shorter.
+    families = [[f for f in found if f[1].promises == way] for way in PROMISES]
+    at_once = min((f[0].makespan for f in families[0]), default=math.inf)
+
+    def differs_within_reach(family: list) -> bool:
+        if not family or math.isinf(at_once):      # at once got stuck everywhere
+            return bool(family)
+        best = min(f[0].makespan for f in family)
+        return best < at_once * DEPTH_SEARCH_REACH and abs(best - at_once) > at_once * 1e-12
+
+    families = families[:1] + [family for family in families[1:] if differs_within_reach(family)]
     # With the output layer spread, also one family per way of placing the O's: the shortest
     # replay is not always the start that refines to the shortest order (module doc)
     families = [[f for f in family if f[1].output_slack == slack]
