@@ -165,10 +165,10 @@ class RankRelaxation:
                     events = [(self.start[("B", stage, span), i], at_start),
                               (self.end[("B", stage, span), i], at_end),
                               (self.end[("W", stage, span), i], after_w)]
-                for time, change in events:
+                for moment, change in events:
                     count = _units(change, unit)
                     if count:
-                        times.append(time)
+                        times.append(moment)
                         changes.append(count)
         if times:
             rises = sum(c for c in changes if c > 0)
@@ -210,6 +210,7 @@ def _least_backward(tables: dict, stage: int, span: int) -> tuple[float, float, 
 
 
 def _units(change: float, unit: Fraction) -> int:
-    """`change` bytes in whole units, rounded towards holding less."""
-    exact = Fraction(change).limit_denominator(10**6) / unit
-    return math.floor(exact) if exact > 0 else math.ceil(exact)
+    """`change` bytes in whole units, rounded down: an allocation a little less, a release a
+    little more (a layer group's share need not be a whole unit), so a level never exceeds the
+    true one rounded down, nor the cap in units when the true one is within it."""
+    return math.floor(Fraction(change).limit_denominator(10**6) / unit)
