@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional
+from typing import Any, Optional
 
 from seq1f1b.plan.actions import (Action, Schedule, ScheduleError, dependencies,
                                   split_full_backwards)
@@ -63,13 +63,7 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
     if (costs.output is not None) != shape.spread_output:
         raise ScheduleError("--exact: the costs and the shape disagree on whether the output "
                             "layer is spread over the ranks (O actions)")
-    try:
-        from ortools.sat.python import cp_model
-    except ImportError:       # pinned in requirements.txt; a trimmed install may lack it
-        raise ScheduleError("--exact needs OR-Tools (pip install -r requirements.txt)") from None
-    tables = held_tables(costs)
-    if tables is None:
-        raise ScheduleError("--exact needs the bytes of every span (a model or unit costs)")
+    cp_model, tables = cp_sat_and_tables(costs)
     if costs.weight is None:
         raise ScheduleError("--exact splits every backward: give W costs (--uniform-cost F B W)")
     actions = [(rank, Action(op, i, j, c)) for rank in range(shape.pp)
@@ -158,6 +152,19 @@ def solve(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: float,
             schedule, report = hint, hinted
     return ExactResult(schedule, report.makespan, max(r.peak_held_bytes for r in report.ranks),
                        bound, status == cp_model.OPTIMAL, name)
+
+
+def cp_sat_and_tables(costs: SpanCosts) -> tuple[Any, dict]:
+    """OR-Tools' CP-SAT module and `costs`' held-byte tables (`simulate.held_tables`), or the
+    one-line refusal of `--exact` without either."""
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError:       # pinned in requirements.txt; a trimmed install may lack it
+        raise ScheduleError("--exact needs OR-Tools (pip install -r requirements.txt)") from None
+    tables = held_tables(costs)
+    if tables is None:
+        raise ScheduleError("--exact needs the bytes of every span (a model or unit costs)")
+    return cp_model, tables
 
 
 def memory_unit(tables: dict) -> Fraction:

@@ -34,11 +34,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Iterator, Optional
 
-from seq1f1b.plan.actions import Action, Schedule, ScheduleError
+from seq1f1b.plan.actions import Action, Schedule
 from seq1f1b.plan.bounds import Group, group_durations, group_heads, group_tails, group_lags
-from seq1f1b.plan.exact import memory_unit
-from seq1f1b.plan.simulate import (SpanCosts, held_change, held_rise, held_tables,
-                                   timelines)
+from seq1f1b.plan.exact import cp_sat_and_tables, memory_unit
+from seq1f1b.plan.simulate import SpanCosts, held_change, held_rise, timelines
 
 TICKS = 10_000           # the longest action, in solver time units
 _NOISE = 1e-6            # of a tick: far above float error, far below a tick
@@ -58,7 +57,7 @@ def rank_bound(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: floa
     """The bound of the module doc for `shape`'s problem (P, m, k, V, placement) under `costs`
     with each rank holding at most `cap`, the ranks sharing `time_limit_s`.
     `hint`: a valid schedule of the problem, whose timing on each rank the solver starts from."""
-    from ortools.sat.python import cp_model     # relaxations() said whether it is there
+    cp_model, _ = cp_sat_and_tables(costs)
     timed = timelines(hint, costs) if hint is not None else None
     found, solved, left = [], [], float(time_limit_s)
     for relaxed in relaxations(shape, costs, cap):
@@ -79,13 +78,7 @@ def rank_bound(shape: Schedule, costs: SpanCosts, cap: float, time_limit_s: floa
 def relaxations(shape: Schedule, costs: SpanCosts, cap: float) -> Iterator["RankRelaxation"]:
     """Each rank's relaxation of `shape`'s problem under `costs` and `cap`, rank by rank (the
     chains between them computed once)."""
-    try:
-        from ortools.sat.python import cp_model
-    except ImportError:       # pinned in requirements.txt; a trimmed install may lack it
-        raise ScheduleError("--exact needs OR-Tools (pip install -r requirements.txt)") from None
-    tables = held_tables(costs)
-    if tables is None:
-        raise ScheduleError("--exact needs the bytes of every span (a model or unit costs)")
+    cp_model, tables = cp_sat_and_tables(costs)
     durations = group_durations(shape, costs)
     heads, tails, lags = group_heads(shape, costs), group_tails(shape, costs), \
         group_lags(shape, costs)
