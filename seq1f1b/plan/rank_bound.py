@@ -12,8 +12,14 @@ actions (on any rank, with the hops) after another that chain leads from. Every 
 problem keeps its rank's actions in such an order, so the relaxed optimum of any rank bounds the
 makespan from below, and CP-SAT's proven bound on it does too, solved or not.
 
-Micro-batches are alike, so they are numbered in the order their first forward starts on the
-rank; the n-th of those starts no sooner than the n-th smallest head (bounds.py's sorted heads).
+Micro-batches are alike, so each group's m actions on the rank (one op, stage and span) are
+taken in the order they start: renumbering a group's actions by their starts keeps every chain
+(of two groups' starts, the earlier is matched with the earlier: if each start of one group is
+at least its own micro-batch's start of another plus the chain, so is the n-th smallest of the
+first at least the n-th smallest of the second plus the chain), and leaves the bytes and the
+overlap as they were. The n-th of a group then starts no sooner than its n-th smallest head and
+leaves at least its n-th smallest tail before the end (bounds.py's sorted lists), and the solver
+no longer tries the m! numberings of each group.
 
 Memory is counted for a unit's backward run full or split, whichever holds less at each moment
 (the simulator's `held_change` and `held_rise` for both, the most an action holds while it runs
@@ -117,16 +123,15 @@ class RankRelaxation:
                     if after in self.length and after != before:
                         model.Add(self.start[after, i] >= self.start[before, i]
                                   + self._ticks(lag))
-        # micro-batches numbered by their first forward on this rank (module doc)
-        self.first = min((g for g in self.groups if g[0] == "F"), key=lambda g: heads[g][0])
-        for i in range(m):
-            model.Add(self.start[self.first, i] >= self._ticks(heads[self.first][i]))
-            if i:
-                model.Add(self.start[self.first, i] >= self.start[self.first, i - 1])
+        # each group's actions in micro-batch order, with the sorted heads and tails
+        # (module doc)
         self.makespan = model.NewIntVar(0, horizon, "makespan")
         for g in self.groups:
             for i in range(m):
-                model.Add(self.makespan >= self.end[g, i] + self._ticks(tails[g][0]))
+                model.Add(self.start[g, i] >= self._ticks(heads[g][i]))
+                model.Add(self.makespan >= self.end[g, i] + self._ticks(tails[g][m - 1 - i]))
+                if i:
+                    model.Add(self.start[g, i] >= self.start[g, i - 1])
         model.Minimize(self.makespan)
 
     def _group(self, action: Action) -> Group:
@@ -169,20 +174,20 @@ class RankRelaxation:
                                               math.floor(cap / unit * (1 + 1e-12)))
 
     def add_hint(self, timeline: list) -> None:
-        """Start the solver from a real schedule's timing on this rank, its micro-batches
-        renumbered as the model numbers them."""
-        order = sorted((t.start, t.action.microbatch) for t in timeline
-                       if self._group(t.action) == self.first)
-        number = {microbatch: n for n, (_, microbatch) in enumerate(order)}
+        """Start the solver from a real schedule's timing on this rank, each group's actions
+        taken in the order they start (as the model numbers them)."""
+        starts: dict[Group, list[float]] = {}
         for t in timeline:
             action = t.action
             if action.op == "O":
                 continue
-            g, i = self._group(action), number[action.microbatch]
-            self.model.AddHint(self.start[g, i], self._time(t.start))
+            g = self._group(action)
+            starts.setdefault(g, []).append(t.start)
             if action.op == "B" and self.shape.full_backward(self.rank, action):
-                w = ("W", g[1], g[2])
-                self.model.AddHint(self.start[w, i], self._time(t.start + self.seconds[g]))
+                starts.setdefault(("W", g[1], g[2]), []).append(t.start + self.seconds[g])
+        for g, found in starts.items():
+            for i, start in enumerate(sorted(found)):
+                self.model.AddHint(self.start[g, i], self._time(start))
 
 
 def _total(change: dict[str, float]) -> float:
