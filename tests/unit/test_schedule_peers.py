@@ -167,7 +167,8 @@ def test_under_seq1f1bs_peak_a_v_that_keeps_no_promises_gets_near_cp_sats_order(
     """7B costs, P = 4, m = 4, k = 2, capped at seq1f1b's peak. Keeping room for what admitted
     micro-batches will allocate later, no replay on the V did better than 3.08 and the search
     ended at 2.920 (2.892 on a loop), while CP-SAT found a V order of 2.651 in 300 s (two
-    workers; not proven optimal, bound 2.524) that holds each rank near the cap. Keeping none
+    workers; its own bound 2.524, the one-rank bound 2.6353: within 0.6% of the optimum) that
+    holds each rank near the cap. Keeping none
     (Policy.promises = "none"), the replays get closer and the V search ended at 2.744; with
     the depth search also from the replays near the best (DEPTH_SEARCH_REACH) it ends within
     2.5% of CP-SAT's order (2.709), inside the cap."""
