@@ -61,7 +61,9 @@ best of 0, 0.5, 1, 2 and 4 was 0 at P=4, m=8, k=4 under 0.5x (5.015 s against 5.
 P=8, m=8, k=4 (2.576 against 2.616 at 1) and 4 at P=4, m=4, k=4 (2.477, where the search with
 these keeps the layer in the last stage, 2.506). With these three: 5.015, 2.575 and, at P=4,
 m=8, k=4 under the default cap, 4.884 (4.896 with the slack 1 alone); the search at k=8 takes
-about twice as long (45 s on one core)."""
+about twice as long (45 s on one core). With the ways of keeping promises within
+DEPTH_SEARCH_REACH searched on too, P=4, m=4, k=4 under the default cap gives 2.469 with the
+layer spread, shorter than with it kept (2.506)."""
 
 SEARCH_ROUNDS = 3
 """Passes of the local search over the per-rank depths (each pass tries every rank once up and
