@@ -173,9 +173,11 @@ def group_lags(shape: Schedule, costs: SpanCosts) -> dict[Group, dict[Group, flo
     on it within one micro-batch: the longest chain of actions and hops between them."""
     needs, durations = _needs(shape, costs), group_durations(shape, costs)
     order: list[Group] = []
+    seen: set[Group] = set()
 
     def visit(group: Group) -> None:         # dependencies first
-        if group not in order:
+        if group not in seen:
+            seen.add(group)
             for need, _ in needs[group]:
                 visit(need)
             order.append(group)
@@ -183,9 +185,9 @@ def group_lags(shape: Schedule, costs: SpanCosts) -> dict[Group, dict[Group, flo
     for group in needs:
         visit(group)
     lags: dict[Group, dict[Group, float]] = {}
-    for source in order:
+    for position, source in enumerate(order):
         reach = {source: 0.0}
-        for group in order[order.index(source) + 1:]:
+        for group in order[position + 1:]:
             after = [reach[need] + durations[need] + hop for need, hop in needs[group]
                      if need in reach]
             if after:
