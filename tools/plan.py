@@ -528,7 +528,8 @@ def _run_costs(args: argparse.Namespace, split: StageLayers | None = None,
 
 def _searched_layout(args: argparse.Namespace, budget: ScheduleBudget) -> StageLayers:
     """--search-layout: every stage's layers chosen with the schedule (layout_search.py), each
-    candidate searched under `budget`'s cap; the choice goes to stderr as a layout string."""
+    candidate searched under `budget`'s cap without the annealing walk (seconds a candidate; the
+    run's own search anneals the layout kept); the choice goes to stderr as a layout string."""
     shape = registry.build("seq1f1b-zbv", args.pp, args.microbatches, args.splits, args.chunks)
     cap = budget.cap if budget.cap is not None else default_cap(
         Problem(args.pp, args.microbatches, args.splits, args.chunks, shape.placement),
@@ -539,15 +540,18 @@ def _searched_layout(args: argparse.Namespace, budget: ScheduleBudget) -> StageL
 
     def search(split: StageLayers):
         on = costs(split)
+        # Candidates are compared without the annealing walk; the run's own search, on the
+        # layout kept, anneals it.
         schedule = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
-                                  args.chunks, budget=ScheduleBudget(on, cap))
+                                  args.chunks, budget=ScheduleBudget(on, cap, anneal=False))
         return schedule, simulate(schedule, on).makespan
 
     choice = choose_layout(_model(args).num_layers, shape.num_stages,
                            lambda split: lower_bound(shape, costs(split)), search)
     print(f"plan.py: --search-layout chose {LAYOUT_FLAG} '{choice.stage_layers.layout}': "
           f"makespan {choice.makespan:.6g} on a V against {choice.start_makespan:.6g} for the "
-          f"even split ({choice.tried} layouts searched)", file=sys.stderr)
+          f"even split ({choice.tried} layouts searched, each without the annealing walk the "
+          f"final search adds)", file=sys.stderr)
     return choice.stage_layers
 
 

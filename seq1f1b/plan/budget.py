@@ -62,7 +62,9 @@ class ScheduleBudget:
     (`pinned`), since its model chunks are built for it; the default cap still comes from the
     schedule's own placement's costs. An alternative whose costs spread the output layer (O
     actions, `SpanCosts.output`) is searched with it spread; `only_spread` pins that choice
-    too."""
+    too. `anneal`: whether the search ends with its annealing walk (seconds a placement,
+    schedules/anneal.py); a search over many candidates (plan.py --search-layout) compares
+    them without it and anneals the one it keeps."""
 
     costs: Optional[SpanCosts] = None
     cap: Optional[float] = None
@@ -70,6 +72,7 @@ class ScheduleBudget:
     alternatives: tuple[tuple[str, SpanCosts], ...] = ()
     only: Optional[str] = None
     only_spread: Optional[bool] = None
+    anneal: bool = True
 
     def options(self, restricted: bool = True) -> list[tuple[Optional[str], Optional[SpanCosts]]]:
         """Every (placement, costs) the search may take, this budget's own first; all of them

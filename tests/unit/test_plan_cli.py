@@ -227,8 +227,9 @@ def test_bad_input_from_a_shell_exits_2_with_one_line():
 def test_search_layout_says_the_layout_it_chose_and_simulate_runs_it(capsys):
     """plan.py search --search-layout (7B/64K, P=4, m=8, k=2, cap 0.5x): the layout chosen on
     a V is printed (JSON and stderr), no slower than the even split it started from; the final
-    search, which also places a loop of the same stages, is no slower than that V (here the
-    loop wins: the cap is too tight for the V); and the schedule searched with that layout
+    search, which also places a loop of the same stages and ends with the annealing walk the
+    candidates were compared without, is no slower than that V; and the schedule searched with
+    that layout
     given back as --pipeline-model-parallel-layout finds the search's costs: its lower bound
     and its makespan are the search's."""
     shape = ["--pp", "4", "--microbatches", "8", "--splits", "2", "--model", "7b", "--tp", "8",
@@ -242,7 +243,6 @@ def test_search_layout_says_the_layout_it_chose_and_simulate_runs_it(capsys):
     chosen, even = (float(x) for x in line.split("makespan ")[1].split(" for the")[0]
                     .split(" on a V against "))
     assert chosen <= even and found["makespan"] <= chosen * (1 + 1e-9)
-    assert found["makespan"] == pytest.approx(chosen) or found["placement"] == "loop"
     again = run_json(capsys, "search", *shape, "--schedule-memory-cap", "0.5x",
                      "--pipeline-model-parallel-layout", found["layout"])
     assert again["lower_bound"] == pytest.approx(found["lower_bound"])

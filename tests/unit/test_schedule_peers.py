@@ -169,9 +169,10 @@ def test_under_seq1f1bs_peak_a_v_that_keeps_no_promises_gets_near_cp_sats_order(
     ended at 2.920 (2.892 on a loop), while CP-SAT found a V order of 2.651 in 300 s (two
     workers; its own bound 2.524, the one-rank bound 2.6353: within 0.6% of the optimum) that
     holds each rank near the cap. Keeping none
-    (Policy.promises = "none"), the replays get closer and the V search ended at 2.744; with
-    the depth search also from the replays near the best (DEPTH_SEARCH_REACH) it ends within
-    2.5% of CP-SAT's order (2.709), inside the cap."""
+    (Policy.promises = "none"), the replays get closer and the V search ended at 2.744, with
+    the depth search also from the replays near the best (DEPTH_SEARCH_REACH) at 2.7085, and
+    annealing on from there (anneal.py) at 2.675: within issue 26's 2% of the proven bound,
+    inside the cap."""
     from seq1f1b.plan.actions import ScheduleError
     from seq1f1b.plan.schedules.greedy import Placer, Policy, Problem
     costs = COSTS["model"]
@@ -195,7 +196,31 @@ def test_under_seq1f1bs_peak_a_v_that_keeps_no_promises_gets_near_cp_sats_order(
     auto = build("seq1f1b-zb-auto", 4, 4, 2, 2,
                  budget=ScheduleBudget(span_costs, cap, "vshape", (), "vshape"))
     assert row(auto, costs).peak <= cap
-    assert row(auto, costs).makespan <= 2.651 * 1.025
+    assert row(auto, costs).makespan <= 2.6353 * 1.02
+
+
+def test_annealing_walks_on_where_the_refinement_stops():
+    """The same case: the search's refined order (2.7085) is 2.8% above the one-rank bound
+    (2.6353), a local optimum of refine.py's moves; annealing from it (anneal.py) ends shorter
+    (2.675), valid, inside the cap, and the same order every time (seeded: every rank of a run
+    builds the same)."""
+    from seq1f1b.plan.actions import Schedule
+    from seq1f1b.plan.schedules.greedy import Problem
+    from seq1f1b.plan.schedules.zero_bubble_v import annealed, search
+    from seq1f1b.plan.simulate import simulate
+    costs = COSTS["model"]
+    cap = row(build("seq1f1b", 4, 4, 2, 1), costs).peak
+    problem = Problem(4, 4, 2, 2, "vshape")
+    span_costs = costs.costs(build("seq1f1b-zbv", 4, 4, 2, 2))
+    refined = search(problem, span_costs, cap)
+    walked = annealed(problem, span_costs, cap, refined)
+    assert walked.makespan < refined.makespan / 1.01
+    assert walked.programs == annealed(problem, span_costs, cap, refined).programs
+    schedule = Schedule("annealed", 4, 4, 2, 2, tuple(map(tuple, walked.programs)), "vshape")
+    assert find_problems(schedule) == []
+    report = simulate(schedule, span_costs)
+    assert report.makespan == walked.makespan
+    assert max(rank.peak_held_bytes for rank in report.ranks) <= cap
 
 
 def test_a_way_of_keeping_promises_a_little_longer_is_searched_on_too():
@@ -203,11 +228,12 @@ def test_a_way_of_keeping_promises_a_little_longer_is_searched_on_too():
     promises in turn gives a best replay 1.9% longer than at once's (3.506 against 3.442), and
     only at once's was searched on (3.259). Searched on too (within DEPTH_SEARCH_REACH), keeping
     them in turn leads to 3.136: within 8% of the best order CP-SAT finds in 60 s (2.9087), which
-    the old search was 12% above. The gap left is the search's weakest known (docs/schedules.md)."""
+    the old search was 12% above. With annealing (anneal.py) the search ends at 3.0716, 5.6%
+    above; the gap left is the search's weakest known (docs/schedules.md)."""
     costs = replace(COSTS["model"], partition="even")
     cap = row(build("seq1f1b", 4, 4, 2, 1), costs).peak
     span_costs = costs.costs(build("seq1f1b-zbv", 4, 4, 2, 2))
     auto = build("seq1f1b-zb-auto", 4, 4, 2, 2,
                  budget=ScheduleBudget(span_costs, cap, "vshape", (), "vshape"))
     assert row(auto, costs).peak <= cap
-    assert row(auto, costs).makespan <= 2.9087 * 1.08
+    assert row(auto, costs).makespan <= 2.9087 * 1.06

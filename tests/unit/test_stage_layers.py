@@ -237,7 +237,8 @@ def test_the_layout_search_never_loses_to_the_even_split_and_keeps_the_cap():
 
     def search(split):
         on = costs(split)
-        schedule = registry.build("seq1f1b-zb-auto", 4, 8, 4, 2, budget=ScheduleBudget(on, cap))
+        schedule = registry.build("seq1f1b-zb-auto", 4, 8, 4, 2,
+                                  budget=ScheduleBudget(on, cap, anneal=False))
         report = simulate(schedule, on)
         assert max(r.peak_held_bytes for r in report.ranks) <= cap
         return schedule, report.makespan

@@ -352,7 +352,7 @@ def test_refine_retiming_after_a_move_equals_timing_every_action():
     import random
     from dataclasses import replace
 
-    from seq1f1b.plan.schedules.refine import _Orders
+    from seq1f1b.plan.schedules.refine import Orders
     rng = random.Random(7)
     compared = deadlocked = 0
     for pp, m, k, placement in ((2, 4, 2, "vshape"), (4, 4, 3, "vshape"), (3, 6, 2, "loop")):
@@ -367,7 +367,7 @@ def test_refine_retiming_after_a_move_equals_timing_every_action():
                                      for stage in range(len(unit.forward))))
         for costs in (skewed, free):
             placer = Placer(problem, costs)
-            orders_of = _Orders(placer)
+            orders_of = Orders(placer)
             orders = orders_of.steps(placer.place(float("inf"), Policy(False)).programs)
             timing = orders_of.timing(orders)
             for _ in range(150):

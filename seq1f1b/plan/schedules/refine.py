@@ -38,7 +38,7 @@ REACH = 8
 TIMED_ACTIONS = 2_000_000
 """Budget of the local search in actions timed, about a second of Python whatever the problem's
 size (at least 20 times the problem's actions). A move times only the actions that start after
-the place it changes (`_Orders.timing`): 14-51% of them over six searched cases (7B costs, skewed
+the place it changes (`Orders.timing`): 14-51% of them over six searched cases (7B costs, skewed
 and unit; P 4 and 8; k 1-4), so the budget buys two to seven times the moves of a full timing."""
 
 _TIE = 1e-12
@@ -64,7 +64,7 @@ class _Timed:
         return max(self.end), sum(self.end)
 
 
-class _Orders:
+class Orders:
     """Per-rank programs as the placer's step ids, timed with the placer's durations."""
 
     def __init__(self, placer: Placer) -> None:
@@ -181,7 +181,7 @@ def refine(placer: Placer, placed: Placed, cap: float,
            timed_actions: int = TIMED_ACTIONS) -> Placed:
     """`placed` improved by moves on its critical path (module docstring) with every rank's held
     bytes at most `cap`; never longer than `placed`."""
-    orders_of = _Orders(placer)
+    orders_of = Orders(placer)
     orders = orders_of.steps(placed.programs)
     timing = orders_of.timing(orders)
     if timing is None:
