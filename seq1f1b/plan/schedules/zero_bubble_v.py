@@ -390,9 +390,7 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
     for start in refined_from:
         refined = refine(placer, start, cap)
         if refined is not start:
-            makespan, peak = _replayed(problem, refined.programs, costs)
-            if makespan < best.makespan and peak <= cap * (1 + 1e-9):
-                best = Placed(refined.programs, makespan)
+            best = _shorter_within(problem, costs, cap, refined.programs, best)
     return best
 
 
@@ -400,11 +398,18 @@ def annealed(problem: Problem, costs: SpanCosts, cap: float, placed: Placed) -> 
     """`placed` (the search's order) walked on by annealing (anneal.py), where the refinement
     stopped in a local optimum: never longer, and within `cap` by the simulator."""
     walked = anneal(Placer(problem, costs), placed, cap)
-    if walked is not placed:
-        makespan, peak = _replayed(problem, walked.programs, costs)
-        if makespan < placed.makespan and peak <= cap * (1 + 1e-9):
-            return Placed(walked.programs, makespan)
-    return placed
+    return placed if walked is placed else _shorter_within(problem, costs, cap,
+                                                           walked.programs, placed)
+
+
+def _shorter_within(problem: Problem, costs: SpanCosts, cap: float,
+                    programs: list[list[Action]], than: Placed) -> Placed:
+    """`programs` as the simulator times them where that is shorter than `than` within `cap`
+    (a local search times with the placer's durations; the simulator has the last word), else
+    `than`."""
+    makespan, peak = _replayed(problem, programs, costs)
+    return Placed(programs, makespan) if makespan < than.makespan and \
+        peak <= cap * (1 + 1e-9) else than
 
 
 def _depths(programs: list[list[Action]]) -> list[int]:
