@@ -392,6 +392,45 @@ def test_refine_retiming_after_a_move_equals_timing_every_action():
     assert compared > 300 and deadlocked > 0            # both outcomes occur
 
 
+def test_a_moves_peak_read_from_the_places_it_changes_equals_the_whole_programs():
+    """refine.py and anneal.py check a moved order's bytes against the cap summing only the
+    places the move reorders (refine.Held). Over shifts and swaps of any reach on every rank,
+    from orders already moved, under 7B byte counts (where sums in another order differ in the
+    last bits) and unit ones, that peak is the whole program's sum to within 1e-12 of it, and a
+    move that shifts nothing changes nothing."""
+    import random
+
+    from seq1f1b.plan.schedules.refine import Held, Orders
+    from seq1f1b.schedule_compare import CostModel
+    rng = random.Random(3)
+    model = CostModel(model=preset("7b"), seq_length=65536, tp=8, sequence_parallel=True)
+    moves = 0
+    for pp, m, k, placement in ((4, 4, 2, "vshape"), (2, 4, 3, "loop")):
+        problem = Problem(pp, m, k, 2, placement)
+        for costs in (unit_costs(problem), model.costs(build("seq1f1b-zbv", pp, m, k, 2))):
+            placer = Placer(problem, costs)
+            orders_of = Orders(placer)
+            alloc, release = orders_of.plan.alloc, orders_of.plan.release
+            orders = orders_of.steps(placer.place(float("inf"), Policy(False)).programs)
+            for _ in range(300):
+                rank = rng.randrange(pp)
+                order = orders[rank]
+                source, target = rng.randrange(len(order)), rng.randrange(len(order))
+                held = orders_of.held(order)
+                whole = Held(order, alloc, release).upto[-1]
+                assert orders_of.moved(order, held, source, source, whole) == order
+                swap = rng.random() < 0.5
+                trial = orders_of.moved(order, held, source, target, float("inf"), swap)
+                peak = Held(trial, alloc, release).upto[-1]
+                low, high = sorted((source, target))
+                assert held.peak(trial, low, high) == pytest.approx(peak, rel=1e-12)
+                assert orders_of.moved(order, held, source, target, peak * (1 - 1e-6),
+                                       swap) is None
+                orders = orders[:rank] + [trial] + orders[rank + 1:]
+                moves += 1
+    assert moves == 1200
+
+
 @pytest.mark.parametrize("pp, m, k, chunks", [(4, 4, 2, 2), (4, 8, 1, 1), (8, 8, 2, 2)])
 def test_the_searched_order_does_not_hang_on_the_unit_of_time(pp, m, k, chunks):
     """Durations scaled by a power of two (exact in floating point, as every comparison of

@@ -78,10 +78,10 @@ def _walk(orders_of: Orders, placed: Placed, cap: float, rng: random.Random, bud
     timing = orders_of.timing(orders)
     if timing is None:
         return placed
-    current = shortest = timing.score[0]
+    current = shortest = timing.makespan
     kept = orders
     spent = orders_of.timed
-    waits = None
+    waits, helds = None, [None] * len(orders)
     while orders_of.timed - spent < budget:
         cooled = 1.0 - (orders_of.timed - spent) / budget
         temperature = START_TEMPERATURE * shortest * cooled * cooled
@@ -97,17 +97,19 @@ def _walk(orders_of: Orders, placed: Placed, cap: float, rng: random.Random, bud
         target = source + rng.randrange(1, REACH + 1) * (1 if rng.random() < 0.5 else -1)
         if not 0 <= target < len(orders[rank]):
             continue
-        trial = list(orders[rank])
-        trial.insert(target, trial.pop(source))
-        if orders_of.peak(trial) > cap * (1 + 1e-9):
+        if helds[rank] is None:
+            helds[rank] = orders_of.held(orders[rank])
+        trial = orders_of.moved(orders[rank], helds[rank], source, target, cap)
+        if trial is None:
             continue
         candidate = orders[:rank] + [trial] + orders[rank + 1:]
         timed = orders_of.timing(candidate, timing, rank, min(source, target))
         if timed is None:
             continue
-        makespan = timed.score[0]
+        makespan = timed.makespan
         if makespan <= current or makespan - current < temperature * rng.random():
             orders, timing, current, waits = candidate, timed, makespan, None
+            helds[rank] = None
             if makespan < shortest * (1 - _TIE):
                 shortest, kept = makespan, orders
     if shortest >= placed.makespan * (1 - _TIE):
