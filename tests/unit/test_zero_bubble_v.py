@@ -345,7 +345,8 @@ def test_search_and_compare_refuse_bad_input_in_one_line(capsys, argv, flag):
 def test_refine_retiming_after_a_move_equals_timing_every_action():
     """refine.py times a moved order only from the moved place on, keeping every action that
     started before the rank's previous action ended. That must give the very start and end of
-    every action a full timing gives (and the same deadlocks), for any move on any rank: over
+    every action a full timing gives (and the same deadlocks, and the latest end as the
+    makespan read from each rank's last action), for any move on any rank: over
     skewed durations with spans of their own costs, and with W and some stages' F free
     (zero-length actions end when they start, the edge of the kept set), from a replayed order
     and from orders already moved."""
@@ -387,6 +388,7 @@ def test_refine_retiming_after_a_move_equals_timing_every_action():
                     deadlocked += 1
                     continue
                 assert (retimed.start, retimed.end) == (full.start, full.end)
+                assert retimed.makespan == full.makespan == max(full.end)
                 compared += 1
                 orders, timing = candidate, retimed     # the next move starts from this one
     assert compared > 300 and deadlocked > 0            # both outcomes occur

@@ -304,6 +304,7 @@ class Placer:
 
         limit = cap * (1 + 1e-9)
         outputs = list(self.outputs)     # O steps not placed yet
+        output_need = {step: plan.needs[step][0] for step in outputs}   # the F each waits for
         load = list(self.work)           # each rank's work, with the O's it took
         share, home = self.share, self.home
         slack = (policy.output_slack or 0.0) * self.longest_output
@@ -313,8 +314,11 @@ class Placer:
             work stays within an even share of all the work plus the policy's slack; the last
             stage's rank takes one beyond that only when no other rank could (it is where the
             layer would otherwise be)."""
+            # asked at every choice while O's are left, of each O left: its one dependency (the
+            # last stage's F) and its bytes read inline, not by ready_at and fits
+            finished, alloc, held = plan.finished, plan.alloc, state.held
             for n, step in enumerate(outputs):
-                if plan.ready_at(step) > now or not fits(state, (step,)):
+                if finished[output_need[step]] > now or held + alloc[step] > limit:
                     continue
                 room = [share + slack - load[r] >= plan.duration[step]
                         and policy.output_slack is not None for r in range(problem.pp)]

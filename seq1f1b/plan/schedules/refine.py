@@ -61,7 +61,9 @@ class _Timed:
 
     @cached_property
     def makespan(self) -> float:
-        return max(self.end)
+        """The latest end: each rank's last action's (a rank's ends rise along its program),
+        read from P actions, not all."""
+        return max(self.end[order[-1]] for order in self.orders if order)
 
     @property
     def score(self) -> tuple[float, float]:
