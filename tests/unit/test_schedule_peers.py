@@ -201,9 +201,9 @@ def test_under_seq1f1bs_peak_a_v_that_keeps_no_promises_gets_near_cp_sats_order(
 
 def test_annealing_walks_on_where_the_refinement_stops():
     """The same case: the search's refined order (2.7085) is 2.8% above the one-rank bound
-    (2.6353), a local optimum of refine.py's moves; annealing from it (anneal.py) ends shorter
-    (2.675), valid, inside the cap, and the same order every time (seeded: every rank of a run
-    builds the same)."""
+    (2.6353), a local optimum of refine.py's moves; annealing from it (anneal.py) ends within
+    issue 26's 2% of that bound (2.675), valid and inside the cap. Told a lower bound it
+    reaches, a walk stops there, before its budget is spent."""
     from seq1f1b.plan.actions import Schedule
     from seq1f1b.plan.schedules.greedy import Problem
     from seq1f1b.plan.schedules.zero_bubble_v import annealed, search
@@ -214,13 +214,23 @@ def test_annealing_walks_on_where_the_refinement_stops():
     span_costs = costs.costs(build("seq1f1b-zbv", 4, 4, 2, 2))
     refined = search(problem, span_costs, cap)
     walked = annealed(problem, span_costs, cap, refined)
-    assert walked.makespan < refined.makespan / 1.01
-    assert walked.programs == annealed(problem, span_costs, cap, refined).programs
+    assert refined.makespan > 2.6353 * 1.02 >= walked.makespan
     schedule = Schedule("annealed", 4, 4, 2, 2, tuple(map(tuple, walked.programs)), "vshape")
     assert find_problems(schedule) == []
     report = simulate(schedule, span_costs)
     assert report.makespan == walked.makespan
     assert max(rank.peak_held_bytes for rank in report.ranks) <= cap
+
+    import random
+
+    from seq1f1b.plan.schedules import anneal
+    from seq1f1b.plan.schedules.greedy import Placer
+    from seq1f1b.plan.schedules.refine import Orders
+    orders_of = Orders(Placer(problem, span_costs))
+    budget = anneal.TIMED_ACTIONS_PER_ACTION * orders_of.size
+    stopped = anneal._walk(orders_of, refined, cap, random.Random(anneal.SEED), budget,
+                           floor=walked.makespan, swaps=0.0)
+    assert stopped.makespan <= walked.makespan * (1 + 1e-12) and orders_of.timed < budget / 2
 
 
 def test_a_way_of_keeping_promises_a_little_longer_is_searched_on_too():
@@ -228,12 +238,13 @@ def test_a_way_of_keeping_promises_a_little_longer_is_searched_on_too():
     promises in turn gives a best replay 1.9% longer than at once's (3.506 against 3.442), and
     only at once's was searched on (3.259). Searched on too (within DEPTH_SEARCH_REACH), keeping
     them in turn leads to 3.136: within 8% of the best order CP-SAT finds in 60 s (2.9087), which
-    the old search was 12% above. With annealing (anneal.py) the search ends at 3.0716, 5.6%
-    above; the gap left is the search's weakest known (docs/schedules.md)."""
+    the old search was 12% above. With annealing (anneal.py) the search ends at 2.9937, 2.9%
+    above (3.0716, 5.6% above, after the walk without swaps); the gap left is the search's
+    weakest known (docs/schedules.md)."""
     costs = replace(COSTS["model"], partition="even")
     cap = row(build("seq1f1b", 4, 4, 2, 1), costs).peak
     span_costs = costs.costs(build("seq1f1b-zbv", 4, 4, 2, 2))
     auto = build("seq1f1b-zb-auto", 4, 4, 2, 2,
                  budget=ScheduleBudget(span_costs, cap, "vshape", (), "vshape"))
     assert row(auto, costs).peak <= cap
-    assert row(auto, costs).makespan <= 2.9087 * 1.06
+    assert row(auto, costs).makespan <= 2.9087 * 1.035

@@ -190,12 +190,16 @@ class Orders:
         return Held(order, self.plan.alloc, self.plan.release)
 
     @staticmethod
-    def moved(order: list[int], held: Held, source: int, target: int, cap: float
-              ) -> Optional[list[int]]:
-        """`order` with its action at `source` moved to `target`, or None where the rank would
-        then hold more than `cap` (`held`: `order`'s bytes)."""
+    def moved(order: list[int], held: Held, source: int, target: int, cap: float,
+              swap: bool = False) -> Optional[list[int]]:
+        """`order` with its action at `source` moved to `target` (with `swap`, the two actions
+        there trade places), or None where the rank would then hold more than `cap` (`held`:
+        `order`'s bytes)."""
         trial = list(order)
-        trial.insert(target, trial.pop(source))
+        if swap:
+            trial[source], trial[target] = trial[target], trial[source]
+        else:
+            trial.insert(target, trial.pop(source))
         low, high = (source, target) if source < target else (target, source)
         return trial if held.peak(trial, low, high) <= cap * (1 + 1e-9) else None
 

@@ -169,7 +169,7 @@ def seq1f1b_zb_auto(pp: int, microbatches: int, splits: int, chunks: int,
                                                                       key=lambda f: f[1]):
             bound = lower_bound(_schedule(problem, placed.programs), costs, cap)
             if makespan <= shortest * ANNEAL_REACH and shortest > bound * ANNEAL_ABOVE_BOUND:
-                placed = annealed(problem, costs, cap, placed)
+                placed = annealed(problem, costs, cap, placed, bound)
                 found[at] = (placed.makespan, order, placed, problem, costs)
                 shortest = min(shortest, placed.makespan)
     _, _, placed, problem, _ = min(found)
@@ -394,10 +394,13 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
     return best
 
 
-def annealed(problem: Problem, costs: SpanCosts, cap: float, placed: Placed) -> Placed:
+def annealed(problem: Problem, costs: SpanCosts, cap: float, placed: Placed,
+             bound: float = 0.0) -> Placed:
     """`placed` (the search's order) walked on by annealing (anneal.py), where the refinement
-    stopped in a local optimum: never longer, and within `cap` by the simulator."""
-    walked = anneal(Placer(problem, costs), placed, cap)
+    stopped in a local optimum, until it reaches `bound` (a lower bound) at the latest, the walk
+    with swaps only where the first ends more than `ANNEAL_ABOVE_BOUND` above it: never
+    longer, and within `cap` by the simulator."""
+    walked = anneal(Placer(problem, costs), placed, cap, bound, bound * ANNEAL_ABOVE_BOUND)
     return placed if walked is placed else _shorter_within(problem, costs, cap,
                                                            walked.programs, placed)
 
