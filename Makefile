@@ -23,11 +23,15 @@ $(STAMP): requirements.txt
 	$(PY) -c "import torch, megatron.core, seq1f1b; print('setup ok: torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
 	@touch $(STAMP)
 
+# Two pytest workers (pytest-xdist): the torchrun and Slurm tests run one after another on one of
+# them while the unit files, a group each, go to whichever is free (tests/conftest.py says why).
+XDIST := -n 2 --dist loadgroup
+
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests
 
 test-unit: setup
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests/unit
 
 test-distributed: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/distributed

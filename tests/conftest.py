@@ -15,3 +15,20 @@ def megatron_world() -> None:
     yield
     release_model_parallel()
     dist.destroy_process_group()
+
+
+LAUNCHING = ("distributed", "slurm")
+"""The test folders whose tests start several processes each (torchrun's 4 ranks, a Slurm job)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for `make test`'s two workers (pytest-xdist, --dist loadgroup). Every test that
+    launches processes is in one group, run in order on one worker: two launches at once would
+    put 8 ranks on the 2 cores and their gloo timeouts at risk. Each unit test file is a group
+    of its own (its module fixtures built once), taken by whichever worker is free: a launch
+    leaves about 30% of the 2 cores idle (its ranks wait on each other), which the other
+    worker's unit tests fill. Without xdist the marks change nothing."""
+    for item in items:
+        folder = item.path.parent.name
+        group = "launches" if folder in LAUNCHING else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
