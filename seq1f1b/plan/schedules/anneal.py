@@ -89,12 +89,10 @@ def anneal(placer: Placer, placed: Placed, cap: float, floor: float = 0.0,
     only where the one without ended above `enough`."""
     orders_of = Orders(placer)
     budget = min(TIMED_ACTIONS_PER_ACTION * orders_of.size, MOST_TIMED_ACTIONS)
-    walked = placed
-    for swaps, share in ((0.0, 1.0), (SWAP_SHARE, SWAP_WALK_BUDGET)):
-        if walked is not placed and walked.makespan <= enough:
-            break
-        walked = _walk(orders_of, walked, cap, random.Random(seed), int(budget * share), floor,
-                       swaps)
+    walked = _walk(orders_of, placed, cap, random.Random(seed), budget, floor, 0.0)
+    if walked.makespan > enough:
+        walked = _walk(orders_of, walked, cap, random.Random(seed),
+                       int(budget * SWAP_WALK_BUDGET), floor, SWAP_SHARE)
     return placed if walked is placed else refine(placer, walked, cap)
 
 
