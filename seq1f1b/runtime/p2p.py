@@ -91,7 +91,12 @@ class _Queued:
 
 class StreamGlooTransport:
     """One worker runs the groups in issue order, each to completion before the next starts: the
-    FIFO of a CUDA stream. The host waits for a group's completion, not for its own turn."""
+    FIFO of a CUDA stream. The host waits for a group's completion, not for its own turn.
+
+    The host's wait (`--p2p-timeout`) is the one that reports a stuck group, naming its
+    messages; the worker's own gloo wait is bounded at twice that only so the thread is freed.
+    Were both bounded alike, the worker (whose wait starts earlier) could win the race on a
+    loaded machine and the report would be gloo's "Timed out waiting" instead of ours."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -110,7 +115,7 @@ class StreamGlooTransport:
             if failed is None:
                 try:
                     for work in _start(item.ops, item.batched):
-                        work.wait(timedelta(seconds=self.timeout_s))
+                        work.wait(timedelta(seconds=2 * self.timeout_s))
                 except BaseException as err:   # reported to the host by the group's waiter
                     failed = err
             item.error = failed
