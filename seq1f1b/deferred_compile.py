@@ -2,7 +2,7 @@
 
 megatron-core 0.16.1 decorates its fused kernels (bias-GeLU, GeGLU, SwiGLU, ...) with
 `megatron.core.jit.jit_fuser`, which is `torch.compile`, and calling `torch.compile` imports
-dynamo and inductor: about 2.5 s of CPU in every process that imports megatron-core (each rank of
+dynamo and inductor: about 3 s of CPU in every process that imports megatron-core (each rank of
 each launch, each tool), close to half of that import, for kernels a CPU run never calls and a
 GPU run first calls after its setup. `install()`, run when the `seq1f1b` package is imported
 (before any of its modules imports megatron-core, and by `megatron.training` as well), waits for

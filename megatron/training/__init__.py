@@ -3,9 +3,9 @@ initialisation, the train loop, checkpointing and logging).
 
 This folder merges with the installed megatron-core's `megatron` namespace package, so there must
 never be a `megatron/__init__.py` (it would hide `megatron.core`) nor a `megatron/core/` here.
-Nothing heavy is imported eagerly: `import megatron.training.arguments` stays fast. Only
-`seq1f1b` is (it imports no torch), so that its import defers megatron-core's fused-kernel
-compiles (seq1f1b/deferred_compile.py) whichever of the two packages a program imports first.
+Nothing is imported eagerly: `import megatron.training.arguments` stays fast. `seq1f1b` is
+(no torch): its import defers megatron-core's fused-kernel compiles (seq1f1b/deferred_compile.py)
+whichever of the two a program imports first.
 """
 import seq1f1b  # noqa: F401
 
