@@ -3,9 +3,5 @@ initialisation, the train loop, checkpointing and logging).
 
 This folder merges with the installed megatron-core's `megatron` namespace package, so there must
 never be a `megatron/__init__.py` (it would hide `megatron.core`) nor a `megatron/core/` here.
-Nothing is imported eagerly: `import megatron.training.arguments` stays fast. `seq1f1b` is
-(no torch): its import defers megatron-core's fused-kernel compiles (seq1f1b/deferred_compile.py)
-whichever of the two a program imports first.
+Nothing is imported eagerly: `import megatron.training.arguments` stays fast.
 """
-import seq1f1b  # noqa: F401
-
