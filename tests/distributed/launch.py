@@ -4,11 +4,16 @@
 `torchrun --nproc-per-node W worker cases.json results.json` and returns the worker's list of
 results (one dict per case, in order). The worker runs every case even if one fails. `env` adds
 environment variables for the launch (e.g. SEQ1F1B_STRICT_CUDA=1: strict platform mode).
+
+A launch that outlives `timeout_s` is stuck somewhere no test can see, and CI keeps only the
+failure's text: every process of it runs with faulthandler on, so a SIGABRT to the launch's
+process group makes each rank print every thread's stack, and the error carries those stacks.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -31,16 +36,61 @@ def run_cases(world_size: int, worker: str, cases: list[dict], timeout_s: int = 
         cases_path = Path(tmp) / "cases.json"
         results_path = Path(tmp) / "results.json"
         cases_path.write_text(json.dumps(cases))
-        environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+        environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+                   "PYTHONFAULTHANDLER": "1", **(env or {})}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                str(world_size), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
                str(ROOT / "tests" / "distributed" / worker), str(cases_path), str(results_path)]
-        proc = subprocess.run(cmd, env=environ, cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout_s)
+        proc = subprocess.Popen(cmd, env=environ, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = _stacks_of_stuck(proc)
+            raise RuntimeError(f"torchrun x{world_size} still running after {timeout_s} s; "
+                               f"every process's stacks:\n{stdout[-4000:]}\n{stderr[-24000:]}")
         if proc.returncode != 0 or not results_path.exists():
             raise RuntimeError(f"torchrun x{world_size} failed ({proc.returncode}):\n"
-                               f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+                               f"{stdout[-4000:]}\n{stderr[-8000:]}")
         return json.loads(results_path.read_text())
+
+
+def _stacks_of_stuck(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGABRT every process of the launch, the ranks first (torchrun starts each in a session
+    of its own, so they are found by parent, in /proc): faulthandler prints each one's threads.
+    Then kill what is left; returns the output read so far, stacks included."""
+    launched = [proc.pid] + _descendants(proc.pid)
+    for pid in reversed(launched):
+        _signal(pid, signal.SIGABRT)
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        for pid in launched:
+            _signal(pid, signal.SIGKILL)
+        return proc.communicate()
+
+
+def _descendants(root: int) -> list[int]:
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:     # gone meanwhile
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def run_worlds(worker: str, cases: dict[int, list[dict]],
