@@ -239,16 +239,27 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
 
     budget = model_budget(name, pp, microbatches, len(shape.span_lengths), chunks, cap, costs_of)
     if budget is not None and shape.spread_output:
-        from seq1f1b.plan import registry          # registry imports this module
-        base = registry.build(name, pp, microbatches, len(shape.span_lengths), chunks)
-        budget = replace(budget, alternatives=budget.alternatives + tuple(
-            (placement, costs_of(replace(base, placement=placement), False, spread=True))
-            for placement, _ in budget.options(restricted=False)))
+        budget = with_output_spread(budget, name, pp, microbatches, len(shape.span_lengths),
+                                    chunks, lambda schedule: costs_of(schedule, False, True))
     if budget is not None and shape.tied_embeddings and chunks == 2:
         # A V puts the embedding and the output layer in two chunks of rank 0, which megatron
         # cannot tie (megatron_adapter); a loop of two chunks ties them as interleaving does.
         return budget.pinned("loop")
     return budget
+
+
+def with_output_spread(budget: ScheduleBudget, name: str, pp: int, microbatches: int,
+                       splits: int, chunks: int, spread_costs: Callable[[Schedule], SpanCosts]
+                       ) -> ScheduleBudget:
+    """`budget` with every placement it offers offered again with the output layer as O actions
+    on any rank (`spread_costs(schedule)`: a placement's costs so), under the same cap: the
+    search keeps the shorter. One function for the trainer (run_budget) and the planner
+    (memory.plan_schedule), so both search the same order."""
+    from seq1f1b.plan import registry          # registry imports this module
+    base = registry.build(name, pp, microbatches, splits, chunks)
+    return replace(budget, alternatives=budget.alternatives + tuple(
+        (placement, spread_costs(replace(base, placement=placement)))
+        for placement, _ in budget.options(restricted=False)))
 
 
 def _scaled_to_fit(costs: SpanCosts, fit: SpanTimeFit, bounds: list[tuple[int, int]]

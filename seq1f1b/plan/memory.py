@@ -42,7 +42,8 @@ from typing import Callable, Optional, Sequence
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule, ScheduleError
-from seq1f1b.plan.budget import NOMINAL_FLOPS_PER_SECOND, MemoryCap, model_budget
+from seq1f1b.plan.budget import (NOMINAL_FLOPS_PER_SECOND, MemoryCap, model_budget,
+                                 with_output_spread)
 from seq1f1b.plan.context_parallel import all_to_all_bytes, check_heads
 from seq1f1b.plan.costs import (ModelConfig, Recompute, backward_workspace_bytes,
                                 padded_vocab_size, recomputed_activation_bytes, stage_parameters)
@@ -108,6 +109,7 @@ class TrainingSetup:
     decoder_last_pipeline_num_layers: Optional[int] = None    # uneven last stage
     pipeline_model_parallel_layout: Optional[str] = None      # every stage's layers (a layout)
     loss_backward_in_forward: bool = False          # the output layer's backward at F
+    spread_output: bool = False     # searched: also with the output layer as O actions (untied)
 
     def __post_init__(self) -> None:
         recompute = self.recompute      # validates; full's defaults (uniform, 1) written back
@@ -138,6 +140,10 @@ class TrainingSetup:
             raise ScheduleError(f"--loss-backward-in-forward: {self.schedule} is megatron-core's "
                                 "own schedule, which runs the loss's backward at B; choose one "
                                 f"of ours (e.g. {MEGATRON_PLANS[self.schedule]})")
+        if self.spread_output and not registry.get(self.plan_name).searched:
+            # pretrain_gpt.py's rule: only a search chooses where the output layer runs
+            raise ScheduleError(f"--spread-output: {self.schedule} is not searched; "
+                                "seq1f1b-zb-auto chooses where the output layer runs")
 
     def spans(self, model: Optional[ModelConfig] = None) -> list[int]:
         """The span lengths: multiples of C (of C x TP under sequence parallelism), since each
@@ -290,7 +296,11 @@ def setup_costs(setup: TrainingSetup, spans: Optional[list[int]] = None
     spans = spans or setup.spans(model)
     bytes_per_element = PRECISIONS[setup.precision].activation
 
-    def costs_of(schedule: Schedule, whole: bool = False) -> SpanCosts:
+    def costs_of(schedule: Schedule, whole: bool = False, spread: Optional[bool] = None
+                 ) -> SpanCosts:
+        """`spread`: price the output layer as O actions (default: where `schedule` has
+        them)."""
+        spread = schedule.spread_output if spread is None else spread
         return model_costs(schedule, model, [setup.seq_length] if whole else spans,
                            flops_per_second=NOMINAL_FLOPS_PER_SECOND, tp=setup.tp,
                            sequence_parallel=setup.sequence_parallel,
@@ -298,7 +308,7 @@ def setup_costs(setup: TrainingSetup, spans: Optional[list[int]] = None
                            recompute=setup.recompute, stage_layers=setup.stage_layers,
                            cp=setup.cp,
                            loss_backward_in_forward=setup.loss_backward_in_forward and not whole,
-                           spread_output=schedule.spread_output and not whole)
+                           spread_output=spread and not whole)
 
     return costs_of
 
@@ -307,11 +317,17 @@ def plan_schedule(setup: TrainingSetup, costs_of: Optional[Callable[..., SpanCos
                   ) -> Schedule:
     """`setup`'s plan as its run builds it: the registry's order, or for a searched schedule
     (seq1f1b-zb-auto) the order searched on the setup's model costs under its
-    --schedule-memory-cap (its default cap without one), as pretrain_gpt.py searches it.
-    `costs_of`: `setup_costs(setup)` when made already."""
+    --schedule-memory-cap (its default cap without one), as pretrain_gpt.py searches it; with
+    `spread_output` also with the output layer as O actions, the shorter kept (pretrain_gpt.py
+    --spread-output). `costs_of`: `setup_costs(setup)` when made already."""
     cap = MemoryCap.parse(setup.schedule_memory_cap) if setup.schedule_memory_cap else None
+    costs_of = costs_of or setup_costs(setup)
     budget = model_budget(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
-                          setup.chunks, cap, costs_of or setup_costs(setup))
+                          setup.chunks, cap, costs_of)
+    if budget is not None and setup.spread_output:
+        budget = with_output_spread(budget, setup.plan_name, setup.pp, setup.microbatches,
+                                    setup.splits, setup.chunks,
+                                    lambda schedule: costs_of(schedule, False, True))
     return registry.build(setup.plan_name, setup.pp, setup.microbatches, setup.splits,
                           setup.chunks, budget=budget)
 

@@ -216,8 +216,9 @@ def _span_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule,
                 model: ModelConfig, spans: list[int]) -> SpanCosts:
     """F and B of every (virtual stage, span): FLOPs at the span's efficiencies, the fixed cost
     of its layers, its TP collectives and CP all-to-alls; W (split-backward schedules) at the
-    GEMM efficiency; and the hops between stages. Under CP a rank's GEMMs see span / C tokens
-    and its attention the whole span for 1/C of the heads."""
+    GEMM efficiency; an O (the output layer spread over the ranks) at the GEMM efficiency, its
+    input and gradient over the last stage's link; and the hops between stages. Under CP a
+    rank's GEMMs see span / C tokens and its attention the whole span for 1/C of the heads."""
     batch = setup.micro_batch_size
     heads = batch * model.num_attention_heads // (setup.tp * setup.cp)
 
@@ -233,7 +234,8 @@ def _span_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule,
                           sequence_parallel=setup.sequence_parallel, batch=batch,
                           efficiency=efficiency, recompute=setup.recompute, cp=setup.cp,
                           stage_layers=setup.stage_layers,
-                          loss_backward_in_forward=setup.loss_backward_in_forward)
+                          loss_backward_in_forward=setup.loss_backward_in_forward,
+                          spread_output=schedule.spread_output)
     layers = layers_per_stage(model, schedule, setup.stage_layers)
     comm = [tuple(t + c for t, c in zip(_tp_seconds(setup, device, spans, count, 4),
                                         _cp_seconds(setup, device, model, spans, count)))
@@ -244,7 +246,8 @@ def _span_costs(setup: TrainingSetup, device: DeviceModel, schedule: Schedule,
                                             for count, row in zip(layers, comm))),
         backward=_add(compute.backward, tuple(tuple(t + fixed.backward_s(count) for t in row)
                                               for count, row in zip(layers, comm))),
-        weight=compute.weight, hop=_hops(setup, device, schedule, model, spans))
+        weight=compute.weight, hop=_hops(setup, device, schedule, model, spans),
+        output=compute.output)
 
 
 Simulator = Callable[[Schedule, SpanCosts], SimulationReport]

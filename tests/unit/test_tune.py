@@ -23,6 +23,7 @@ from seq1f1b.plan.tune.held import HeldProfile
 from seq1f1b.plan.tune.launch import pretrain_flags, sbatch_script
 from seq1f1b.plan.tune.replay import CompiledSchedule
 from seq1f1b.plan.tune.search import layout_name, tune
+from seq1f1b.plan.tune import searched
 from seq1f1b.plan.tune.searched import search_top, searched_twin
 from seq1f1b.plan.tune.space import Query, candidates, default_schedules
 
@@ -111,6 +112,11 @@ def test_the_loss_backward_in_forward_is_chosen_where_only_it_makes_the_fastest_
     without = tune(replace(SMALL, loss_backward_in_forward="no"), limit, top=3)
     assert not any(row.setup.loss_backward_in_forward for row in without.ranked)
     assert without.ranked[0].projection.iteration_s > result.ranked[0].projection.iteration_s
+    # its pipelined layout is searched too, with the output layer kept (an O would run it)
+    pipelined = next(row for row in result.ranked
+                     if row.setup.pp > 1 and row.setup.loss_backward_in_forward)
+    searched_early = searched_twin(pipelined, limit)
+    assert searched_early.setup.loss_backward_in_forward and not searched_early.setup.spread_output
     # where the layout fits without the flag, it is listed without
     roomy = tune(SMALL, gpu, top=3)
     assert roomy.ranked[0].name == layout_name(fastest)
@@ -186,7 +192,11 @@ def test_winner_flags_pass_the_trainers_validation(query, tmp_path):
     assert batch == [str(query.global_batch_size), str(setup.cp)]
 
 
-def test_the_searched_schedule_on_the_top_layouts_is_the_trainers_order_and_fits():
+def test_the_searched_schedule_on_the_top_layouts_is_the_trainers_order_and_fits(monkeypatch):
+    """The twins are searched with the output layer kept or spread (--spread-output): here the
+    first keeps it and the last spreads it, and pretrain_gpt.py builds each one's order from its
+    flags. Where the spread order does not fit the GPU, the twin keeps the layer, searched
+    without the flag, and the trainer builds that order too."""
     # V layouts on two and four ranks between one-rank ones, which are not searched
     query = replace(QUERY, schedules=("seq1f1b-zbv", "zbv", "seq1f1b-zb-h1", "seq1f1b"))
     gpu = resolve_gpu("a100", 3.0, gpus_per_node=4)
@@ -196,10 +206,12 @@ def test_the_searched_schedule_on_the_top_layouts_is_the_trainers_order_and_fits
     twins = {i: twin for i, twin in result.searched.items() if twin is not None}
     assert {result.ranked[i].setup.pp for i in twins} == {2, 4}
     assert {result.ranked[i].setup.chunks for i in twins} == {2}
+    assert [twins[i].projection.schedule.spread_output for i in (0, 3)] == [False, True]
     for index, twin in twins.items():
         listed = result.ranked[index]
         assert twin.setup == replace(listed.setup, schedule="seq1f1b-zb-auto",
-                                     schedule_memory_cap=twin.setup.schedule_memory_cap)
+                                     schedule_memory_cap=twin.setup.schedule_memory_cap,
+                                     spread_output=twin.setup.spread_output)
         cap = MemoryCap.parse(twin.setup.schedule_memory_cap)
         assert not cap.relative and cap.value <= listed.estimate.held_room(gpu.memory_gib,
                                                                      gpu.reserve_ratio)
@@ -207,16 +219,7 @@ def test_the_searched_schedule_on_the_top_layouts_is_the_trainers_order_and_fits
         assert twin.estimate.fits(gpu.memory_gib, gpu.reserve_ratio)
         assert twin.estimate.peak_bytes == pytest.approx(
             estimate_memory(twin.setup).peak_bytes, rel=1e-12)
-        # pretrain_gpt.py, given the twin's flags, searches the same order
-        args = validate_args(parse_args(pretrain_flags(twin.setup, query.global_batch_size)),
-                             query.gpus)
-        schedule = twin.projection.schedule
-        assert args.pipeline_placement == schedule.placement
-        built = registry.build("seq1f1b-zb-auto", args.pipeline_model_parallel_size,
-                               args.num_micro_batches, args.seq1f1b_splits,
-                               args.virtual_pipeline_model_parallel_size or 1,
-                               budget=schedule_budget(args))
-        assert built.programs == schedule.programs
+        _trainer_builds_the_twins_order(twin, query)
     for index in set(result.searched) - set(twins):
         assert result.ranked[index].setup.pp == 1
     # here the search beats the listed zbv on its own layout, and so wins
@@ -224,6 +227,36 @@ def test_the_searched_schedule_on_the_top_layouts_is_the_trainers_order_and_fits
     assert twins[0].projection.iteration_s < result.ranked[0].projection.iteration_s
     # a GPU that leaves the layout no room for held bytes: nothing to search under
     assert searched_twin(result.ranked[0], replace(gpu, memory_gib=1.0)) is None
+    # the spread order judged out of memory (its copies of the layer beside the weights)
+    judged = searched._judged
+
+    def spread_out_of_memory(setup, gpu):
+        found, schedule = judged(setup, gpu)
+        return (None if schedule.spread_output else found), schedule
+    monkeypatch.setattr(searched, "_judged", spread_out_of_memory)
+    kept = searched_twin(result.ranked[3], gpu)
+    assert not kept.setup.spread_output and not kept.projection.schedule.spread_output
+    assert "--spread-output" not in pretrain_flags(kept.setup, query.global_batch_size)
+    _trainer_builds_the_twins_order(kept, query)
+
+
+def _trainer_builds_the_twins_order(twin, query):
+    """pretrain_gpt.py, given the twin's flags, searches the same order."""
+    args = validate_args(parse_args(pretrain_flags(twin.setup, query.global_batch_size)),
+                         query.gpus)
+    schedule = twin.projection.schedule
+    assert args.pipeline_placement == schedule.placement
+    assert args.spread_output == twin.setup.spread_output
+    built = registry.build("seq1f1b-zb-auto", args.pipeline_model_parallel_size,
+                           args.num_micro_batches, args.seq1f1b_splits,
+                           args.virtual_pipeline_model_parallel_size or 1,
+                           budget=schedule_budget(args))
+    assert built.programs == schedule.programs
+
+
+def test_only_a_searched_schedule_spreads_the_output_layer():
+    with pytest.raises(ScheduleError, match="--spread-output: seq1f1b is not searched"):
+        TrainingSetup(TINY, 8192, schedule="seq1f1b", pp=2, splits=2, spread_output=True)
 
 
 def test_uneven_stages_and_cp_reach_the_flags():

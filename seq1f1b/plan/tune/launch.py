@@ -59,7 +59,8 @@ def _vpp_layers(setup: TrainingSetup) -> int | None:
 
 def _script_gaps(setup: TrainingSetup) -> list[str]:
     """The layout flags launch_pretrain.sh has no variable for: uneven stages, recompute, the
-    loss's backward at F, a searched schedule's memory cap."""
+    loss's backward at F, a searched schedule's memory cap and --spread-output (RUN_FLAGS
+    unties the output layer, as it needs)."""
     flags = []
     if setup.decoder_first_pipeline_num_layers:
         flags += ["--decoder-first-pipeline-num-layers",
@@ -76,6 +77,8 @@ def _script_gaps(setup: TrainingSetup) -> list[str]:
         flags.append("--loss-backward-in-forward")
     if setup.schedule_memory_cap:
         flags += ["--schedule-memory-cap", setup.schedule_memory_cap]
+    if setup.spread_output:
+        flags.append("--spread-output")
     return flags
 
 

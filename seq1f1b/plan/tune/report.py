@@ -38,7 +38,8 @@ def _searched_dicts(result: TuneResult) -> list[dict]:
             row = {"layout": None, "why": why_none(result.ranked[index].setup)}
         else:
             row = {**row_dict(twin), "placement": twin.projection.schedule.placement,
-                   "schedule_memory_cap": twin.setup.schedule_memory_cap}
+                   "schedule_memory_cap": twin.setup.schedule_memory_cap,
+                   "output_layer": _output_layer(twin)}
         out.append({"on_layout": index + 1, **row})
     return out
 
@@ -120,9 +121,10 @@ def _searched_lines(result: TuneResult) -> list[str]:
         return []
     lines = ["", f"seq1f1b-zb-auto on the top {len(result.searched)} layouts (searched in "
              f"{result.counts.searched_seconds:.1f} s, each under the held bytes every rank of "
-             "the layout has room for):",
+             "the layout has room for, with the output layer in the last stage or spread over "
+             "the ranks):",
              f"{'#':>2} {'GiB/stage':>16} {'tok/s':>9} {'TFLOPS':>6} {'bubble':>6} "
-             f"{'vs listed':>9} {'placement':>9} cap"]
+             f"{'vs listed':>9} {'placement':>9} {'output':>6} cap"]
     for index, twin in result.searched.items():
         if twin is None:
             lines.append(f"{index + 1:>2} none: {why_none(result.ranked[index].setup)}")
@@ -131,5 +133,12 @@ def _searched_lines(result: TuneResult) -> list[str]:
         lines.append(f"{index + 1:>2} {_stages(twin):>16} {p.tokens_per_s:>9.0f} "
                      f"{p.tflops_per_gpu:>6.1f} {p.report.bubble_ratio:>6.1%} "
                      f"{listed.iteration_s / p.iteration_s - 1:>+9.1%} "
-                     f"{p.schedule.placement:>9} {twin.setup.schedule_memory_cap}")
+                     f"{p.schedule.placement:>9} {_output_layer(twin):>6} "
+                     f"{twin.setup.schedule_memory_cap}")
     return lines
+
+
+def _output_layer(twin: Ranked) -> str:
+    """Where the searched order runs the output layer: spread over the ranks (O actions), or
+    in the last stage ("last")."""
+    return "spread" if twin.projection.schedule.spread_output else "last"

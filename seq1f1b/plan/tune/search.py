@@ -35,7 +35,8 @@ from seq1f1b.plan.tune.space import Query, candidates
 
 def layout_name(setup: TrainingSetup) -> str:
     """The layout in one token-ish line: TP, CP, PP, V, DP, m, schedule, k, partition,
-    recompute, uneven stages, the loss's backward at F ("loss@F"), a searched schedule's cap."""
+    recompute, uneven stages, the loss's backward at F ("loss@F"), a searched schedule's cap and
+    whether its search may spread the output layer ("spread")."""
     text = (f"TP{setup.tp} CP{setup.cp} PP{setup.pp} V{setup.chunks} DP{setup.dp} "
             f"m{setup.microbatches} {setup.schedule} k{setup.splits}")
     if setup.splits > 1:
@@ -48,6 +49,8 @@ def layout_name(setup: TrainingSetup) -> str:
         text += " loss@F"
     if setup.schedule_memory_cap:
         text += f" cap:{setup.schedule_memory_cap}"
+    if setup.spread_output:
+        text += " spread"
     return text
 
 

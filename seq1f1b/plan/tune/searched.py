@@ -7,8 +7,10 @@ seq1f1b-zb-auto at the same TP, CP, PP, V, k, partition, recompute and stages, u
 held bytes (activations, K/V, logits) that every rank of that layout has room for beside its
 weights, optimizer and workspace (`MemoryEstimate.held_room`), and judged like the rest: the
 estimator's verdict on the searched order itself (a V or a loop of two places other stages on a
-rank) and the projection. The cap goes into the layout's flags (--schedule-memory-cap), with which
-pretrain_gpt.py searches the same order on the same costs at start-up.
+rank) and the projection. The search may also spread the output layer over the ranks (O actions:
+at 7B on four stages of a V most of what it gains over the listed schedule). The cap goes into
+the layout's flags (--schedule-memory-cap, and --spread-output), with which pretrain_gpt.py
+searches the same order on the same costs at start-up.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import time
 from dataclasses import replace
 from typing import Optional
 
-from seq1f1b.plan.actions import ScheduleError
+from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.memory import GIB, TrainingSetup, estimate_memory, plan_schedule
 from seq1f1b.plan.projection import project
 from seq1f1b.plan.tune.devices import Gpu
@@ -46,23 +48,38 @@ def why_none(setup: TrainingSetup) -> str:
 def searched_twin(row: Ranked, gpu: Gpu) -> Optional[Ranked]:
     """`row`'s layout with seq1f1b-zb-auto under its estimate's `held_room`, or None where the
     layout is not searched (`not_searched`), no order fits the room, or the order found does not
-    fit the GPU."""
+    fit the GPU. The search may spread the output layer over the ranks (`--spread-output`: the
+    shorter of the layer kept and spread under the same cap, as the trainer searches with the
+    flag; not with the loss's backward at F); where the spread order wins but the layer's
+    copies leave it short of memory, the layer stays in the last stage (a search without the
+    flag)."""
     setup = row.setup
     if not_searched(setup) is not None:
         return None
     room = row.estimate.held_room(gpu.memory_gib, gpu.reserve_ratio)
     if room < GIB / 100:
         return None
-    twin = replace(setup, schedule="seq1f1b-zb-auto", schedule_memory_cap=cap_flag(room))
+    # the loss's backward at F runs the output layer where an O would (the trainer refuses both)
+    twin = replace(setup, schedule="seq1f1b-zb-auto", schedule_memory_cap=cap_flag(room),
+                   spread_output=not setup.loss_backward_in_forward)
+    judged, schedule = _judged(twin, gpu)
+    if judged is None and schedule is not None and schedule.spread_output:
+        judged, _ = _judged(replace(twin, spread_output=False), gpu)
+    return judged
+
+
+def _judged(setup: TrainingSetup, gpu: Gpu) -> tuple[Optional[Ranked], Optional[Schedule]]:
+    """`setup`'s searched order, estimated and projected, and the order: (None, None) where no
+    order of F, B and W fits its cap, (None, order) where the order does not fit the GPU."""
     try:
-        schedule = plan_schedule(twin)
+        schedule = plan_schedule(setup)
     except ScheduleError:
-        return None           # no order of F, B and W fits the room
-    estimate = estimate_memory(twin, schedule=schedule)
+        return None, None
+    estimate = estimate_memory(setup, schedule=schedule)
     if not estimate.fits(gpu.memory_gib, gpu.reserve_ratio):
-        return None
-    projection = project(twin, gpu.device, schedule=schedule)
-    return Ranked(twin, estimate, projection, projection.overheads())
+        return None, schedule
+    projection = project(setup, gpu.device, schedule=schedule)
+    return Ranked(setup, estimate, projection, projection.overheads()), schedule
 
 
 def search_top(result: TuneResult, count: int) -> None:
