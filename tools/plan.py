@@ -31,7 +31,7 @@ import math
 import os
 import sys
 from dataclasses import replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,7 +39,7 @@ from seq1f1b.writable import check_output_file  # noqa: E402
 from seq1f1b.model_flags import (COST_FLAGS, LOSS_BACKWARD_IN_FORWARD_HELP,  # noqa: E402
                                  add_model_shape_args, model_of_flags, sizes_error)
 from seq1f1b.plan import registry, schedule_file  # noqa: E402
-from seq1f1b.plan.actions import ScheduleError  # noqa: E402
+from seq1f1b.plan.actions import Schedule, ScheduleError  # noqa: E402
 from seq1f1b.plan.budget import (NOMINAL_FLOPS_PER_SECOND, MemoryCap, ScheduleBudget,  # noqa: E402
                                  model_budget, resolve_budget, searched_lower_bound,
                                  searched_placements)
@@ -61,7 +61,7 @@ from seq1f1b.plan.layout_search import choose_layout  # noqa: E402
 from seq1f1b.plan.simulate import (SimulationReport, SpanCosts, model_costs,  # noqa: E402
                                    simulate, uniform_costs)
 from seq1f1b.plan.schedules.greedy import Problem, unit_costs  # noqa: E402
-from seq1f1b.plan.schedules.zero_bubble_v import default_cap, searched_cap  # noqa: E402
+from seq1f1b.plan.schedules.zero_bubble_v import searched_cap  # noqa: E402
 from seq1f1b.plan.bounds import gap_to_bound, lower_bound  # noqa: E402
 from seq1f1b.plan.exact import solve  # noqa: E402
 from seq1f1b.plan.rank_bound import rank_bound  # noqa: E402
@@ -526,42 +526,53 @@ def _run_costs(args: argparse.Namespace, split: StageLayers | None = None,
     return costs_of, None
 
 
-def _searched_layout(args: argparse.Namespace, budget: ScheduleBudget) -> StageLayers:
+def _searched_layout(args: argparse.Namespace, cap: float) -> StageLayers:
     """--search-layout: every stage's layers chosen with the schedule (layout_search.py), each
-    candidate searched under `budget`'s cap without the annealing walk (seconds a candidate; the
-    run's own search anneals the layout kept); the choice goes to stderr as a layout string."""
+    candidate searched under `cap` without the annealing walk (seconds a candidate; the
+    run's own search anneals the layout kept); the choice goes to stderr as a layout string.
+    With --spread-output each candidate is searched with the output layer kept and spread over
+    the ranks too, and counts with the shorter (candidates are ranked by the bound with the
+    layer kept: with it spread the even split, always searched, is the natural start)."""
     shape = registry.build("seq1f1b-zbv", args.pp, args.microbatches, args.splits, args.chunks)
-    cap = budget.cap if budget.cap is not None else default_cap(
-        Problem(args.pp, args.microbatches, args.splits, args.chunks, shape.placement),
-        budget.costs)
 
-    def costs(split: StageLayers) -> SpanCosts:
-        return _run_costs(args, split)[0](shape, False)
+    def costs(split: StageLayers, spread: bool = False) -> SpanCosts:
+        return _run_costs(args, split, spread_output=spread)[0](shape, False)
 
     def search(split: StageLayers):
-        on = costs(split)
         # Candidates are compared without the annealing walk; the run's own search, on the
         # layout kept, anneals it.
-        schedule = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
-                                  args.chunks, budget=ScheduleBudget(on, cap, anneal=False))
-        return schedule, simulate(schedule, on).makespan
+        found = []
+        for spread in (False, True) if args.spread_output else (False,):
+            on = costs(split, spread)
+            try:
+                schedule = registry.build(args.schedule, args.pp, args.microbatches,
+                                          args.splits, args.chunks,
+                                          budget=ScheduleBudget(on, cap, anneal=False))
+            except ScheduleError:
+                if not spread:
+                    raise
+                continue        # no spread order fits the cap: the kept one stands
+            found.append((simulate(schedule, on).makespan, spread, schedule))
+        makespan, _, schedule = min(found, key=lambda option: option[:2])
+        return schedule, makespan
 
     choice = choose_layout(_model(args).num_layers, shape.num_stages,
                            lambda split: lower_bound(shape, costs(split)), search)
+    where = " (the output layer spread or kept, the shorter)" if args.spread_output else ""
     print(f"plan.py: --search-layout chose {LAYOUT_FLAG} '{choice.stage_layers.layout}': "
-          f"makespan {choice.makespan:.6g} on a V against {choice.start_makespan:.6g} for the "
-          f"even split ({choice.tried} layouts searched, each without the annealing walk the "
-          f"final search adds)", file=sys.stderr)
+          f"makespan {choice.makespan:.6g} on a V{where} against {choice.start_makespan:.6g} "
+          f"for the even split ({choice.tried} layouts searched, each without the annealing "
+          "walk the final search adds)", file=sys.stderr)
     return choice.stage_layers
 
 
-def _spread_budget(args: argparse.Namespace, budget: ScheduleBudget, cap: float
-                   ) -> ScheduleBudget:
+def _spread_budget(args: argparse.Namespace, budget: ScheduleBudget, cap: float,
+                   split: Optional[StageLayers] = None) -> ScheduleBudget:
     """--spread-output: `budget` (the output layer in the last stage) with the costs of every
     placement taken again with the output layer as O actions, under `cap`, the one `budget`'s
     search placed under (the given one, or Seq1F1B's peak with the layer where Megatron puts
-    it)."""
-    spread = _run_costs(args, spread_output=True)[0]
+    it); `split`: the stages' layers (None: the command line's)."""
+    spread = _run_costs(args, split, spread_output=True)[0]
 
     # a split backward's shape (the search's W actions), on each placement
     shape = registry.build("seq1f1b-zbv" if args.chunks == 2 else "seq1f1b-zb-h1", args.pp,
@@ -578,44 +589,32 @@ def _spread_budget(args: argparse.Namespace, budget: ScheduleBudget, cap: float
                                 for placement, _ in budget.alternatives), budget.only)
 
 
-def cmd_search(args: argparse.Namespace) -> None:
-    if args.time_limit <= 0:
-        raise UsageError("--time-limit must be positive (seconds)")
-    if args.save_schedule:
-        _check_writable("--save-schedule", args.save_schedule)
-    args.schedule = "seq1f1b-zb-auto"
-    if args.search_layout and _model(args) is None:
-        raise UsageError("--search-layout needs a model (--model or its dimensions)")
-    if args.spread_output and _model(args) is None:
-        raise UsageError("--spread-output needs a model (--model or its dimensions): unit "
-                         "costs have no output layer to spread")
-    if args.spread_output and args.search_layout:
-        raise UsageError("--spread-output: --search-layout does not model the O actions yet")
-    if args.search_layout and _stage_layers(args).uneven:
-        raise UsageError(f"--search-layout chooses every stage's layers: drop {FIRST_FLAG} / "
-                         f"{LAST_FLAG} / {LAYOUT_FLAG}")
-    costs_of, uniform = _run_costs(args)
-    budget = _search_budget(args, costs_of, uniform)
-    layout = None
-    if args.search_layout:
-        split = _searched_layout(args, budget)
-        layout = split.layout
-        costs_of = _run_costs(args, split)[0]
-        shape = registry.build("seq1f1b-zbv", args.pp, args.microbatches, args.splits,
-                               args.chunks)
-        # the layout's counts are per stage in stage order: a loop of the same stages too
-        budget = ScheduleBudget(costs_of(shape, False), budget.cap, "vshape",
-                                (("loop", costs_of(replace(shape, placement="loop"), False)),))
+class _Searched(NamedTuple):
+    """A search's order, its costs and replay, the least lower bound of what it chose among,
+    the cap it placed under, and (--spread-output) why the layer stayed in the last stage."""
+
+    schedule: Schedule
+    costs: SpanCosts
+    report: SimulationReport
+    bound: float
+    cap: float
+    kept: str
+
+
+def _searched(args: argparse.Namespace, budget: ScheduleBudget,
+              split: Optional[StageLayers] = None) -> _Searched:
+    """seq1f1b-zb-auto under `budget`; with --spread-output searched again with the output
+    layer as O actions (`split`: the stages' layers, None for the command line's) under the
+    same cap, the shorter kept."""
     schedule = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
                               args.chunks, budget=budget)
     costs = budget.costs_for(schedule.placement)
     cap = searched_cap(args.pp, args.microbatches, args.splits, args.chunks, budget)
     report = simulate(schedule, costs)
     bound = searched_lower_bound(schedule, budget, cap)
+    kept = "shorter here"
     if args.spread_output:
-        # searched again with the layer as O actions; the shorter of the two is kept
-        spread_budget = _spread_budget(args, budget, cap)
-        kept = "shorter here"
+        spread_budget = _spread_budget(args, budget, cap, split)
         try:
             spread = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
                                     args.chunks, budget=spread_budget)
@@ -628,6 +627,48 @@ def cmd_search(args: argparse.Namespace) -> None:
             bound = min(bound, searched_lower_bound(spread, spread_budget, cap))
             if spread_report.makespan < report.makespan:
                 schedule, costs, report = spread, spread_costs, spread_report
+    return _Searched(schedule, costs, report, bound, cap, kept)
+
+
+def cmd_search(args: argparse.Namespace) -> None:
+    if args.time_limit <= 0:
+        raise UsageError("--time-limit must be positive (seconds)")
+    if args.save_schedule:
+        _check_writable("--save-schedule", args.save_schedule)
+    args.schedule = "seq1f1b-zb-auto"
+    if args.search_layout and _model(args) is None:
+        raise UsageError("--search-layout needs a model (--model or its dimensions)")
+    if args.spread_output and _model(args) is None:
+        raise UsageError("--spread-output needs a model (--model or its dimensions): unit "
+                         "costs have no output layer to spread")
+    if args.search_layout and _stage_layers(args).uneven:
+        raise UsageError(f"--search-layout chooses every stage's layers: drop {FIRST_FLAG} / "
+                         f"{LAST_FLAG} / {LAYOUT_FLAG}")
+    costs_of, uniform = _run_costs(args)
+    budget = _search_budget(args, costs_of, uniform)
+    searched = _searched(args, budget)
+    layout = None
+    if args.search_layout:
+        split = _searched_layout(args, searched.cap)
+        costs_of = _run_costs(args, split)[0]
+        shape = registry.build("seq1f1b-zbv", args.pp, args.microbatches, args.splits,
+                               args.chunks)
+        # the layout's counts are per stage in stage order: a loop of the same stages too;
+        # under the cap in bytes the even split's search placed under
+        on_v = costs_of(shape, False)
+        chosen = searched if on_v == budget.costs else _searched(args, ScheduleBudget(
+            on_v, searched.cap, "vshape",
+            (("loop", costs_of(replace(shape, placement="loop"), False)),)), split)
+        if chosen is searched or chosen.report.makespan < searched.report.makespan:
+            searched = chosen._replace(bound=min(chosen.bound, searched.bound))
+            layout = split.layout
+        else:
+            print(f"plan.py: --search-layout: with the walk and every placement the even split "
+                  f"is as short ({searched.report.makespan:.6g} against "
+                  f"{chosen.report.makespan:.6g}): its order is kept", file=sys.stderr)
+    schedule, costs, report, bound, cap, kept = (
+        searched.schedule, searched.costs, searched.report, searched.bound, searched.cap,
+        searched.kept)
     out = {"placement": schedule.placement, "chunks": schedule.chunks,
            "makespan": report.makespan, "bubble": report.bubble_ratio, "cap": cap,
            "peak": max(r.peak_held_bytes for r in report.ranks),
@@ -969,8 +1010,10 @@ def build_parser() -> Parser:
     _add_cap_arg(search)
     _add_stage_layer_args(search)
     search.add_argument("--search-layout", action="store_true",
-                        help="also choose every virtual stage's layers (with a model): the "
-                             "layout is printed, for --pipeline-model-parallel-layout")
+                        help="also choose every virtual stage's layers (with a model; with "
+                             "--spread-output each layout searched with the output layer kept "
+                             "and spread): the layout is printed, for "
+                             "--pipeline-model-parallel-layout")
     _add_spread_arg(search, "search again with the output layer and the loss of each span as "
                             "an action of its own (O) on whichever rank the search puts it, "
                             "every rank holding the output weights, and keep the shorter")
