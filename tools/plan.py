@@ -409,6 +409,9 @@ def cmd_memory(args: argparse.Namespace) -> None:
         raise UsageError("--align: memory cuts spans as pretrain_gpt.py does (multiples of --tp "
                          "with --sequence-parallel and of --cp), which takes no --align")
     schedule = _loaded_or_named(args)
+    if args.spread_output and schedule is not None:
+        raise UsageError("--spread-output: a --pipeline-schedule-file has its O actions or not; "
+                         "drop the flag")
     setup = TrainingSetup(
         model=model, seq_length=args.seq_length, schedule=args.schedule, pp=args.pp,
         microbatches=args.microbatches, splits=args.splits, chunks=args.chunks, tp=args.tp,
@@ -427,7 +430,8 @@ def cmd_memory(args: argparse.Namespace) -> None:
         decoder_first_pipeline_num_layers=args.first_stage_layers,
         decoder_last_pipeline_num_layers=args.last_stage_layers,
         pipeline_model_parallel_layout=args.layout,
-        loss_backward_in_forward=args.loss_backward_in_forward)
+        loss_backward_in_forward=args.loss_backward_in_forward,
+        spread_output=args.spread_output)
     calibration = read_device_check(args.device_check) if args.device_check else None
     reserve = calibration.reserve_ratio if calibration and calibration.reserve_ratio else 1.0
     estimate = estimate_memory(setup, schedule=schedule)
@@ -968,6 +972,9 @@ def build_parser() -> Parser:
     mem.add_argument("--precision", choices=list(PRECISIONS), default="bf16")
     mem.add_argument("--loss-backward-in-forward", action="store_true",
                      help=LOSS_BACKWARD_IN_FORWARD_HELP)
+    _add_spread_arg(mem, "--schedule seq1f1b-zb-auto: its search also tries the output layer "
+                         "and the loss of each span as an action of its own (O) on any rank, "
+                         "every rank holding the output weights, and keeps the shorter")
     mem.add_argument("--recompute-granularity", choices=list(RECOMPUTE_GRANULARITIES),
                      help="checkpoint activations to allow for training with larger models, "
                           "sequences and batch sizes, at two granularities: full (the whole "

@@ -146,6 +146,8 @@ BAD_INPUTS = [
       "--uniform-cost", "1", "2", "--loss-backward-in-forward"], "--loss-backward-in-forward"),
     (["memory", "--schedule", "megatron-1f1b", "--pp", "2", "--microbatches", "2", "--model",
       "7b", "--seq-length", "4096", "--loss-backward-in-forward"], "--loss-backward-in-forward"),
+    (["memory", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--model",
+      "7b", "--seq-length", "4096", "--spread-output"], "--spread-output: seq1f1b is not searched"),
     (["tune", "--model", "7b", "--seq-length", "4096", "--gpus", "8",
       "--loss-backward-in-forward", "maybe"], "--loss-backward-in-forward"),
     # 0 is a value, not an absent flag (it ran k = 1), and nothing is said before the error

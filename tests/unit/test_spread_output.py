@@ -205,6 +205,10 @@ def test_where_o_actions_are_not_modelled_yet_they_are_refused_in_one_line(capsy
                           "--spread-output", "--uniform-cost", "1", "2", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "needs a model" in err and len(err.splitlines()) == 1, err
+    code = plan_cli.main(["memory", "--pipeline-schedule-file", str(path), "--model", "7b",
+                          "--seq-length", "4096", "--spread-output"])
+    err = capsys.readouterr().err
+    assert code == 2 and "has its O actions or not" in err and len(err.splitlines()) == 1, err
 
 
 def test_the_exact_solver_chooses_each_os_rank_and_proves_the_search_optimal():

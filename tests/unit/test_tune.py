@@ -143,6 +143,10 @@ def _memory_argv(setup, gpu_memory):
                  str(setup.decoder_last_pipeline_num_layers)]
     if setup.loss_backward_in_forward:
         argv.append("--loss-backward-in-forward")
+    if setup.schedule_memory_cap:
+        argv += ["--schedule-memory-cap", setup.schedule_memory_cap]
+    if setup.spread_output:
+        argv.append("--spread-output")
     return argv
 
 
@@ -192,10 +196,11 @@ def test_winner_flags_pass_the_trainers_validation(query, tmp_path):
     assert batch == [str(query.global_batch_size), str(setup.cp)]
 
 
-def test_the_searched_schedule_on_the_top_layouts_is_the_trainers_order_and_fits(monkeypatch):
+def test_the_searched_schedule_on_the_top_layouts_is_the_trainers_order_and_fits(monkeypatch,
+                                                                                 capsys):
     """The twins are searched with the output layer kept or spread (--spread-output): here the
-    first keeps it and the last spreads it, and pretrain_gpt.py builds each one's order from its
-    flags. Where the spread order does not fit the GPU, the twin keeps the layer, searched
+    first keeps it and the last spreads it, pretrain_gpt.py builds each one's order from its
+    flags, and plan.py memory given them estimates the same bytes. Where the spread order does not fit the GPU, the twin keeps the layer, searched
     without the flag, and the trainer builds that order too."""
     # V layouts on two and four ranks between one-rank ones, which are not searched
     query = replace(QUERY, schedules=("seq1f1b-zbv", "zbv", "seq1f1b-zb-h1", "seq1f1b"))
@@ -219,6 +224,10 @@ def test_the_searched_schedule_on_the_top_layouts_is_the_trainers_order_and_fits
         assert twin.estimate.fits(gpu.memory_gib, gpu.reserve_ratio)
         assert twin.estimate.peak_bytes == pytest.approx(
             estimate_memory(twin.setup).peak_bytes, rel=1e-12)
+        assert plan.main(_memory_argv(twin.setup, gpu.memory_gib)) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert [s["total_bytes"] for s in shown["stages"]] == pytest.approx(
+            [s.total_bytes for s in twin.estimate.stages], rel=1e-12)
         _trainer_builds_the_twins_order(twin, query)
     for index in set(result.searched) - set(twins):
         assert result.ranked[index].setup.pp == 1
