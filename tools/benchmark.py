@@ -40,6 +40,9 @@ median F and B summed over the pipeline stages are fitted (seq1f1b/plan/span_fit
 timed iterations run the cut balanced in that measured time, which the output reports. Each
 traced entry's JSON carries its measured spans (`spans`: start, end, forward_s, backward_s), so
 the output is itself a calibration file for `plan.py partition --method fit --calibration`.
+A --pipeline-schedule-file with O actions (the output layer spread over the ranks) runs too: its
+entry also gives each span's O (`calibrated_output_s`), and its spans count a third of the O in
+forward_s and two thirds in backward_s, as the last stage's F and B hold the layer elsewhere.
 megatron-core's own schedules (megatron-*) run without a trace: they are timed as a whole.
 V-shaped schedules (zbv, seq1f1b-zbv) need --untie-embeddings-and-output-weights and --chunks 2.
 The searched seq1f1b-zb-auto runs on --chunks 1 or 2 and chooses a V (untied embeddings only) or
@@ -306,17 +309,12 @@ def _file_run(args: argparse.Namespace) -> Run:
     """The entry of --pipeline-schedule-file (loaded: checked and registered)."""
     from seq1f1b.equivalence import check_placement
     from seq1f1b.plan import registry, schedule_file
-    from seq1f1b.plan.actions import require_output_in_last_stage
 
     try:
         schedule = schedule_file.load(args.pipeline_schedule_file)
         registry.build(schedule.name, args.pp, args.num_microbatches, schedule.splits,
                        schedule.chunks)
-        check_placement(schedule.name, args.untie_embeddings)
-        require_output_in_last_stage(schedule, f"--pipeline-schedule-file "
-                                               f"{args.pipeline_schedule_file}: the "
-                                               f"benchmark's analysis (its ideal replay, "
-                                               f"calibration and memory estimate)")
+        check_placement(schedule.name, args.untie_embeddings, schedule.spread_output)
     except ValueError as err:           # ScheduleError too
         raise UsageError(str(err)) from None
     if args.num_layers % (args.pp * schedule.chunks) and not (
@@ -577,15 +575,17 @@ def _memory_estimate(args: argparse.Namespace, run: Run, dp: int, lengths: tuple
 
 def _uniform_replay(schedule):
     """The plan replayed with every span costing its share of a micro-batch on a rank (F 1, B 2
-    per micro-batch and rank; a split backward is B 1 + W 1): the ideal makespan and bubble the
+    per micro-batch and rank; a split backward is B 1 + W 1; an O nothing, as the output layer
+    costs nothing extra in the last stage's F and B here): the ideal makespan and bubble the
     measured ones are held against."""
     from seq1f1b.plan.simulate import simulate, uniform_costs
 
     share = schedule.splits * schedule.chunks
+    output = 0.0 if schedule.spread_output else None
     if schedule.split_backward:
-        costs = uniform_costs(schedule, 1 / share, 1 / share, 1 / share)
+        costs = uniform_costs(schedule, 1 / share, 1 / share, 1 / share, output)
     else:
-        costs = uniform_costs(schedule, 1 / share, 2 / share)
+        costs = uniform_costs(schedule, 1 / share, 2 / share, output=output)
     return simulate(schedule, costs)
 
 
@@ -638,6 +638,7 @@ def analyse(args: argparse.Namespace, runs: list[Run], measured: list[list[Measu
                 if predicted.bubble_ratio else None,
                 calibrated_forward_s=[list(r) for r in costs.forward],
                 calibrated_backward_s=[list(r) for r in costs.backward],
+                calibrated_output_s=list(costs.output) if costs.output is not None else None,
                 peak_saved_bytes=peaks, peak_device_bytes=[r.peak_device_bytes for r in ranks],
                 estimated_held_bytes=held,
                 measured_over_estimated=[p / e if e else None for p, e in zip(peaks, held)],

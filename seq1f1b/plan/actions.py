@@ -266,13 +266,13 @@ def dependencies(schedule: Schedule, rank: int, action: Action) -> list[tuple[in
 
 def require_output_in_last_stage(schedule: Schedule, what: str) -> None:
     """Refuse a schedule with O actions (the output layer spread over the ranks) where `what`
-    does not handle them yet (torch's CSV, the benchmark's analysis): the plan layer validates,
+    does not handle them (torch's CSV has no such action): the plan layer validates,
     simulates, searches, bounds and plans their communication, the runtime runs them
-    (`pretrain_gpt.py` and `check_equivalence.py` with a schedule file)."""
+    (`pretrain_gpt.py`, `check_equivalence.py` and `benchmark.py` with a schedule file)."""
     if schedule.spread_output:
         raise ScheduleError(f"{what}: schedule {schedule.name!r} spreads the output layer over the "
-                            "ranks (O actions), which this does not handle yet (plan.py, "
-                            "check_equivalence.py and pretrain_gpt.py do)")
+                            "ranks (O actions), which this does not handle (plan.py, "
+                            "check_equivalence.py, benchmark.py and pretrain_gpt.py do)")
 
 
 def split_full_backwards(programs: Iterable[Iterable[Action]]) -> list[list[Action]]:

@@ -571,7 +571,8 @@ def measured_report(schedule: Schedule, ranks: Sequence[MeasuredActions],
 
 def calibrated_costs(schedule: Schedule, measured: Sequence[SimulationReport]) -> SpanCosts:
     """Per-action costs from measured iterations: for each op, virtual stage and span, the median
-    duration over micro-batches and iterations (durations as `measured_report` counts them)."""
+    duration over micro-batches and iterations (durations as `measured_report` counts them); an
+    O's (the output layer spread over the ranks) per span, over whichever ranks ran it."""
     if not measured:
         raise ScheduleError("calibration needs at least one measured iteration")
     samples: dict[tuple[str, int, int], list[float]] = defaultdict(list)
@@ -579,7 +580,7 @@ def calibrated_costs(schedule: Schedule, measured: Sequence[SimulationReport]) -
         for rank in report.ranks:
             for timed in rank.timeline:
                 action = timed.action
-                stage = schedule.stage_of(rank.rank, action.chunk)
+                stage = -1 if action.op == "O" else schedule.stage_of(rank.rank, action.chunk)
                 samples[(action.op, stage, action.span)].append(timed.end - timed.start)
 
     def table(op: str) -> Table:
@@ -587,16 +588,23 @@ def calibrated_costs(schedule: Schedule, measured: Sequence[SimulationReport]) -
                            for span in range(schedule.splits))
                      for stage in range(schedule.num_stages))
 
-    return SpanCosts(table("F"), table("B"), table("W") if schedule.split_backward else None)
+    output = tuple(statistics.median(samples[("O", -1, span)])
+                   for span in range(schedule.splits)) if schedule.spread_output else None
+    return SpanCosts(table("F"), table("B"), table("W") if schedule.split_backward else None,
+                     output=output)
 
 
 def span_timings(schedule: Schedule, measured: Sequence[SimulationReport],
                  bounds: Sequence[tuple[int, int]]) -> list[SpanTiming]:
     """Each span [start, end) of `bounds`: its calibrated F and B (B + W when the backward is
-    split) summed over the virtual stages, from measured iterations (`calibrated_costs`)."""
+    split) summed over the virtual stages, from measured iterations (`calibrated_costs`). With
+    the output layer spread, its O (the layer's forward and backward) counts a third to F and
+    two thirds to B, the FLOPs' shares (costs.logits_flops), as the last stage's F and B hold
+    it when it runs there."""
     costs = calibrated_costs(schedule, measured)
     stages = range(schedule.num_stages)
-    return [SpanTiming(start, end, sum(costs.forward[v][j] for v in stages),
+    output = costs.output or (0.0,) * schedule.splits
+    return [SpanTiming(start, end, sum(costs.forward[v][j] for v in stages) + output[j] / 3,
                        sum(costs.backward[v][j] + (costs.weight[v][j] if costs.weight else 0.0)
-                           for v in stages))
+                           for v in stages) + 2 * output[j] / 3)
             for j, (start, end) in enumerate(bounds)]

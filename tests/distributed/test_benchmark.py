@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from seq1f1b.plan import schedule_file
 from seq1f1b.plan.calibration import CalibrationError, read_device_check
+from spread_orders import spread_order
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -27,6 +29,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def benchmark(tmp_path_factory):
     out = tmp_path_factory.mktemp("benchmark")
+    spread = out / "spread.csv"         # the output layer on both ranks (O actions), last
+    spread.write_text(schedule_file.write(spread_order(2, 2, 2, 1, "loop")))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
            str(ROOT / "tools" / "benchmark.py"), "--pp", "2", "--num-layers", "4",
@@ -34,7 +38,7 @@ def benchmark(tmp_path_factory):
            "--vocab-size", "64", "--num-microbatches", "2", "--splits", "2", "--warmup", "1",
            "--iterations", "2", "--schedules", *SCHEDULES, "--output", str(out / "result.json"),
            "--untie-embeddings-and-output-weights", "--schedule-memory-cap", "0.7x",
-           "--plot", str(out / "timelines.png")]
+           "--plot", str(out / "timelines.png"), "--pipeline-schedule-file", str(spread)]
     proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     (out / "stderr.txt").write_text(proc.stderr)
@@ -44,11 +48,13 @@ def benchmark(tmp_path_factory):
 def test_every_schedule_is_reported_in_order(benchmark):
     stdout, result, _ = benchmark
     runs = result["runs"]
-    assert [r["schedule"] for r in runs] == [entry.split("@")[0].split(":")[0]
-                                             for entry in SCHEDULES]
+    assert [r["schedule"] for r in runs[:-1]] == [entry.split("@")[0].split(":")[0]
+                                                  for entry in SCHEDULES]
+    assert runs[-1]["schedule"].startswith("file:") and runs[-1]["schedule"].endswith("spread.csv")
     assert [(r["splits"], r["chunks"]) for r in runs] == [(1, 1), (2, 1), (1, 1), (2, 2), (2, 1),
-                                                          (2, 2), (1, 1)]
-    assert [r["partition"] for r in runs[1:]] == ["even", "even", "even", "fit", "even", "even"]
+                                                          (2, 2), (1, 1), (2, 1)]
+    assert [r["partition"] for r in runs[1:]] == ["even", "even", "even", "fit", "even", "even",
+                                                  "even"]
     assert runs[0]["ratio_to_first"] == 1.0
     for run in runs:        # paired by round only with the first schedule's chunks
         paired = run["paired_ratio_to_first"]
@@ -61,10 +67,10 @@ def test_every_schedule_is_reported_in_order(benchmark):
     for run in runs:
         assert run["iteration_s"] > 0
         assert run["tokens_per_s"] == pytest.approx(tokens / run["iteration_s"])
-    assert stdout.count("\n| ") >= len(SCHEDULES)          # the markdown rows
+    assert stdout.count("\n| ") >= len(runs)          # the markdown rows
     # seq1f1b:1 runs 1f1b's order on our executor: the noise floor (megatron's is not one)
-    assert result["config"]["control"] == {"label": "seq1f1b", "ratio": runs[-1]["ratio_to_first"],
-                                           "work": runs[-1]["work_ratio_to_first"]}
+    assert result["config"]["control"] == {"label": "seq1f1b", "ratio": runs[-2]["ratio_to_first"],
+                                           "work": runs[-2]["work_ratio_to_first"]}
     assert "noise floor: seq1f1b computes what 1f1b does" in stdout
     assert result["config"]["processor"].endswith(" cores") and "cpu: " in stdout
 
@@ -106,6 +112,21 @@ def test_traced_schedules_have_bubbles_predictions_and_memory(benchmark):
         assert 0 <= run["uniform_cost_bubble"] < 1
         assert run["uniform_cost_bubble"] + run["bubble_gap_from_costs"] + run[
             "bubble_gap_from_runtime"] == pytest.approx(run["measured_bubble"])
+
+
+def test_the_output_layer_spread_over_the_ranks_is_calibrated_and_estimated(benchmark):
+    """A schedule file with O actions (on both ranks here) runs, and its analysis times each
+    span's O beside the stages' F and B (the bubble checks above hold for it too)."""
+    _, result, _ = benchmark
+    spread, kept = result["runs"][-1], result["runs"][1]        # seq1f1b, the same P, m, k
+    assert len(spread["calibrated_output_s"]) == 2 and min(spread["calibrated_output_s"]) > 0
+    assert kept["calibrated_output_s"] is None
+    # the span timings fold each O into its span's F (a third) and B (two thirds)
+    for span, timing in enumerate(spread["spans"]):
+        stages = range(len(spread["calibrated_forward_s"]))
+        assert timing["forward_s"] == pytest.approx(
+            sum(spread["calibrated_forward_s"][v][span] for v in stages)
+            + spread["calibrated_output_s"][span] / 3)
 
 
 def test_the_noise_of_the_machine_is_reported_and_rounds_show_as_they_run(benchmark):
