@@ -29,7 +29,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def benchmark(tmp_path_factory):
     out = tmp_path_factory.mktemp("benchmark")
-    spread = out / "spread.csv"         # the output layer on both ranks (O actions), last
+    spread = out / "spread.csv"   # the output layer on both ranks (O actions): the last entry
     spread.write_text(schedule_file.write(spread_order(2, 2, 2, 1, "loop")))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
@@ -114,7 +114,7 @@ def test_traced_schedules_have_bubbles_predictions_and_memory(benchmark):
             "bubble_gap_from_runtime"] == pytest.approx(run["measured_bubble"])
 
 
-def test_the_output_layer_spread_over_the_ranks_is_calibrated_and_estimated(benchmark):
+def test_the_output_layer_spread_over_the_ranks_is_timed_and_calibrated(benchmark):
     """A schedule file with O actions (on both ranks here) runs, and its analysis times each
     span's O beside the stages' F and B (the bubble checks above hold for it too)."""
     _, result, _ = benchmark
