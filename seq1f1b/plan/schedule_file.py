@@ -8,9 +8,8 @@ edited and run. P, m, k and V are read from the actions. A leading comment line
 (chunk c of rank r is stage cP + r). Blank lines and other `#` lines are skipped.
 
 A file may spread the output layer over the ranks (O actions, actions.OPS): `plan.py simulate`,
-`comm` and `memory` read it, `pretrain_gpt.py` and `check_equivalence.py` run it (every rank
-then holds a copy of the output layer, megatron_adapter.OutputHead); `benchmark.py` refuses it
-(its analysis does not model O's yet).
+`comm` and `memory` read it, `pretrain_gpt.py`, `check_equivalence.py` and `benchmark.py` run it
+(every rank then holds a copy of the output layer, megatron_adapter.OutputHead).
 
 Before anything runs, the schedule is checked as the registry's are: every action parses, the
 dependency rules hold and it cannot deadlock (validate.py), and the communication it implies
