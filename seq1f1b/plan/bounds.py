@@ -49,19 +49,29 @@ Group = tuple[str, int, int]
 def lower_bound(shape: Schedule, costs: SpanCosts, cap: Optional[float] = None) -> float:
     """Makespan no valid schedule of `shape`'s problem can beat under `costs`, with each rank
     holding at most `cap` bytes when given (module doc)."""
+    durations = group_durations(shape, costs)
+    average = sum(durations[g] for g in durations) * shape.microbatches / shape.pp
+    return max([average] + rank_lower_bounds(shape, costs, cap))
+
+
+def rank_lower_bounds(shape: Schedule, costs: SpanCosts, cap: Optional[float] = None
+                      ) -> list[float]:
+    """Each rank's part of `lower_bound`: its work with heads and tails, and under `cap` its
+    warm-up (module doc)."""
     heads, tails = group_heads(shape, costs), group_tails(shape, costs)
     durations = group_durations(shape, costs)
     tables = held_tables(costs) if cap is not None else None
-    best = sum(durations[g] for g in durations) * shape.microbatches / shape.pp
+    bounds = []
     for rank in range(shape.pp):
         groups = [(op, shape.stage_of(rank, chunk), span) for op in "FBW"
                   for chunk in range(shape.chunks) for span in range(shape.splits)]
         by_heads = [(h, durations[g], tails[g][0]) for g in groups for h in heads[g]]
         by_tails = [(heads[g][0], durations[g], q) for g in groups for q in tails[g]]
-        best = max(best, _preemptive_makespan(by_heads), _preemptive_makespan(by_tails))
+        best = max(_preemptive_makespan(by_heads), _preemptive_makespan(by_tails))
         if tables is not None:
             best = max(best, _warm_up_bound(shape, tables, cap, groups, heads, durations))
-    return best
+        bounds.append(best)
+    return bounds
 
 
 def _warm_up_bound(shape: Schedule, tables: dict, cap: float, groups: list[Group],
