@@ -42,7 +42,7 @@ from seq1f1b.plan import registry, schedule_file  # noqa: E402
 from seq1f1b.plan.actions import Schedule, ScheduleError  # noqa: E402
 from seq1f1b.plan.budget import (NOMINAL_FLOPS_PER_SECOND, MemoryCap, ScheduleBudget,  # noqa: E402
                                  model_budget, resolve_budget, searched_lower_bound,
-                                 searched_placements)
+                                 searched_placements, with_output_spread)
 from seq1f1b.plan.calibration import CalibrationError, read_device_check  # noqa: E402
 from seq1f1b.plan.costs import (PRESETS, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: E402
                                 ModelConfig)
@@ -570,68 +570,37 @@ def _searched_layout(args: argparse.Namespace, cap: float) -> StageLayers:
     return choice.stage_layers
 
 
-def _spread_budget(args: argparse.Namespace, budget: ScheduleBudget, cap: float,
-                   split: Optional[StageLayers] = None) -> ScheduleBudget:
-    """--spread-output: `budget` (the output layer in the last stage) with the costs of every
-    placement taken again with the output layer as O actions, under `cap`, the one `budget`'s
-    search placed under (the given one, or Seq1F1B's peak with the layer where Megatron puts
-    it); `split`: the stages' layers (None: the command line's)."""
-    spread = _run_costs(args, split, spread_output=True)[0]
-
-    # a split backward's shape (the search's W actions), on each placement
-    shape = registry.build("seq1f1b-zbv" if args.chunks == 2 else "seq1f1b-zb-h1", args.pp,
-                           args.microbatches, args.splits, args.chunks)
-
-    def costs(placement: str) -> SpanCosts:
-        return spread(replace(shape, placement=placement), False)
-
-    own = budget.placement or shape.placement
-    print(f"plan.py: --spread-output: searched again with the output layer as O actions on any "
-          f"rank, under that cap ({cap / GIB:.2f} GiB); the shorter is kept", file=sys.stderr)
-    return ScheduleBudget(costs(own), cap, budget.placement,
-                          tuple((placement, costs(placement))
-                                for placement, _ in budget.alternatives), budget.only)
-
-
 class _Searched(NamedTuple):
     """A search's order, its costs and replay, the least lower bound of what it chose among,
-    the cap it placed under, and (--spread-output) why the layer stayed in the last stage."""
+    and the cap it placed under."""
 
     schedule: Schedule
     costs: SpanCosts
     report: SimulationReport
     bound: float
     cap: float
-    kept: str
 
 
 def _searched(args: argparse.Namespace, budget: ScheduleBudget,
               split: Optional[StageLayers] = None) -> _Searched:
-    """seq1f1b-zb-auto under `budget`; with --spread-output searched again with the output
-    layer as O actions (`split`: the stages' layers, None for the command line's) under the
-    same cap, the shorter kept."""
+    """seq1f1b-zb-auto under `budget`; with --spread-output every placement is offered again
+    with the output layer as O actions (`split`: the stages' layers, None for the command
+    line's) under the same cap, through the function the trainer's --spread-output uses
+    (budget.with_output_spread), so both search the same order and the shorter is kept."""
+    if args.spread_output:
+        spread_costs = _run_costs(args, split, spread_output=True)[0]
+        budget = with_output_spread(budget, args.schedule, args.pp, args.microbatches,
+                                    args.splits, args.chunks,
+                                    lambda schedule: spread_costs(schedule, False))
+        print("plan.py: --spread-output: every placement searched again with the output layer "
+              "as O actions on any rank, under the same cap; the shorter is kept",
+              file=sys.stderr)
     schedule = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
                               args.chunks, budget=budget)
-    costs = budget.costs_for(schedule.placement)
+    costs = budget.costs_for(schedule.placement, schedule.spread_output)
     cap = searched_cap(args.pp, args.microbatches, args.splits, args.chunks, budget)
-    report = simulate(schedule, costs)
-    bound = searched_lower_bound(schedule, budget, cap)
-    kept = "shorter here"
-    if args.spread_output:
-        spread_budget = _spread_budget(args, budget, cap, split)
-        try:
-            spread = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
-                                    args.chunks, budget=spread_budget)
-        except ScheduleError as refused:     # the kept order stands
-            print(f"plan.py: --spread-output: {refused}", file=sys.stderr)
-            kept = "no order with the layer spread fits the cap"
-        else:
-            spread_costs = spread_budget.costs_for(spread.placement, spread.spread_output)
-            spread_report = simulate(spread, spread_costs)
-            bound = min(bound, searched_lower_bound(spread, spread_budget, cap))
-            if spread_report.makespan < report.makespan:
-                schedule, costs, report = spread, spread_costs, spread_report
-    return _Searched(schedule, costs, report, bound, cap, kept)
+    return _Searched(schedule, costs, simulate(schedule, costs),
+                     searched_lower_bound(schedule, budget, cap), cap)
 
 
 def cmd_search(args: argparse.Namespace) -> None:
@@ -670,9 +639,7 @@ def cmd_search(args: argparse.Namespace) -> None:
             print(f"plan.py: --search-layout: with the walk and every placement the even split "
                   f"is as short ({searched.report.makespan:.6g} against "
                   f"{chosen.report.makespan:.6g}): its order is kept", file=sys.stderr)
-    schedule, costs, report, bound, cap, kept = (
-        searched.schedule, searched.costs, searched.report, searched.bound, searched.cap,
-        searched.kept)
+    schedule, costs, report, bound, cap = searched
     out = {"placement": schedule.placement, "chunks": schedule.chunks,
            "makespan": report.makespan, "bubble": report.bubble_ratio, "cap": cap,
            "peak": max(r.peak_held_bytes for r in report.ranks),
@@ -710,7 +677,8 @@ def cmd_search(args: argparse.Namespace) -> None:
     if layout is not None:
         print(f"layout {layout}")
     where = ("" if not args.spread_output else ", output layer spread over the ranks"
-             if schedule.spread_output else f", output layer kept in the last stage ({kept})")
+             if schedule.spread_output else ", output layer kept in the last stage (no order with it "
+             "spread is shorter under the cap)")
     print(f"seq1f1b-zb-auto P={args.pp} m={args.microbatches} k={args.splits} V={args.chunks} "
           f"on {'a V' if schedule.placement == 'vshape' else 'a loop'}{where}: makespan "
           f"{out['makespan']:.6g}, bubble {out['bubble']:.1%}, peak {out['peak']:.6g} of cap "
