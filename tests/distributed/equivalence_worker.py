@@ -1,4 +1,5 @@
-"""torchrun worker: runs each equivalence case in turn; rank 0 writes the results as JSON."""
+"""torchrun worker: runs each equivalence case in turn; rank 0 writes the results as JSON, each
+with whether strict CUDA mode was on (`strict`)."""
 import json
 import sys
 import traceback
@@ -6,6 +7,7 @@ import traceback
 import torch.distributed as dist
 
 from seq1f1b.distributed import init_distributed, release_model_parallel
+from seq1f1b import platform
 from seq1f1b.equivalence import EquivalenceCase, run_case
 
 
@@ -19,6 +21,7 @@ def main(cases_path: str, results_path: str) -> None:
             result = {"passed": False, "error": f"{type(err).__name__}: {err}",
                       "traceback": traceback.format_exc()[-3000:], "case": spec}
             release_model_parallel()
+        result["strict"] = platform.is_strict()
         results.append(result)
     if dist.get_rank() == 0:
         json.dump(results, open(results_path, "w"))

@@ -93,14 +93,21 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         pass
 
 
+STRICT_CUDA = {"SEQ1F1B_STRICT_CUDA": "1"}
+"""A launch's environment for strict CUDA mode (seq1f1b/strict_cuda.py): CUDA's rules on the
+CPU."""
+
+
 def run_worlds(worker: str, cases: dict[int, list[dict]],
-               extra: dict[int, list[tuple[object, dict]]]) -> dict:
-    """Each world's `cases` and its `extra` (key, case) pairs in one launch per world: the
-    result's [world] is the list of the cases' results, in order, and [key] each extra's."""
+               extra: dict[int, list[tuple[object, dict]]],
+               env: Optional[dict[str, str]] = None) -> dict:
+    """Each world's `cases` and its `extra` (key, case) pairs in one launch per world (`env`
+    added to each): the result's [world] is the list of the cases' results, in order, and
+    [key] each extra's."""
     out: dict = {}
     for world, listed in cases.items():
         added = extra.get(world, [])
-        ran = run_cases(world, worker, listed + [case for _, case in added])
+        ran = run_cases(world, worker, listed + [case for _, case in added], env=env)
         out[world] = ran[:len(listed)]
         out.update({key: result for (key, _), result in zip(added, ran[len(listed):])})
     return out

@@ -26,12 +26,18 @@ default) in every case but the `UNFUSED` ones. The `EARLY` cases run the output 
 inside the last stage's forward (--loss-backward-in-forward, runtime/early_loss.py): tied on one
 stage, untied with SwiGLU/RMSNorm and full recompute, PP 2 on a loop and on a V (split backward),
 TP 2 with SP, CP 2 unfused, DP 2, and TP 2 x PP 2 interleaved with SP.
+
+Every case runs in strict CUDA mode (SEQ1F1B_STRICT_CUDA=1, seq1f1b/strict_cuda.py): a batch or
+gradient left on the host, a host tensor given to a collective or p2p, a host sync inside the
+executor's run or an SDPA call CUDA would run with its math kernel raises, as on the first GPU
+run. Strict mode only adds checks (the same kernels on the same tensors), so the figures are the
+CPU default's; the training tests run without it.
 """
 from dataclasses import replace
 
 import pytest
 
-from launch import run_worlds
+from launch import STRICT_CUDA, run_worlds
 from seq1f1b.plan import registry, schedule_file
 from seq1f1b.plan.actions import Action, Schedule
 from spread_orders import spread_cases
@@ -277,7 +283,7 @@ def results(tmp_path_factory):
                         "splits": k, "chunks": v})]
     extra = spread_cases(folder, SPREAD)
     extra[2] = first + extra.get(2, [])
-    return run_worlds("equivalence_worker.py", CASES, extra)
+    return run_worlds("equivalence_worker.py", CASES, extra, env=STRICT_CUDA)
 
 
 def test_a_schedule_from_a_file_is_exact(results):
@@ -320,7 +326,7 @@ def test_pipelined_split_run_equals_unsplit_model(results, param):
     world, n = param
     result = results[world][n]
     assert "error" not in result, result.get("traceback", result.get("error"))
-    assert result["params_compared"] > 0
+    assert result["strict"] and result["params_compared"] > 0
     assert result["loss_rel_diff"] <= 1e-6, result
     assert result["max_rel_grad_diff"] <= 1e-5, result
     assert result["passed"]
