@@ -438,12 +438,13 @@ def test_the_searched_order_does_not_hang_on_the_unit_of_time(pp, m, k, chunks):
     """Durations scaled by a power of two (exact in floating point, as every comparison of
     them) give the same order: the search compares times relative to each other, never to a
     constant, so an order found at an A100's rate is the one found in any other unit. (A
-    tolerance of 1e-12 seconds did not scale: it moved the critical path it followed.)"""
+    tolerance of 1e-12 seconds did not scale: it moved the critical path it followed. Durations
+    2^40 times shorter, about 1e-14 s an action, are where such a constant shows.)"""
     from dataclasses import replace
     from seq1f1b.schedule_compare import CostModel, row, searched_schedule
     model = CostModel(model=preset("7b"), seq_length=65536, tp=8, sequence_parallel=True)
     cap = max(row(build("seq1f1b", pp, m, k, 1), model).peaks)
     found = {searched_schedule(pp, m, k, replace(model, flops_per_second=rate), cap,
                                chunks).programs
-             for rate in (312e12, 312e12 * 2.0 ** 40, 312e12 * 2.0 ** -20)}
+             for rate in (312e12, 312e12 * 2.0 ** 40)}
     assert len(found) == 1
