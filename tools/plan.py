@@ -677,8 +677,8 @@ def cmd_search(args: argparse.Namespace) -> None:
     if layout is not None:
         print(f"layout {layout}")
     where = ("" if not args.spread_output else ", output layer spread over the ranks"
-             if schedule.spread_output else ", output layer kept in the last stage (no order with it "
-             "spread is shorter under the cap)")
+             if schedule.spread_output else ", output layer kept in the last stage (no order "
+             "with it spread is shorter under the cap)")
     print(f"seq1f1b-zb-auto P={args.pp} m={args.microbatches} k={args.splits} V={args.chunks} "
           f"on {'a V' if schedule.placement == 'vshape' else 'a loop'}{where}: makespan "
           f"{out['makespan']:.6g}, bubble {out['bubble']:.1%}, peak {out['peak']:.6g} of cap "
