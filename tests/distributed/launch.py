@@ -6,8 +6,9 @@ results (one dict per case, in order). The worker runs every case even if one fa
 environment variables for the launch (e.g. SEQ1F1B_STRICT_CUDA=1: strict platform mode).
 
 A launch that outlives `timeout_s` is stuck somewhere no test can see, and CI keeps only the
-failure's text: every process of it runs with faulthandler on, so a SIGABRT to the launch's
-process group makes each rank print every thread's stack, and the error carries those stacks.
+failure's text: every process of it runs with faulthandler on, so a SIGABRT to each process
+of the launch, one after another, makes each print every thread's stack, and the error carries
+those stacks.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -56,18 +58,34 @@ def run_cases(world_size: int, worker: str, cases: list[dict], timeout_s: int = 
 
 
 def _stacks_of_stuck(proc: subprocess.Popen) -> tuple[str, str]:
-    """SIGABRT every process of the launch, the ranks first (torchrun starts each in a session
-    of its own, so they are found by parent, in /proc): faulthandler prints each one's threads.
-    Then kill what is left; returns the output read so far, stacks included."""
+    """SIGABRT every process of the launch, one at a time: faulthandler prints each one's
+    threads, and stacks printed at once interleave on the stderr they share (CI's stop 54 found
+    none whole). torchrun's agent goes first, so that no rank's death makes it stop the others
+    before they print; the ranks run in sessions of their own and are found by parent, in
+    /proc. Then kill what is left; returns the output read so far, stacks included."""
     launched = [proc.pid] + _descendants(proc.pid)
-    for pid in reversed(launched):
+    for pid in launched:
         _signal(pid, signal.SIGABRT)
+        _wait_gone(pid, timeout_s=10)
     try:
         return proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         for pid in launched:
             _signal(pid, signal.SIGKILL)
         return proc.communicate()
+
+
+def _wait_gone(pid: int, timeout_s: float) -> None:
+    """Until process `pid` has ended (gone from /proc, or a zombie), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.05)
 
 
 def _descendants(root: int) -> list[int]:
