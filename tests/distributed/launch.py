@@ -59,10 +59,10 @@ def run_cases(world_size: int, worker: str, cases: list[dict], timeout_s: int = 
 
 def _stacks_of_stuck(proc: subprocess.Popen) -> tuple[str, str]:
     """SIGABRT every process of the launch, one at a time: faulthandler prints each one's
-    threads, and stacks printed at once interleave on the stderr they share (CI's stop 54 found
-    none whole). torchrun's agent goes first, so that no rank's death makes it stop the others
-    before they print; the ranks run in sessions of their own and are found by parent, in
-    /proc. Then kill what is left; returns the output read so far, stacks included."""
+    threads, and stacks printed at once interleave on the stderr they share (a clean-clone run
+    once found none whole). torchrun's agent goes first, so that no rank's death makes it stop
+    the others before they print; the ranks run in sessions of their own and are found by
+    parent, in /proc. Then kill what is left; returns the output read so far, stacks included."""
     launched = [proc.pid] + _descendants(proc.pid)
     for pid in launched:
         _signal(pid, signal.SIGABRT)
