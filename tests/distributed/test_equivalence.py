@@ -30,8 +30,7 @@ TP 2 with SP, CP 2 unfused, DP 2, and TP 2 x PP 2 interleaved with SP.
 Every case runs in strict CUDA mode (SEQ1F1B_STRICT_CUDA=1, seq1f1b/strict_cuda.py): a batch or
 gradient left on the host, a host tensor given to a collective or p2p, a host sync inside the
 executor's run or an SDPA call CUDA would run with its math kernel raises, as on the first GPU
-run. Strict mode only adds checks (the same kernels on the same tensors), so the figures are the
-CPU default's; the training tests run without it.
+run. Strict mode adds checks around the same kernels; the training tests run without it.
 """
 from dataclasses import replace
 
