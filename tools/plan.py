@@ -539,26 +539,19 @@ def _searched_layout(args: argparse.Namespace, cap: float) -> StageLayers:
     layer kept: with it spread the even split, always searched, is the natural start)."""
     shape = registry.build("seq1f1b-zbv", args.pp, args.microbatches, args.splits, args.chunks)
 
-    def costs(split: StageLayers, spread: bool = False) -> SpanCosts:
-        return _run_costs(args, split, spread_output=spread)[0](shape, False)
+    def costs(split: StageLayers) -> SpanCosts:
+        return _run_costs(args, split)[0](shape, False)
 
     def search(split: StageLayers):
         # Candidates are compared without the annealing walk; the run's own search, on the
         # layout kept, anneals it.
-        found = []
-        for spread in (False, True) if args.spread_output else (False,):
-            on = costs(split, spread)
-            try:
-                schedule = registry.build(args.schedule, args.pp, args.microbatches,
-                                          args.splits, args.chunks,
-                                          budget=ScheduleBudget(on, cap, anneal=False))
-            except ScheduleError:
-                if not spread:
-                    raise
-                continue        # no spread order fits the cap: the kept one stands
-            found.append((simulate(schedule, on).makespan, spread, schedule))
-        makespan, _, schedule = min(found, key=lambda option: option[:2])
-        return schedule, makespan
+        budget = ScheduleBudget(costs(split), cap, "vshape", anneal=False)
+        if args.spread_output:
+            budget = _offer_spread(args, budget, split)
+        schedule = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
+                                  args.chunks, budget=budget)
+        costs_of = budget.costs_for(schedule.placement, schedule.spread_output)
+        return schedule, simulate(schedule, costs_of).makespan
 
     choice = choose_layout(_model(args).num_layers, shape.num_stages,
                            lambda split: lower_bound(shape, costs(split)), search)
@@ -568,6 +561,16 @@ def _searched_layout(args: argparse.Namespace, cap: float) -> StageLayers:
           f"for the even split ({choice.tried} layouts searched, each without the annealing "
           "walk the final search adds)", file=sys.stderr)
     return choice.stage_layers
+
+
+def _offer_spread(args: argparse.Namespace, budget: ScheduleBudget,
+                  split: Optional[StageLayers]) -> ScheduleBudget:
+    """`budget` with each of its placements offered again with the output layer as O actions
+    (`split`: the stages' layers, None for the command line's), under the same cap: the
+    trainer's --spread-output (budget.with_output_spread)."""
+    spread_costs = _run_costs(args, split, spread_output=True)[0]
+    return with_output_spread(budget, args.schedule, args.pp, args.microbatches, args.splits,
+                              args.chunks, lambda schedule: spread_costs(schedule, False))
 
 
 class _Searched(NamedTuple):
@@ -588,10 +591,7 @@ def _searched(args: argparse.Namespace, budget: ScheduleBudget,
     line's) under the same cap, through the function the trainer's --spread-output uses
     (budget.with_output_spread), so both search the same order and the shorter is kept."""
     if args.spread_output:
-        spread_costs = _run_costs(args, split, spread_output=True)[0]
-        budget = with_output_spread(budget, args.schedule, args.pp, args.microbatches,
-                                    args.splits, args.chunks,
-                                    lambda schedule: spread_costs(schedule, False))
+        budget = _offer_spread(args, budget, split)
         print("plan.py: --spread-output: every placement searched again with the output layer "
               "as O actions on any rank, under the same cap; the shorter is kept",
               file=sys.stderr)
