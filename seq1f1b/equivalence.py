@@ -28,14 +28,15 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.distributed import release_model_parallel
-from seq1f1b.model_flags import (LOSS_BACKWARD_IN_FORWARD_HELP, SHAPE_FLAGS,
+from seq1f1b.model_flags import (LOSS_BACKWARD_IN_FORWARD_HELP, SHAPE_FLAGS, SPREAD_OUTPUT_HELP,
                                  add_model_shape_args, default_ffn_hidden_size, heads_error,
                                  kv_channels_error, query_groups_error, sizes_error,
                                  swiglu_ffn_error)
 from seq1f1b.plan import partition as span_partition
 from seq1f1b.plan import registry, schedule_file
 from seq1f1b.plan.actions import Schedule
-from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget
+from seq1f1b.plan.budget import (MemoryCap, RunShape, ScheduleBudget, run_budget,
+                                 spread_output_refusal)
 from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
 from seq1f1b.runtime.attention import DOCUMENT_BACKENDS
@@ -96,6 +97,7 @@ class EquivalenceCase:
     reset_attention_mask: bool = False             # document masking
     reset_position_ids: bool = False               # positions restart with each document
     schedule_memory_cap: Optional[str] = None      # a searched schedule's cap ("0.5x", bytes)
+    spread_output: bool = False    # a searched schedule may run the output layer as O actions
     pipeline_schedule_file: Optional[str] = None   # the schedule from this file (schedule_file)
     decoder_first_pipeline_num_layers: Optional[int] = None   # uneven first stage (stage_layers)
     decoder_last_pipeline_num_layers: Optional[int] = None    # uneven last stage
@@ -169,6 +171,7 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
                              "(default: the GEMM accumulates into main_grad, as Megatron-LM)")
     parser.add_argument("--loss-backward-in-forward", action="store_true",
                         help=LOSS_BACKWARD_IN_FORWARD_HELP)
+    parser.add_argument("--spread-output", action="store_true", help=SPREAD_OUTPUT_HELP)
 
 
 def settle_shape_flags(args) -> None:
@@ -214,7 +217,8 @@ def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
                                                     case.recompute_num_layers),
                      stage_layers=stage_layers(case), cp=case.cp,
                      tied_embeddings=not case.untie_embeddings,
-                     loss_backward_in_forward=case.loss_backward_in_forward)
+                     loss_backward_in_forward=case.loss_backward_in_forward,
+                     spread_output=case.spread_output)
     return run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
                       MemoryCap.parse(case.schedule_memory_cap)
                       if case.schedule_memory_cap is not None else None, shape)
@@ -261,14 +265,26 @@ def check_chunks(case: "EquivalenceCase") -> None:
 
 
 def check_budget(case: "EquivalenceCase") -> None:
-    """A memory cap for a schedule that is not searched, or one no order fits, refused before
-    any work (ValueError: ScheduleError, one line)."""
-    if case.schedule_memory_cap is None:
+    """A memory cap for a schedule that is not searched, or one no order fits (with the output
+    layer spread too, `case.spread_output`), refused before any work (ValueError:
+    ScheduleError, one line)."""
+    if case.schedule_memory_cap is None and not case.spread_output:
         return
-    if case.schedule in MEGATRON_SCHEDULES or not registry.get(case.schedule).searched:
+    if case.schedule_memory_cap is not None and (
+            case.schedule in MEGATRON_SCHEDULES or not registry.get(case.schedule).searched):
         raise ValueError(f"--schedule-memory-cap: schedule {case.schedule} is not searched; it "
                          "takes no memory cap (seq1f1b-zb-auto does)")
     case_plan(case)
+
+
+def check_spread_output(schedule: str, untie_embeddings: bool,
+                        loss_backward_in_forward: bool, schedule_flag: str) -> None:
+    """--spread-output for `schedule` (named by `schedule_flag`), refused (ValueError, one line)
+    where pretrain_gpt.py refuses it (budget.spread_output_refusal)."""
+    refusal = spread_output_refusal(schedule, untie_embeddings, loss_backward_in_forward,
+                                    schedule_flag)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def case_plan(case: "EquivalenceCase") -> Schedule:

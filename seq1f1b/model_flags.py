@@ -22,6 +22,13 @@ LOSS_BACKWARD_IN_FORWARD_HELP = (
     "weights' gradient; exact (seq1f1b/runtime/early_loss.py)")
 """--loss-backward-in-forward, in pretrain_gpt.py and the tools that run a model."""
 
+SPREAD_OUTPUT_HELP = (
+    "searched schedules (seq1f1b-zb-auto): also search with the output layer and the loss of "
+    "each span as an action of its own on any pipeline rank (every rank then holds a copy of "
+    "the output layer), under the same cap, and run the shorter; needs "
+    "--untie-embeddings-and-output-weights")
+"""--spread-output, in pretrain_gpt.py and the tools that run a model."""
+
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 

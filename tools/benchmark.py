@@ -47,7 +47,9 @@ megatron-core's own schedules (megatron-*) run without a trace: they are timed a
 V-shaped schedules (zbv, seq1f1b-zbv) need --untie-embeddings-and-output-weights and --chunks 2.
 The searched seq1f1b-zb-auto runs on --chunks 1 or 2 and chooses a V (untied embeddings only) or
 a loop, placed with its default budget or under --schedule-memory-cap, with this model's FLOP and
-byte costs.
+byte costs; with --spread-output it is also searched with the output layer as O actions on any
+rank, as pretrain_gpt.py --spread-output does, and runs the shorter. Runs whose output layer is
+spread (a searched one that chose it, a file with O actions) get model chunks of their own.
 Output: a markdown table on rank 0; --json prints JSON instead; --output FILE also writes it.
 """
 from __future__ import annotations
@@ -84,14 +86,17 @@ class Run:
     chunks: int
     partition: str = "even"        # even | compute | explicit (--span-lengths) | fit
     placement: Optional[str] = None   # a searched schedule's choice, once placed (parse_args)
+    spread: bool = False           # its plan runs the output layer as O actions (any rank's)
 
     @property
-    def group(self) -> tuple[int, str]:
+    def group(self) -> tuple[int, str, bool]:
         """Runs of one group share model chunks: the same count, placed the same way (a V
-        puts the last stage on rank 0)."""
+        puts the last stage on rank 0), the output layer spread or not (spread, every rank's
+        last chunk holds a copy and the last stage's ends before it: megatron's own schedules
+        would run without the layer, ours with a gradient sum of the copies they do not use)."""
         from seq1f1b.runtime.forward_backward import placement_of
 
-        return self.chunks, self.placement or placement_of(self.schedule)
+        return self.chunks, self.placement or placement_of(self.schedule), self.spread
 
     @property
     def label(self) -> str:
@@ -132,7 +137,7 @@ def build_parser() -> Parser:
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, list[Run]]:
     """Parse and check everything that can be checked before the processes meet."""
     from seq1f1b.writable import check_output_file
-    from seq1f1b.equivalence import check_placement, settle_shape_flags
+    from seq1f1b.equivalence import check_placement, check_spread_output, settle_shape_flags
     from seq1f1b.plan.actions import ScheduleError
     from seq1f1b.plan.budget import MemoryCap
     from seq1f1b.model_flags import sizes_error
@@ -197,6 +202,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
                              f"{len(args.span_lengths)} spans")
         try:
             check_placement(name, args.untie_embeddings)
+            if args.spread_output and is_searched(name):
+                check_spread_output(name, args.untie_embeddings, args.loss_backward_in_forward,
+                                    "--schedules")
         except ValueError as err:
             raise UsageError(f"--schedules {entry}: {err}") from None
         if cut == "fit" and args.schedule_memory_cap and is_searched(name):
@@ -229,13 +237,17 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
                                                           for run in runs):
         raise UsageError("--schedule-memory-cap: no searched schedule (seq1f1b-zb-auto) in "
                          "--schedules")
+    if args.spread_output and not any(is_searched(run.schedule) for run in runs):
+        raise UsageError("--spread-output: no searched schedule (seq1f1b-zb-auto) in "
+                         "--schedules; a --pipeline-schedule-file has its O actions or not")
     for n, run in enumerate(runs):
         if is_searched(run.schedule):
             if run.chunks > 2:
                 raise UsageError(f"--chunks {run.chunks}: {run.schedule} runs one or two chunks "
                                  "per rank")
             try:            # placed here: a cap no order fits is refused before any work
-                runs[n] = replace(run, placement=_plan(args, run).placement)
+                plan = _plan(args, run)
+                runs[n] = replace(run, placement=plan.placement, spread=plan.spread_output)
             except ScheduleError as err:
                 raise UsageError(f"--schedules {run.label}: {err}") from None
     if any(run.partition == "fit" for run in runs) and args.warmup < 1:
@@ -328,7 +340,7 @@ def _file_run(args: argparse.Namespace) -> Run:
                          f"{schedule.splits} but --span-lengths gives {len(args.span_lengths)} "
                          "spans")
     return Run(schedule.name, schedule.splits, schedule.chunks,
-               args.partition if schedule.splits > 1 else "even")
+               args.partition if schedule.splits > 1 else "even", spread=schedule.spread_output)
 
 
 def is_searched(name: str) -> bool:
@@ -565,6 +577,7 @@ def _memory_estimate(args: argparse.Namespace, run: Run, dp: int, lengths: tuple
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         schedule_memory_cap=args.schedule_memory_cap if is_searched(run.schedule) else None,
+        spread_output=args.spread_output and is_searched(run.schedule),
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,

@@ -66,7 +66,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.span_lengths:
         args.partition = "explicit"
     from seq1f1b.equivalence import (check_budget, check_documents, check_layout,
-                                     check_placement, settle_shape_flags)
+                                     check_placement, check_spread_output,
+                                     settle_shape_flags)
     from seq1f1b.plan import schedule_file
     try:
         check_numbers(args)
@@ -78,6 +79,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         check_placement(args.schedule, args.untie_embeddings,
                         args.pipeline_schedule_file is not None
                         and schedule_file.load(args.pipeline_schedule_file).spread_output)
+        if args.spread_output:
+            check_spread_output(args.schedule, args.untie_embeddings,
+                                args.loss_backward_in_forward, "--schedule")
         check_layout(case_from_args(args))
         check_budget(case_from_args(args))
     except ValueError as err:      # one line, before any process group exists (ScheduleError too)
@@ -115,6 +119,9 @@ def _take_schedule_file(args: argparse.Namespace, parser: argparse.ArgumentParse
     path = args.pipeline_schedule_file
     if args.schedule is not None:
         raise ValueError("--pipeline-schedule-file replaces --schedule: give one of them")
+    if args.spread_output:
+        raise ValueError("--spread-output: a --pipeline-schedule-file has its O actions or not; "
+                         "drop the flag")
     schedule = schedule_file.load(path)
     dests = ("pp", "num_microbatches", "splits", "chunks")
     schedule_file.check_shape(schedule, {

@@ -34,8 +34,9 @@ from megatron.training.data import DataConfig, check_data_config, check_token_id
 from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer, unread_flag_error
 from seq1f1b import checkpoint_layout, writable
 from seq1f1b.model_flags import (LOSS_BACKWARD_IN_FORWARD_HELP, SHAPE_FLAGS,
-                                 add_model_shape_args, default_ffn_hidden_size, kv_channels_error,
-                                 query_groups_error, swiglu_ffn_error)
+                                 SPREAD_OUTPUT_HELP, add_model_shape_args,
+                                 default_ffn_hidden_size, kv_channels_error, query_groups_error,
+                                 swiglu_ffn_error)
 
 MEGATRON_SCHEDULES = {"megatron-1f1b": False, "megatron-interleaved-1f1b": True}
 MEGATRON_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")   # megatron's --cp-comm-type
@@ -382,11 +383,7 @@ def _add_pipeline_schedule_args(parser: ArgumentParser) -> None:
                         "the fit is in) (default: the schedule's own budget)")
     g.add_argument("--loss-backward-in-forward", action="store_true",
                    help=LOSS_BACKWARD_IN_FORWARD_HELP)
-    g.add_argument("--spread-output", action="store_true",
-                   help="searched schedules (seq1f1b-zb-auto): also search with the output layer "
-                        "and the loss of each span as an action of its own on any pipeline rank "
-                        "(every rank then holds a copy of the output layer), under the same "
-                        "cap, and run the shorter; needs --untie-embeddings-and-output-weights")
+    g.add_argument("--spread-output", action="store_true", help=SPREAD_OUTPUT_HELP)
     g.add_argument("--pipe-sp-splits", type=int, help="alias of --seq1f1b-splits")
     g.add_argument("--pipe-sp-strategy", choices=tuple(PIPE_SP_STRATEGIES),
                    help="alias of --seq1f1b-partition: average = even, uniform_comp = compute")
@@ -1023,20 +1020,15 @@ def _validate_spread_output(args: argparse.Namespace) -> None:
     stage."""
     if not args.spread_output:
         return
-    from seq1f1b.plan import registry
+    from seq1f1b.plan.budget import spread_output_refusal
 
-    name = args.pipeline_schedule
     if args.pipeline_schedule_file is not None:
         _fail("--spread-output: a --pipeline-schedule-file has its O actions or not; drop the flag")
-    if name in MEGATRON_SCHEDULES or not registry.get(name).searched:
-        _fail(f"--spread-output: --pipeline-schedule {name} is not searched; seq1f1b-zb-auto "
-              "chooses where the output layer runs")
-    if not args.untie_embeddings_and_output_weights:
-        _fail("--spread-output gives every pipeline rank a copy of the output layer, which "
-              "megatron cannot tie to the embedding: add --untie-embeddings-and-output-weights")
-    if args.loss_backward_in_forward:
-        _fail("--loss-backward-in-forward with --spread-output: an O action runs the output "
-              "layer's backward at once already")
+    refusal = spread_output_refusal(args.pipeline_schedule,
+                                    args.untie_embeddings_and_output_weights,
+                                    args.loss_backward_in_forward, "--pipeline-schedule")
+    if refusal is not None:
+        _fail(refusal)
     if args.seq1f1b_partition == "fit":
         _fail("--spread-output with --seq1f1b-partition fit: the fit's measured times price the "
               "output layer in the last stage; use the compute or even cut")

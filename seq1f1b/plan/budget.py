@@ -98,6 +98,25 @@ class ScheduleBudget:
         return replace(self, only=placement, only_spread=spread_output)
 
 
+def spread_output_refusal(schedule: str, untie_embeddings: bool,
+                          loss_backward_in_forward: bool, schedule_flag: str) -> Optional[str]:
+    """Why --spread-output cannot run with `schedule` (named by `schedule_flag`), or None: one
+    rule for pretrain_gpt.py and the tools. Only a search chooses where the output layer runs;
+    every rank then holds a copy of it, which megatron cannot tie to the embedding; an O runs
+    the layer's backward at once, so the loss's backward at F has nothing to do."""
+    from seq1f1b.plan import registry          # registry imports this module
+    if schedule not in registry.names() or not registry.get(schedule).searched:
+        return (f"--spread-output: {schedule_flag} {schedule} is not searched; seq1f1b-zb-auto "
+                "chooses where the output layer runs")
+    if not untie_embeddings:
+        return ("--spread-output gives every pipeline rank a copy of the output layer, which "
+                "megatron cannot tie to the embedding: add --untie-embeddings-and-output-weights")
+    if loss_backward_in_forward:
+        return ("--loss-backward-in-forward with --spread-output: an O action runs the output "
+                "layer's backward at once already")
+    return None
+
+
 def spreads_output(costs: Optional[SpanCosts]) -> bool:
     """Whether `costs` price the output layer as O actions (the layer spread over the ranks)."""
     return costs is not None and costs.output is not None

@@ -38,6 +38,7 @@ def benchmark(tmp_path_factory):
            "--vocab-size", "64", "--num-microbatches", "2", "--splits", "2", "--warmup", "1",
            "--iterations", "2", "--schedules", *SCHEDULES, "--output", str(out / "result.json"),
            "--untie-embeddings-and-output-weights", "--schedule-memory-cap", "0.7x",
+           "--spread-output",     # the searched entry chooses the output layer spread
            "--plot", str(out / "timelines.png"), "--pipeline-schedule-file", str(spread)]
     proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -56,9 +57,12 @@ def test_every_schedule_is_reported_in_order(benchmark):
     assert [r["partition"] for r in runs[1:]] == ["even", "even", "even", "fit", "even", "even",
                                                   "even"]
     assert runs[0]["ratio_to_first"] == 1.0
-    for run in runs:        # paired by round only with the first schedule's chunks
+    # paired by round only with the first schedule's chunks: one chunk, the output layer in the
+    # last stage (a spread one's chunks hold the layer on every rank: a group of their own)
+    assert [r["paired_ratio_to_first"] is None for r in runs] == [
+        False, False, False, True, False, True, False, True]
+    for run in runs:
         paired = run["paired_ratio_to_first"]
-        assert (paired is None) == (run["chunks"] != 1)       # V, or V-shaped
         if paired is not None:
             rounds = sorted(a / b for a, b in zip(runs[0]["iterations_s"], run["iterations_s"]))
             assert paired == pytest.approx((rounds[0] + rounds[1]) / 2)    # 2 rounds
@@ -103,7 +107,7 @@ def test_traced_schedules_have_bubbles_predictions_and_memory(benchmark):
         # paired work: per rank the median over rounds (2 here) of its compute over the
         # first schedule's in the same round, then the mean over ranks
         first = result["runs"][0]["compute_s"]
-        if run["chunks"] != 1:
+        if run["paired_ratio_to_first"] is None:      # not in the first schedule's group
             assert run["paired_work_ratio_to_first"] is None
         else:
             assert run["paired_work_ratio_to_first"] == pytest.approx(sum(
@@ -115,11 +119,15 @@ def test_traced_schedules_have_bubbles_predictions_and_memory(benchmark):
 
 
 def test_the_output_layer_spread_over_the_ranks_is_timed_and_calibrated(benchmark):
-    """A schedule file with O actions (on both ranks here) runs, and its analysis times each
-    span's O beside the stages' F and B (the bubble checks above hold for it too)."""
+    """A schedule file with O actions (on both ranks here) runs, and so does the search with
+    --spread-output (which spreads the layer at this shape); the analysis times each span's O
+    beside the stages' F and B (the bubble checks above hold for them too)."""
     _, result, _ = benchmark
     spread, kept = result["runs"][-1], result["runs"][1]        # seq1f1b, the same P, m, k
-    assert len(spread["calibrated_output_s"]) == 2 and min(spread["calibrated_output_s"]) > 0
+    searched = result["runs"][5]
+    assert searched["schedule"] == "seq1f1b-zb-auto"
+    for run in (spread, searched):
+        assert len(run["calibrated_output_s"]) == 2 and min(run["calibrated_output_s"]) > 0
     assert kept["calibrated_output_s"] is None
     # the span timings fold each O into its span's F (a third) and B (two thirds)
     for span, timing in enumerate(spread["spans"]):
@@ -133,15 +141,18 @@ def test_the_noise_of_the_machine_is_reported_and_rounds_show_as_they_run(benchm
     _, result, out = benchmark
     config = result["config"]
     assert config["noise_threshold"] == 0.2
-    # three groups of shared chunks (V=1; V=2 looped; V=2 in a V), two timed rounds each
-    assert config["others_cores"] >= 0 and len(config["others_cores_per_round"]) == 3 * 2
+    # four groups of shared chunks (V=1; V=2 looped; V=2 looped, the output layer spread; V=1
+    # with it spread), two timed rounds each
+    assert config["others_cores"] >= 0 and len(config["others_cores_per_round"]) == 4 * 2
     assert config["noisy"] == (config["others_cores"] > 0.2)
     progress = [line for line in (out / "stderr.txt").read_text().splitlines()
                 if line.startswith("benchmark.py: ")]
     # per group: one line per warm-up round, then one per timed round, in order
     assert [line.split(":")[1].strip() for line in progress] == [
-        "warm-up 1/1", "round 1/2", "round 2/2"] * 3
-    assert all("others" in line and "1f1b" in line for line in progress)
+        "warm-up 1/1", "round 1/2", "round 2/2"] * 4
+    groups = ["1f1b", "seq1f1b-interleaved", "seq1f1b-zb-auto", "spread.csv"]
+    assert all("others" in line and name in line
+               for line, name in zip(progress, [name for name in groups for _ in range(3)]))
 
 
 def test_a_fit_entry_is_cut_by_its_warm_up_and_the_output_calibrates_plan_py(benchmark):

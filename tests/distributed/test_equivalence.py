@@ -59,6 +59,14 @@ DOCS = {"reset_attention_mask": True, "reset_position_ids": True}
 UNFUSED = {"gradient_accumulation_fusion": False}
 # The output layer's backward in the last stage's F (--loss-backward-in-forward): scaled at B.
 EARLY = {"loss_backward_in_forward": True}
+SPREAD_SEARCHED = [
+    {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2, "untie_embeddings": True,
+     "spread_output": True},
+    {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2, "untie_embeddings": True,
+     "spread_output": True, "vocab_size": 512},
+]
+"""seq1f1b-zb-auto with the output layer's placement searched too (--spread-output of
+check_equivalence.py and benchmark.py, as pretrain_gpt.py's), at world 2."""
 CASES: dict[int, list[dict]] = {
     1: [
         {"schedule": "seq1f1b", "splits": 1},
@@ -152,6 +160,9 @@ CASES: dict[int, list[dict]] = {
          "pipeline_model_parallel_layout": "Et|t*2|t*2|tL"},
         {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2, "num_layers": 6,
          "pipeline_model_parallel_layout": "Et*2|t*2|t|tL", "untie_embeddings": True},
+        # --spread-output: the search places the output layer's O's on both ranks, on a loop
+        # of two chunks and (a larger vocabulary) on a V
+        *SPREAD_SEARCHED,
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},
@@ -318,6 +329,16 @@ def test_matrix_runs_the_search_on_every_placement_it_chooses():
                for cases in CASES.values() for case in cases
                if case["schedule"] == "seq1f1b-zb-auto"}
     assert layouts == {(1, "loop"), (2, "loop"), (2, "vshape")}
+
+
+def test_matrix_runs_the_search_with_the_output_layer_spread():
+    """The --spread-output cases' searched plans run O's on both ranks, on a loop and a V: their
+    exactness is that of the spread search's orders, not of an order that kept the layer."""
+    from seq1f1b.equivalence import EquivalenceCase, case_plan
+    plans = [case_plan(EquivalenceCase(**case)) for case in SPREAD_SEARCHED]
+    assert [plan.placement for plan in plans] == ["loop", "vshape"]
+    assert all(plan.spread_output and set(plan.output_ranks.values()) == {0, 1}
+               for plan in plans)
 
 
 @pytest.mark.parametrize("param", PARAMS, ids=[_case_id(p) for p in PARAMS])

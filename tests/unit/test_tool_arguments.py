@@ -1,4 +1,5 @@
-"""Bad command lines of tools/check_equivalence.py and tools/peer_grid.py: refused in one line on
+"""Bad command lines of tools/check_equivalence.py, tools/benchmark.py (--spread-output) and
+tools/peer_grid.py: refused in one line on
 stderr naming the flag, exit code 2, before any process group, reference run or case starts (no
 traceback from inside the ranks, no value quietly read as another)."""
 import importlib.util
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _tool(name: str):
     spec = importlib.util.spec_from_file_location(f"{name}_args", ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # benchmark.py's dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -21,6 +23,11 @@ def _tool(name: str):
 @pytest.fixture(scope="module")
 def check_equivalence():
     return _tool("check_equivalence")
+
+
+@pytest.fixture(scope="module")
+def benchmark():
+    return _tool("benchmark")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +67,15 @@ def _refusal(capsys, call, argv) -> str:
     (["--chunks", "2"], "--chunks 2 does not fit schedule 'seq1f1b'"),
     (["--pp", "3"], "the model's 4 layers are not divisible by pp*chunks = 3*1"),
     (["--pp", "x"], "argument --pp: invalid int value: 'x'"),
+    # --spread-output where pretrain_gpt.py refuses it, in the same words (naming --schedule)
+    (["--spread-output"], "--spread-output: --schedule seq1f1b is not searched"),
+    (["--schedule", "seq1f1b-zb-auto", "--pp", "2", "--splits", "2", "--spread-output"],
+     "add --untie-embeddings-and-output-weights"),
+    (["--schedule", "seq1f1b-zb-auto", "--pp", "2", "--splits", "2", "--spread-output",
+      "--untie-embeddings-and-output-weights", "--loss-backward-in-forward"],
+     "--loss-backward-in-forward with --spread-output"),
+    (["--pipeline-schedule-file", "order.csv", "--spread-output"],
+     "--spread-output: a --pipeline-schedule-file has its O actions or not"),
 ])
 def test_check_equivalence_refuses_a_bad_number_in_one_line(check_equivalence, capsys, argv,
                                                             message):
@@ -70,6 +86,42 @@ def test_check_equivalence_refuses_a_bad_number_in_one_line(check_equivalence, c
 def test_check_equivalence_still_takes_a_good_case(check_equivalence):
     args = check_equivalence.parse_args(["--pp", "2", "--splits", "2", "--num-layers", "2"])
     assert (args.pp, args.splits, args.schedule) == (2, 2, "seq1f1b")
+
+
+def test_check_equivalence_takes_the_search_with_the_output_layer_spread(check_equivalence):
+    args = check_equivalence.parse_args(["--schedule", "seq1f1b-zb-auto", "--pp", "2",
+                                         "--splits", "2", "--chunks", "2", "--spread-output",
+                                         "--untie-embeddings-and-output-weights"])
+    from seq1f1b.equivalence import case_plan
+    assert case_plan(check_equivalence.case_from_args(args)).spread_output
+
+
+SEARCHED = ["--schedules", "1f1b", "seq1f1b-zb-auto", "--pp", "2", "--splits", "2",
+            "--spread-output"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--schedules", "seq1f1b", "--spread-output"],
+     "--spread-output: no searched schedule (seq1f1b-zb-auto) in --schedules"),
+    (SEARCHED, "--schedules seq1f1b-zb-auto: --spread-output gives every pipeline rank a copy of "
+               "the output layer"),
+    (SEARCHED + ["--untie-embeddings-and-output-weights", "--loss-backward-in-forward"],
+     "--schedules seq1f1b-zb-auto: --loss-backward-in-forward with --spread-output"),
+])
+def test_benchmark_refuses_the_output_layer_spread_where_the_trainer_does(benchmark, argv,
+                                                                          message):
+    with pytest.raises(benchmark.UsageError) as refused:
+        benchmark.parse_args(argv)
+    assert str(refused.value).startswith(message), refused.value
+
+
+def test_benchmark_gives_a_spread_search_model_chunks_of_its_own(benchmark):
+    """--spread-output: the searched entry spreads the layer here, so it is not timed on the
+    baseline's chunks (megatron's own schedules would run on them without the layer)."""
+    _, runs = benchmark.parse_args(SEARCHED + ["--untie-embeddings-and-output-weights",
+                                               "--chunks", "1"])
+    assert [(run.spread, run.group) for run in runs] == [(False, (1, "loop", False)),
+                                                       (True, (1, "loop", True))]
 
 
 @pytest.mark.parametrize("argv, message", [
