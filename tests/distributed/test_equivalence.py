@@ -67,6 +67,8 @@ SPREAD_SEARCHED = [
 ]
 """seq1f1b-zb-auto with the output layer's placement searched too (--spread-output of
 check_equivalence.py and benchmark.py, as pretrain_gpt.py's), at world 2."""
+SPREAD_AGAINST = {"schedule": "seq1f1b-zb-auto", "pp": 2, "splits": 2, "untie_embeddings": True,
+                  "spread_output": True, "against": "megatron-1f1b"}
 CASES: dict[int, list[dict]] = {
     1: [
         {"schedule": "seq1f1b", "splits": 1},
@@ -163,6 +165,9 @@ CASES: dict[int, list[dict]] = {
         # --spread-output: the search places the output layer's O's on both ranks, on a loop
         # of two chunks and (a larger vocabulary) on a V
         *SPREAD_SEARCHED,
+        # the same --against megatron's own schedule: rank 0's copy of the output layer is held
+        # against the baseline's last stage (gathered over the pipeline ranks)
+        SPREAD_AGAINST,
     ],
     3: [
         {"schedule": "seq1f1b", "pp": 3, "splits": 2, "num_layers": 6},
@@ -333,12 +338,14 @@ def test_matrix_runs_the_search_on_every_placement_it_chooses():
 
 def test_matrix_runs_the_search_with_the_output_layer_spread():
     """The --spread-output cases' searched plans run O's on both ranks, on a loop and a V: their
-    exactness is that of the spread search's orders, not of an order that kept the layer."""
+    exactness is that of the spread search's orders, not of an order that kept the layer; the
+    --against case's spreads it too."""
     from seq1f1b.equivalence import EquivalenceCase, case_plan
     plans = [case_plan(EquivalenceCase(**case)) for case in SPREAD_SEARCHED]
     assert [plan.placement for plan in plans] == ["loop", "vshape"]
     assert all(plan.spread_output and set(plan.output_ranks.values()) == {0, 1}
                for plan in plans)
+    assert case_plan(EquivalenceCase(**SPREAD_AGAINST)).spread_output     # a copy on rank 0
 
 
 @pytest.mark.parametrize("param", PARAMS, ids=[_case_id(p) for p in PARAMS])
