@@ -1016,8 +1016,7 @@ def _validate_memory_cap(args: argparse.Namespace) -> None:
 
 def _validate_spread_output(args: argparse.Namespace) -> None:
     """--spread-output: a searched schedule's option (a schedule file says itself whether it
-    spreads the layer), with untied embeddings, not with what prices the layer in the last
-    stage."""
+    spreads the layer), where budget.spread_output_refusal lets it run."""
     if not args.spread_output:
         return
     from seq1f1b.plan.budget import spread_output_refusal
@@ -1029,9 +1028,6 @@ def _validate_spread_output(args: argparse.Namespace) -> None:
                                     args.loss_backward_in_forward, "--pipeline-schedule")
     if refusal is not None:
         _fail(refusal)
-    if args.seq1f1b_partition == "fit":
-        _fail("--spread-output with --seq1f1b-partition fit: the fit's measured times price the "
-              "output layer in the last stage; use the compute or even cut")
 
 
 def _validate_cp_spans(args: argparse.Namespace, k: int, unit: int) -> None:

@@ -235,10 +235,7 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
     embeddings on two chunks pin a loop. With `shape.spread_output` every placement is offered
     again with the output layer as O actions on any rank (model_costs(spread_output=True)),
     under the same cap (the given one, or the default with the layer in the last stage): the
-    search keeps the shorter. Not with `fit` (it measures the last stage with the layer)."""
-    if fit is not None and shape.spread_output:
-        raise ScheduleError("a fit of measured times prices the output layer in the last stage: "
-                            "it cannot price the layer spread over the ranks")
+    search keeps the shorter, with `fit` too: an O is scaled with its span (_scaled_to_fit)."""
 
     def costs_of(schedule: Schedule, whole: bool, spread: bool = False) -> SpanCosts:
         costs = model_costs(schedule, shape.model,
@@ -283,19 +280,25 @@ def with_output_spread(budget: ScheduleBudget, name: str, pp: int, microbatches:
 
 def _scaled_to_fit(costs: SpanCosts, fit: SpanTimeFit, bounds: list[tuple[int, int]]
                    ) -> SpanCosts:
+    """`costs` with each span's durations scaled to the fit's: its F on every stage by one
+    factor, its B and W by another, so that they sum to the fit's F and B of the span. An O (the
+    output layer spread) counts a third to the span's F and two thirds to its B, as the measured
+    spans count it (simulate.span_timings: the layer's FLOPs' shares), and is scaled by both in
+    those shares: the span's F, B, W and O then sum to its measured F + B."""
     stages = range(len(costs.forward))
     weight = costs.weight
+    output = costs.output or (0.0,) * len(bounds)
 
-    def column_scale(tables: list, span: int, measured: float) -> float:
-        modelled = sum(table[v][span] for table in tables for v in stages)
+    def column_scale(tables: list, span: int, extra: float, measured: float) -> float:
+        modelled = sum(table[v][span] for table in tables for v in stages) + extra
         return measured / modelled if modelled > 0 else 0.0
 
     forward_scale, backward_scale = [], []
     for span, (start, end) in enumerate(bounds):
         measured_f, measured_b = fit.span_seconds(start, end)
-        forward_scale.append(column_scale([costs.forward], span, measured_f))
+        forward_scale.append(column_scale([costs.forward], span, output[span] / 3, measured_f))
         backward_scale.append(column_scale([costs.backward] + ([weight] if weight else []),
-                                           span, measured_b))
+                                           span, 2 * output[span] / 3, measured_b))
 
     def scaled(table, scales: list[float]):
         return tuple(tuple(value * scales[span] for span, value in enumerate(row))
@@ -303,4 +306,7 @@ def _scaled_to_fit(costs: SpanCosts, fit: SpanTimeFit, bounds: list[tuple[int, i
 
     return replace(costs, forward=scaled(costs.forward, forward_scale),
                    backward=scaled(costs.backward, backward_scale),
-                   weight=scaled(weight, backward_scale) if weight else None)
+                   weight=scaled(weight, backward_scale) if weight else None,
+                   output=None if costs.output is None else tuple(
+                       value * (forward_scale[span] + 2 * backward_scale[span]) / 3
+                       for span, value in enumerate(costs.output)))

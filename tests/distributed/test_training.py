@@ -353,8 +353,11 @@ def results(data_prefix, tmp_path_factory):
     searched = _model_flags(data_prefix) + TP2_PP2 + [
         "--untie-embeddings-and-output-weights", "--num-layers", "2", "--seq1f1b-splits", "4",
         "--train-iters", str(N), "--eval-iters", "0"]
+    # with the fit partition: searched on the compute cut, then re-placed with the measured
+    # times (each span's O scaled with it) after the first iteration
     cases["search_spread"] = {"argv": searched + ["--pipeline-schedule", "seq1f1b-zb-auto",
-                                                  "--spread-output"]}
+                                                  "--spread-output", "--seq1f1b-partition",
+                                                  "fit", "--seq1f1b-fit-iterations", "1"]}
     cases["search_spread_reference"] = {"argv": searched}
     cases["zb_overlap"] = {"argv": overlapped + ["--pipeline-schedule", "seq1f1b-zb-h1",
                                                  "--seq1f1b-splits", "2"]}
@@ -865,9 +868,13 @@ def test_the_output_layer_spread_trains_with_the_distributed_optimizer_and_overl
 def test_the_search_with_spread_output_trains_the_order_it_chose(results):
     """--pipeline-schedule seq1f1b-zb-auto --spread-output searches with the output layer kept
     and spread, says which it runs, builds the copies when it spreads, and logs seq1f1b's
-    losses (the same model)."""
+    losses (the same model); with the fit partition it cuts the spans by the first iteration's
+    times and re-places the order, the layer still spread."""
     spread, reference = results["search_spread"], results["search_spread_reference"]
     assert ", the output layer spread over the ranks, simulated bubble " in spread["stdout"], \
+        spread["stdout"][-2000:]
+    fits = [line for line in spread["stdout"].splitlines() if line.startswith(" fit partition ")]
+    assert len(fits) == 1 and fits[0].startswith(" fit partition from iterations 1-1: F "), \
         spread["stdout"][-2000:]
     assert len(spread["history"]) == N
     assert _losses(spread) == pytest.approx(_losses(reference), rel=1e-5, abs=0)

@@ -417,12 +417,11 @@ def test_v_placement_flags_are_refused_in_one_line(tmp_path, capsys, monkeypatch
     (dict(pipeline_schedule="seq1f1b"), "--spread-output: --pipeline-schedule seq1f1b is not"),
     (dict(untie_embeddings_and_output_weights=None), "--untie-embeddings-and-output-weights"),
     (dict(loss_backward_in_forward=True), "--loss-backward-in-forward with --spread-output"),
-    (dict(seq1f1b_partition="fit"), "--spread-output with --seq1f1b-partition fit"),
 ])
 def test_spread_output_flags_are_refused_in_one_line(tmp_path, capsys, monkeypatch, changes,
                                                      flag):
     """--spread-output: the searched schedule's option, with untied output weights, not with
-    what prices the output layer in the last stage."""
+    the loss's backward at F (an O runs it at once)."""
     monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
     flags = _with(tmp_path, pipeline_schedule="seq1f1b-zb-auto", spread_output=True,
                   untie_embeddings_and_output_weights=True)

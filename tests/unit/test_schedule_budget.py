@@ -67,6 +67,37 @@ def test_measured_durations_are_the_fits_spread_over_the_stages_as_the_model_spr
     assert measured.activation_bytes == modelled.activation_bytes     # bytes stay the model's
 
 
+def test_measured_durations_with_the_output_layer_spread_sum_to_the_fits():
+    """With --spread-output the fit's times price each span's O too: it counts a third to the
+    span's F and two thirds to its B (as simulate.span_timings folds a measured O), so that the
+    span's F, B, W and O sum to its fitted F + B, and its share against the stages' stays the
+    model's."""
+    model = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=4096)
+    lengths = (96, 64, 48, 48)
+    shape = RunShape(model, 256, lengths, bytes_per_element=4, spread_output=True)
+    budget = run_budget("seq1f1b-zb-auto", 4, 8, 2, MemoryCap(1.0, True), shape, FIT)
+    spread = [costs for _, costs in budget.options(restricted=False)
+              if costs.output is not None]
+    modelled = [costs for _, costs in run_budget(
+        "seq1f1b-zb-auto", 4, 8, 2, MemoryCap(1.0, True), shape).options(restricted=False)
+                if costs.output is not None]
+    assert len(spread) == len(modelled) == 2           # a V and a loop, each spread
+    stages = range(8)
+    for measured, model_costs in zip(spread, modelled):
+        for span, (start, end) in enumerate(span_bounds(list(lengths))):
+            forward, backward = FIT.span_seconds(start, end)
+            assert sum(measured.forward[v][span] + measured.backward[v][span]
+                       + measured.weight[v][span] for v in stages) \
+                + measured.output[span] == pytest.approx(forward + backward)
+            # scaled a third by the span's forward factor, two thirds by its backward one
+            f_scale = measured.forward[0][span] / model_costs.forward[0][span]
+            b_scale = measured.backward[0][span] / model_costs.backward[0][span]
+            assert f_scale != pytest.approx(b_scale)
+            assert measured.output[span] == pytest.approx(
+                model_costs.output[span] * (f_scale + 2 * b_scale) / 3)
+        assert measured.output_bytes == model_costs.output_bytes
+
+
 def test_without_a_cap_the_search_still_takes_the_models_costs():
     """Issue 26: the searched schedule runs on the model's costs whenever they are known; the
     cap is then the schedule's default (seq1f1b-zbv's peak on those costs)."""
