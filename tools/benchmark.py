@@ -207,9 +207,10 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
                                     "--schedules")
         except ValueError as err:
             raise UsageError(f"--schedules {entry}: {err}") from None
-        if cut == "fit" and args.schedule_memory_cap and is_searched(name):
+        if (cut or (args.partition if k > 1 else "")) == "fit" and is_searched(name):
             raise UsageError(f"--schedules {entry}: a searched schedule is placed before the "
-                             "warm-up, with the compute or even cut's costs: use @compute")
+                             "warm-up, with the compute or even cut's costs: use "
+                             f"{spec}@compute")
         if k == 1 and cut == "fit":
             raise UsageError(f"--schedules {entry}: one span per micro-batch has no boundary to "
                              "fit; @fit needs k >= 2")
@@ -362,7 +363,8 @@ def _case(args: argparse.Namespace, run: Run):
     from seq1f1b.equivalence import EquivalenceCase, case_fields
 
     return EquivalenceCase(**{**case_fields(args), "schedule": run.schedule,
-                              "chunks": run.chunks, "splits": run.splits})
+                              "chunks": run.chunks, "splits": run.splits,
+                              "partition": run.partition})
 
 
 @dataclass
@@ -551,7 +553,7 @@ def _budget(args: argparse.Namespace, run: Run):
         return None
     from seq1f1b.equivalence import case_budget
 
-    return case_budget(replace(_case(args, run), partition=run.partition))
+    return case_budget(_case(args, run))
 
 
 def _plan(args: argparse.Namespace, run: Run):

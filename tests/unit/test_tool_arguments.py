@@ -107,8 +107,16 @@ SEARCHED = ["--schedules", "1f1b", "seq1f1b-zb-auto", "--pp", "2", "--splits", "
                "the output layer"),
     (SEARCHED + ["--untie-embeddings-and-output-weights", "--loss-backward-in-forward"],
      "--schedules seq1f1b-zb-auto: --loss-backward-in-forward with --spread-output"),
+    # a searched entry is placed before the warm-up a fit measures: with or without a cap, by
+    # its own @fit or a global --partition fit (it read "--method fit needs measured span
+    # times (--calibration FILE)", a flag the benchmark does not have)
+    (["--schedules", "seq1f1b-zb-auto@fit"], "--schedules seq1f1b-zb-auto@fit: a searched "
+                                             "schedule is placed before the warm-up"),
+    (["--schedules", "seq1f1b", "seq1f1b-zb-auto", "--splits", "2", "--partition", "fit"],
+     "--schedules seq1f1b-zb-auto: a searched schedule is placed before the warm-up, with the "
+     "compute or even cut's costs: use seq1f1b-zb-auto@compute"),
 ])
-def test_benchmark_refuses_the_output_layer_spread_where_the_trainer_does(benchmark, argv,
+def test_benchmark_refuses_what_it_cannot_run_in_one_line(benchmark, argv,
                                                                           message):
     with pytest.raises(benchmark.UsageError) as refused:
         benchmark.parse_args(argv)
