@@ -207,13 +207,13 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
                                     "--schedules")
         except ValueError as err:
             raise UsageError(f"--schedules {entry}: {err}") from None
+        if k == 1 and cut == "fit":
+            raise UsageError(f"--schedules {entry}: one span per micro-batch has no boundary to "
+                             "fit; @fit needs k >= 2")
         if (cut or (args.partition if k > 1 else "")) == "fit" and is_searched(name):
             raise UsageError(f"--schedules {entry}: a searched schedule is placed before the "
                              "warm-up, with the compute or even cut's costs: use "
                              f"{spec}@compute")
-        if k == 1 and cut == "fit":
-            raise UsageError(f"--schedules {entry}: one span per micro-batch has no boundary to "
-                             "fit; @fit needs k >= 2")
         chunks = args.chunks if is_chunked(name) is not False else 1
         if is_chunked(name) and (chunks < 2 or (args.num_layers % (args.pp * chunks)
                                                 and not uneven)):
