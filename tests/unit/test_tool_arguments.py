@@ -110,8 +110,8 @@ SEARCHED = ["--schedules", "1f1b", "seq1f1b-zb-auto", "--pp", "2", "--splits", "
     # a searched entry is placed before the warm-up a fit measures: with or without a cap, by
     # its own @fit or a global --partition fit (it read "--method fit needs measured span
     # times (--calibration FILE)", a flag the benchmark does not have)
-    (["--schedules", "seq1f1b-zb-auto@fit"], "--schedules seq1f1b-zb-auto@fit: a searched "
-                                             "schedule is placed before the warm-up"),
+    (["--schedules", "seq1f1b-zb-auto@fit", "--splits", "2"],
+     "--schedules seq1f1b-zb-auto@fit: a searched schedule is placed before the warm-up"),
     (["--schedules", "seq1f1b", "seq1f1b-zb-auto", "--splits", "2", "--partition", "fit"],
      "--schedules seq1f1b-zb-auto: a searched schedule is placed before the warm-up, with the "
      "compute or even cut's costs: use seq1f1b-zb-auto@compute"),
