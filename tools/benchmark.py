@@ -33,7 +33,8 @@ which is marked noisy above --noise-threshold cores.
 A schedule takes --splits when its name starts with "seq1f1b" and k=1 otherwise; "NAME:K" sets k
 for one entry (e.g. `--schedules megatron-1f1b seq1f1b:1`), and "NAME[:K]@PARTITION" its span
 boundaries (even, compute or fit; default --partition, which applies to the entries with k >= 2
-only: one span is the whole sequence), so one run can set cuts side by side:
+only: one span is the whole sequence; not fit for seq1f1b-zb-auto, placed before any warm-up),
+so one run can set cuts side by side:
 `--schedules 1f1b seq1f1b@even seq1f1b@compute seq1f1b@fit`. A fit entry calibrates from its own
 warm-up iterations (at least one): they run with the compute cut and the trace on, every span's
 median F and B summed over the pipeline stages are fitted (seq1f1b/plan/span_fit.py), and the
