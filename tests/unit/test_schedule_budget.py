@@ -69,9 +69,9 @@ def test_measured_durations_are_the_fits_spread_over_the_stages_as_the_model_spr
 
 def test_measured_durations_with_the_output_layer_spread_sum_to_the_fits():
     """With --spread-output the fit's times price each span's O too: it counts a third to the
-    span's F and two thirds to its B (as simulate.span_timings folds a measured O), so that the
-    span's F, B, W and O sum to its fitted F + B, and its share against the stages' stays the
-    model's."""
+    span's F and two thirds to its B (as simulate.span_timings folds a measured O), so it is
+    scaled a third by the span's forward factor and two thirds by its backward one, and the
+    span's F, B, W and O sum to its fitted F + B; its bytes stay the model's."""
     model = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, vocab_size=4096)
     lengths = (96, 64, 48, 48)
     shape = RunShape(model, 256, lengths, bytes_per_element=4, spread_output=True)

@@ -1,7 +1,7 @@
-"""Bad command lines of tools/check_equivalence.py, tools/benchmark.py (--spread-output) and
-tools/peer_grid.py: refused in one line on
-stderr naming the flag, exit code 2, before any process group, reference run or case starts (no
-traceback from inside the ranks, no value quietly read as another)."""
+"""Bad command lines of tools/check_equivalence.py, tools/benchmark.py (--spread-output, a
+searched entry's fit cut) and tools/peer_grid.py: refused in one line on stderr naming the flag,
+exit code 2, before any process group, reference run or case starts (no traceback from inside
+the ranks, no value quietly read as another)."""
 import importlib.util
 import subprocess
 import sys
