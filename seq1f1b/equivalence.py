@@ -658,7 +658,7 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
                        else case.recompute_granularity)
         ref_loss, baseline = ParallelLayout(base, chunked, ref_weights).run(
             base.schedule, batches)
-        reference = _over_pipeline({_identity(sharded): grad for _, sharded, grad in baseline})
+        reference = _from_every_rank({_identity(sharded): grad for _, sharded, grad in baseline})
         release_model_parallel()
     loss, grads = ParallelLayout(case, chunked, ref_weights).run(case.schedule, batches)
     triples = [(name, grad, reference[_identity(sharded)] if reference is not None
@@ -672,15 +672,15 @@ def run_case(case: EquivalenceCase) -> EquivalenceResult:
     return EquivalenceResult(loss, ref_loss, loss_rel, worst, name, compared, passed, asdict(case))
 
 
-def _over_pipeline(grads: dict) -> dict:
-    """`grads` (this rank's, by shard identity) with every pipeline rank's of the same TP rank:
-    with the output layer spread (O actions) every rank holds a copy of the last stage's final
-    norm and output layer under the last stage's names, which an --against baseline that keeps
-    the layer in the last stage has on that stage's rank only."""
-    group = parallel_state.get_pipeline_model_parallel_group()
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, {key: grad.cpu() for key, grad in grads.items()},
-                           group=group)
+def _from_every_rank(grads: dict) -> dict:
+    """`grads` (this rank's, by shard identity: its key and its offsets in the whole tensor)
+    with every other rank's: with the output layer spread (O actions) every pipeline rank holds
+    a copy of the last stage's final norm and output layer under the last stage's names, which
+    an --against baseline that keeps the layer in the last stage has on that stage's ranks only.
+    Gathered over the world group, which outlives the layout (a group destroyed right after a
+    collective on it can close a connection a slower rank still reads from)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {key: grad.cpu() for key, grad in grads.items()})
     device = platform.compute_device()
     return {key: grad.to(device) for part in gathered for key, grad in part.items()}
 

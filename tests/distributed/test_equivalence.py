@@ -166,7 +166,7 @@ CASES: dict[int, list[dict]] = {
         # of two chunks and (a larger vocabulary) on a V
         *SPREAD_SEARCHED,
         # the same --against megatron's own schedule: rank 0's copy of the output layer is held
-        # against the baseline's last stage (gathered over the pipeline ranks)
+        # against the baseline's last stage (its gradients gathered from every rank)
         SPREAD_AGAINST,
     ],
     3: [
