@@ -17,7 +17,7 @@ from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.bounds import lower_bound
 from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.partition import span_bounds
-from seq1f1b.plan.simulate import SpanCosts, model_costs
+from seq1f1b.plan.simulate import OUTPUT_FORWARD_SHARE, SpanCosts, model_costs
 from seq1f1b.plan.span_fit import SpanTimeFit
 from seq1f1b.plan.stage_layers import EVEN, StageLayers
 
@@ -282,12 +282,13 @@ def _scaled_to_fit(costs: SpanCosts, fit: SpanTimeFit, bounds: list[tuple[int, i
                    ) -> SpanCosts:
     """`costs` with each span's durations scaled to the fit's: its F on every stage by one
     factor, its B and W by another, so that they sum to the fit's F and B of the span. An O (the
-    output layer spread) counts a third to the span's F and two thirds to its B, as the measured
-    spans count it (simulate.span_timings: the layer's FLOPs' shares), and is scaled by both in
-    those shares: the span's F, B, W and O then sum to its measured F + B."""
+    output layer spread) counts simulate.OUTPUT_FORWARD_SHARE to the span's F and the rest to
+    its B, as measured spans count it, and is scaled by both in those shares: the span's F, B,
+    W and O then sum to its measured F + B."""
     stages = range(len(costs.forward))
     weight = costs.weight
     output = costs.output or (0.0,) * len(bounds)
+    share = OUTPUT_FORWARD_SHARE
 
     def column_scale(tables: list, span: int, extra: float, measured: float) -> float:
         modelled = sum(table[v][span] for table in tables for v in stages) + extra
@@ -296,9 +297,10 @@ def _scaled_to_fit(costs: SpanCosts, fit: SpanTimeFit, bounds: list[tuple[int, i
     forward_scale, backward_scale = [], []
     for span, (start, end) in enumerate(bounds):
         measured_f, measured_b = fit.span_seconds(start, end)
-        forward_scale.append(column_scale([costs.forward], span, output[span] / 3, measured_f))
+        forward_scale.append(column_scale([costs.forward], span, output[span] * share,
+                                          measured_f))
         backward_scale.append(column_scale([costs.backward] + ([weight] if weight else []),
-                                           span, 2 * output[span] / 3, measured_b))
+                                           span, output[span] * (1 - share), measured_b))
 
     def scaled(table, scales: list[float]):
         return tuple(tuple(value * scales[span] for span, value in enumerate(row))
@@ -308,5 +310,6 @@ def _scaled_to_fit(costs: SpanCosts, fit: SpanTimeFit, bounds: list[tuple[int, i
                    backward=scaled(costs.backward, backward_scale),
                    weight=scaled(weight, backward_scale) if weight else None,
                    output=None if costs.output is None else tuple(
-                       value * (forward_scale[span] + 2 * backward_scale[span]) / 3
+                       value * (forward_scale[span] * share
+                                + backward_scale[span] * (1 - share))
                        for span, value in enumerate(costs.output)))

@@ -594,17 +594,24 @@ def calibrated_costs(schedule: Schedule, measured: Sequence[SimulationReport]) -
                      output=output)
 
 
+OUTPUT_FORWARD_SHARE = 1 / 3
+"""The share of an O (the output layer's forward and backward on a span) that counts as the
+span's forward, the rest as its backward: the FLOPs' shares (costs.logits_flops), as the last
+stage's F and B hold the layer when it runs there. Measured spans fold a timed O so
+(span_timings), and a fit's times price an O so (budget._scaled_to_fit)."""
+
+
 def span_timings(schedule: Schedule, measured: Sequence[SimulationReport],
                  bounds: Sequence[tuple[int, int]]) -> list[SpanTiming]:
     """Each span [start, end) of `bounds`: its calibrated F and B (B + W when the backward is
     split) summed over the virtual stages, from measured iterations (`calibrated_costs`). With
-    the output layer spread, its O (the layer's forward and backward) counts a third to F and
-    two thirds to B, the FLOPs' shares (costs.logits_flops), as the last stage's F and B hold
-    it when it runs there."""
+    the output layer spread, its O counts OUTPUT_FORWARD_SHARE to F and the rest to B."""
     costs = calibrated_costs(schedule, measured)
     stages = range(schedule.num_stages)
     output = costs.output or (0.0,) * schedule.splits
-    return [SpanTiming(start, end, sum(costs.forward[v][j] for v in stages) + output[j] / 3,
+    share = OUTPUT_FORWARD_SHARE
+    return [SpanTiming(start, end,
+                       sum(costs.forward[v][j] for v in stages) + output[j] * share,
                        sum(costs.backward[v][j] + (costs.weight[v][j] if costs.weight else 0.0)
-                           for v in stages) + 2 * output[j] / 3)
+                           for v in stages) + output[j] * (1 - share))
             for j, (start, end) in enumerate(bounds)]
