@@ -216,7 +216,6 @@ def case_budget(case: "EquivalenceCase") -> Optional[ScheduleBudget]:
                                                     case.recompute_method,
                                                     case.recompute_num_layers),
                      stage_layers=stage_layers(case), cp=case.cp,
-                     tied_embeddings=not case.untie_embeddings,
                      loss_backward_in_forward=case.loss_backward_in_forward,
                      spread_output=case.spread_output)
     return run_budget(case.schedule, case.pp, case.num_microbatches, case.chunks,
@@ -277,12 +276,11 @@ def check_budget(case: "EquivalenceCase") -> None:
     case_plan(case)
 
 
-def check_spread_output(schedule: str, untie_embeddings: bool,
-                        loss_backward_in_forward: bool, schedule_flag: str) -> None:
+def check_spread_output(schedule: str, loss_backward_in_forward: bool,
+                        schedule_flag: str) -> None:
     """--spread-output for `schedule` (named by `schedule_flag`), refused (ValueError, one line)
     where pretrain_gpt.py refuses it (budget.spread_output_refusal)."""
-    refusal = spread_output_refusal(schedule, untie_embeddings, loss_backward_in_forward,
-                                    schedule_flag)
+    refusal = spread_output_refusal(schedule, loss_backward_in_forward, schedule_flag)
     if refusal is not None:
         raise ValueError(refusal)
 
@@ -291,21 +289,6 @@ def case_plan(case: "EquivalenceCase") -> Schedule:
     """The plan the case's schedule runs (a searched one with its budget)."""
     return registry.build(case.schedule, case.pp, case.num_microbatches, case.splits,
                           case.chunks, budget=case_budget(case))
-
-
-def check_placement(schedule: str, untie_embeddings: bool, spread_output: bool = False) -> None:
-    """A V placement with tied embeddings, or tied embeddings with the output layer spread over
-    the ranks (`spread_output`: a file with O actions), refused before any work (ValueError,
-    one line): megatron_adapter would refuse them only when the model is built."""
-    if spread_output and not untie_embeddings:
-        raise ValueError(f"{schedule} runs the output layer on every pipeline rank (O actions), "
-                         "which megatron cannot tie to the embedding: add "
-                         "--untie-embeddings-and-output-weights")
-    if schedule not in MEGATRON_SCHEDULES and not untie_embeddings \
-            and not registry.get(schedule).searched and registry.get(schedule).placement == "vshape":
-        raise ValueError(f"{schedule} places the embedding and the output layer in two chunks of "
-                         "pipeline rank 0, which megatron cannot tie: add "
-                         "--untie-embeddings-and-output-weights")
 
 
 def check_documents(case: "EquivalenceCase") -> None:

@@ -34,6 +34,7 @@ from seq1f1b.plan.actions import virtual_stage
 from seq1f1b.plan.stage_layers import EVEN, StageLayers, layers_per_virtual_stage
 from seq1f1b.runtime.attention import SpanAttention, SpanSelfAttention
 from seq1f1b.runtime.context_parallel import ContextParallelSpanAttention
+from seq1f1b.runtime import tied_output
 from seq1f1b.runtime.positions import make_span_aware, use_position_ids
 from seq1f1b.runtime.wgrad import (
     SplitBackwardColumnParallelLinear,
@@ -212,12 +213,15 @@ class OutputHead(LanguageModule):
     layer spread or not and every copy loads the owner's weights. Each parameter also gets a
     gradient bucket of its own (`shared_embedding`, as megatron does for a tied embedding), so
     the distributed optimizer shards it alike on every pipeline rank; the executor sums the
-    copies' gradients over the pipeline group after the data-parallel reduction.
+    copies' gradients over the pipeline group after the data-parallel reduction. `tied`: the
+    output weight is a copy of the word embedding (runtime/tied_output.py), stored under the
+    embedding's key on every rank, as megatron stores a tied last stage's.
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, owner: bool,
                  parallel_output: bool = True,
-                 pg_collection: Optional[ProcessGroupCollection] = None) -> None:
+                 pg_collection: Optional[ProcessGroupCollection] = None,
+                 tied: bool = False) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         self.pre_process, self.post_process = False, True
         self.owner = owner
@@ -231,6 +235,9 @@ class OutputHead(LanguageModule):
         for param in self.parameters():
             param.shared_embedding = True
             param.shared = not owner
+        self.tied = tied
+        if tied:
+            tied_output.mark_copy(self.output_layer.weight)
 
     def set_input_tensor(self, input_tensor) -> None:
         """The last stage's hidden states of one span (a list, as megatron passes them)."""
@@ -248,7 +255,8 @@ class OutputHead(LanguageModule):
                            metadata: Optional[dict] = None) -> dict:
         """This module's entries (under its own names, which load_state_dict reads) stored as
         the last stage's (`decoder.final_layernorm.*`, `output_layer.*`: `prefix` without this
-        module's name, which the chunk appends); replica id 1 on every rank but the owner's."""
+        module's name, which the chunk appends); replica id 1 on every rank but the owner's
+        (on every rank for a tied output weight, which is stored as the embedding)."""
         base = prefix[:-len("output_head.")] if prefix.endswith("output_head.") else prefix
         entries = {}
         for local, stored, module in (("final_layernorm.", "decoder.final_layernorm.",
@@ -258,7 +266,12 @@ class OutputHead(LanguageModule):
             for entry in part.values():
                 if isinstance(entry, ShardedBase):
                     entry.key = base + stored + entry.key[len(prefix + local):]
-                    if not self.owner:
+                    copy = not self.owner
+                    if self.tied and entry.key == base + "output_layer.weight":
+                        entry.key = base + "embedding.word_embeddings.weight"
+                        entry.allow_shape_mismatch = True
+                        copy = True
+                    if copy:
                         replica = entry.replica_id
                         entry.replica_id = ((1, *replica[1:]) if isinstance(replica, tuple)
                                             else (1, replica))
@@ -326,19 +339,15 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
     documents whose positions restart; runtime/positions.py). `spread_output`: the output layer
     runs as O actions on any pipeline rank (a schedule with O's, actions.OPS): the rank's last
     chunk gets an `OutputHead` (the owner's on the last stage, whose GPTModel then ends before
-    the final norm)."""
+    the final norm). `share_embeddings_and_output_weights` on a V (the last stage beside the
+    embedding on rank 0) or with the layer spread: tied by runtime/tied_output.py, where
+    megatron's tying would hang."""
     if position_embedding_type not in POSITION_EMBEDDINGS:
         raise ValueError(f"--position-embedding-type {position_embedding_type!r}: Seq1F1B spans "
                          f"support {', '.join(POSITION_EMBEDDINGS)}")
-    if share_embeddings_and_output_weights and isinstance(
-            config.pipeline_model_parallel_layout, VShapeLayerLayout):
-        raise ValueError("a V placement (zbv, seq1f1b-zbv, seq1f1b-zb-auto) puts the embedding "
-                         "and the output layer in two chunks of pipeline rank 0, which megatron "
-                         "cannot tie: use --untie-embeddings-and-output-weights")
-    if spread_output and share_embeddings_and_output_weights:
-        raise ValueError("a schedule that spreads the output layer over the pipeline ranks (O "
-                         "actions) gives every rank a copy of it, which megatron cannot tie to "
-                         "the embedding: use --untie-embeddings-and-output-weights")
+    # On a V or with the layer spread megatron's tying would hang: built untied, tied here
+    tied_here = share_embeddings_and_output_weights and (
+        spread_output or isinstance(config.pipeline_model_parallel_layout, VShapeLayerLayout))
     head_chunk = spread_output and (vp_stage or 0) == (
         config.virtual_pipeline_model_parallel_size or 1) - 1
     owner, post_process = post_process, post_process and not spread_output
@@ -351,16 +360,23 @@ def build_model_chunk(config: TransformerConfig, *, vocab_size: int, max_sequenc
             split_backward=split_backward),
         vocab_size=vocab_size, max_sequence_length=max_sequence_length,
         pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights and not tied_here,
         position_embedding_type=position_embedding_type, **architecture.rotary_kwargs(),
         pg_collection=pg_collection, vp_stage=vp_stage)
+    if tied_here and pre_process:
+        tied_output.mark_embedding(model)
+    if tied_here and post_process:
+        # a V's last stage: tied from here on as megatron ties a last stage (its forward passes
+        # the weight, its checkpoint entry is the embedding's), the values kept by tied_output
+        model.share_embeddings_and_output_weights = True
+        tied_output.mark_copy(model.output_layer.weight)
     if position_embedding_type == "rope":
         make_span_aware(model.rotary_pos_emb)
     if reset_position_ids and position_embedding_type == "rope":
         use_position_ids(model)
     if head_chunk:
         model.output_head = OutputHead(config, vocab_size, owner, parallel_output,
-                                       pg_collection)
+                                       pg_collection, tied=tied_here)
     if split_backward or config.gradient_accumulation_fusion:
         if post_process:
             make_split_backward(model.output_layer)

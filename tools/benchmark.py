@@ -45,10 +45,9 @@ A --pipeline-schedule-file with O actions (the output layer spread over the rank
 entry also gives each span's O (`calibrated_output_s`), and its spans count a third of the O in
 forward_s and two thirds in backward_s, as the last stage's F and B hold the layer elsewhere.
 megatron-core's own schedules (megatron-*) run without a trace: they are timed as a whole.
-V-shaped schedules (zbv, seq1f1b-zbv) need --untie-embeddings-and-output-weights and --chunks 2.
-The searched seq1f1b-zb-auto runs on --chunks 1 or 2 and chooses a V (untied embeddings only) or
-a loop, placed with its default budget or under --schedule-memory-cap, with this model's FLOP and
-byte costs; with --spread-output it is also searched with the output layer as O actions on any
+V-shaped schedules (zbv, seq1f1b-zbv) need --chunks 2.
+The searched seq1f1b-zb-auto runs on --chunks 1 or 2 and chooses a V or a loop, placed with
+its default budget or under --schedule-memory-cap, with this model's FLOP and byte costs; with --spread-output it is also searched with the output layer as O actions on any
 rank, as pretrain_gpt.py --spread-output does, and runs the shorter. Runs whose output layer is
 spread (a searched one that chose it, a file with O actions) get model chunks of their own.
 Output: a markdown table on rank 0; --json prints JSON instead; --output FILE also writes it.
@@ -138,7 +137,7 @@ def build_parser() -> Parser:
 def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, list[Run]]:
     """Parse and check everything that can be checked before the processes meet."""
     from seq1f1b.writable import check_output_file
-    from seq1f1b.equivalence import check_placement, check_spread_output, settle_shape_flags
+    from seq1f1b.equivalence import check_spread_output, settle_shape_flags
     from seq1f1b.plan.actions import ScheduleError
     from seq1f1b.plan.budget import MemoryCap
     from seq1f1b.model_flags import sizes_error
@@ -202,10 +201,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
             raise UsageError(f"--schedules {entry}: k = {k} but --span-lengths gives "
                              f"{len(args.span_lengths)} spans")
         try:
-            check_placement(name, args.untie_embeddings)
             if args.spread_output and is_searched(name):
-                check_spread_output(name, args.untie_embeddings, args.loss_backward_in_forward,
-                                    "--schedules")
+                check_spread_output(name, args.loss_backward_in_forward, "--schedules")
         except ValueError as err:
             raise UsageError(f"--schedules {entry}: {err}") from None
         if k == 1 and cut == "fit":
@@ -321,14 +318,12 @@ def _check_runs(args: argparse.Namespace, runs: list[Run]) -> None:
 
 def _file_run(args: argparse.Namespace) -> Run:
     """The entry of --pipeline-schedule-file (loaded: checked and registered)."""
-    from seq1f1b.equivalence import check_placement
     from seq1f1b.plan import registry, schedule_file
 
     try:
         schedule = schedule_file.load(args.pipeline_schedule_file)
         registry.build(schedule.name, args.pp, args.num_microbatches, schedule.splits,
                        schedule.chunks)
-        check_placement(schedule.name, args.untie_embeddings, schedule.spread_output)
     except ValueError as err:           # ScheduleError too
         raise UsageError(str(err)) from None
     if args.num_layers % (args.pp * schedule.chunks) and not (

@@ -66,9 +66,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.span_lengths:
         args.partition = "explicit"
     from seq1f1b.equivalence import (check_budget, check_documents, check_layout,
-                                     check_placement, check_spread_output,
-                                     settle_shape_flags)
-    from seq1f1b.plan import schedule_file
+                                     check_spread_output, settle_shape_flags)
     try:
         check_numbers(args)
         settle_shape_flags(args)
@@ -76,12 +74,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             _take_schedule_file(args, parser)
         args.schedule = args.schedule or "seq1f1b"
         check_documents(case_from_args(args))
-        check_placement(args.schedule, args.untie_embeddings,
-                        args.pipeline_schedule_file is not None
-                        and schedule_file.load(args.pipeline_schedule_file).spread_output)
         if args.spread_output:
-            check_spread_output(args.schedule, args.untie_embeddings,
-                                args.loss_backward_in_forward, "--schedule")
+            check_spread_output(args.schedule, args.loss_backward_in_forward, "--schedule")
         check_layout(case_from_args(args))
         check_budget(case_from_args(args))
     except ValueError as err:      # one line, before any process group exists (ScheduleError too)

@@ -696,10 +696,8 @@ def cmd_search(args: argparse.Namespace) -> None:
               f"bound {bound}{parts}")
     if args.save_schedule:
         saved = out["saved"]
-        saved_spread = best[1].spread_output
         use = (f"train it: pretrain_gpt.py --pipeline-schedule-file {saved['path']}"
-               + (f" --pipeline-model-parallel-layout '{layout}'" if layout is not None else "")
-               + (" --untie-embeddings-and-output-weights" if saved_spread else ""))
+               + (f" --pipeline-model-parallel-layout '{layout}'" if layout is not None else ""))
         print(f"wrote {saved['path']}: {saved['order']}'s order, makespan "
               f"{saved['makespan']:.6g} ({use})")
 
@@ -1004,8 +1002,7 @@ def build_parser() -> Parser:
     search.add_argument("--save-schedule", metavar="FILE.csv",
                         help="write the shortest order found (with --exact, CP-SAT's where it is "
                              "shorter) as a schedule file, for pretrain_gpt.py "
-                             "--pipeline-schedule-file (one with the output layer spread also "
-                             "needs --untie-embeddings-and-output-weights there)")
+                             "--pipeline-schedule-file")
     search.set_defaults(run=cmd_search)
 
     comp = commands.add_parser("compare", help="our schedules beside torch's ZB-V, DualPipeV "

@@ -905,14 +905,10 @@ def _load_schedule_file(args: argparse.Namespace) -> None:
         _fail(str(err))
     args.pipeline_schedule = schedule.name
     args.pipeline_spread_output = schedule.spread_output
-    if schedule.spread_output:
-        what = (f"--pipeline-schedule-file {args.pipeline_schedule_file} runs the output layer "
-                "on every pipeline rank (O actions)")
-        if not args.untie_embeddings_and_output_weights:
-            _fail(f"{what}, which megatron cannot tie to the embedding: add "
-                  "--untie-embeddings-and-output-weights")
-        if args.loss_backward_in_forward:
-            _fail(f"--loss-backward-in-forward: {what}, whose backward runs at once already")
+    if schedule.spread_output and args.loss_backward_in_forward:
+        _fail(f"--loss-backward-in-forward: --pipeline-schedule-file "
+              f"{args.pipeline_schedule_file} runs the output layer on every pipeline rank (O "
+              "actions), whose backward runs at once already")
     if args.seq1f1b_splits is None and args.seq1f1b_span_lengths is None:
         args.seq1f1b_splits = schedule.splits
 
@@ -931,18 +927,13 @@ def _check_schedule_file_shape(args: argparse.Namespace) -> None:
 
 
 def _validate_v_placement(args: argparse.Namespace) -> None:
-    """A V (zbv, seq1f1b-zbv, seq1f1b-zb-auto) has two chunks per rank, chunk 1 of rank 0 the
-    last stage: the embedding and the output layer are on one rank in two chunks, which
-    megatron cannot tie."""
+    """A V (zbv, seq1f1b-zbv) has two chunks per rank, chunk 1 of rank 0 the last stage (with
+    tied embeddings beside the embedding: runtime/tied_output.py ties them)."""
     name = args.pipeline_schedule
     if args.virtual_pipeline_model_parallel_size != 2:
         _fail(f"--num-layers-per-virtual-pipeline-stage: --pipeline-schedule {name} places two "
               f"model chunks per rank in a V; give --num-layers / (2 x "
               f"--pipeline-model-parallel-size)")
-    if not args.untie_embeddings_and_output_weights:
-        _fail(f"--pipeline-schedule {name} puts the embedding and the output layer in two "
-              f"chunks of pipeline rank 0, which megatron cannot tie: add "
-              f"--untie-embeddings-and-output-weights")
 
 
 def _layout_chunks(args: argparse.Namespace) -> None:
@@ -1023,9 +1014,8 @@ def _validate_spread_output(args: argparse.Namespace) -> None:
 
     if args.pipeline_schedule_file is not None:
         _fail("--spread-output: a --pipeline-schedule-file has its O actions or not; drop the flag")
-    refusal = spread_output_refusal(args.pipeline_schedule,
-                                    args.untie_embeddings_and_output_weights,
-                                    args.loss_backward_in_forward, "--pipeline-schedule")
+    refusal = spread_output_refusal(args.pipeline_schedule, args.loss_backward_in_forward,
+                                    "--pipeline-schedule")
     if refusal is not None:
         _fail(refusal)
 

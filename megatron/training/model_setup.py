@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.lr_schedule import ScheduleSettings
 from seq1f1b import megatron_adapter, platform
 from seq1f1b.plan.stage_layers import StageLayers
-from seq1f1b.runtime import wgrad_fusion
+from seq1f1b.runtime import tied_output, wgrad_fusion
 from seq1f1b.runtime.wgrad import has_split_backward
 
 ModelProvider = Callable[..., torch.nn.Module]
@@ -96,6 +96,8 @@ def build_model(args: argparse.Namespace, config: TransformerConfig,
         if args.fp16 or args.bf16:
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
+    # the output layer's copies of a tied embedding megatron cannot tie (a V, the layer spread)
+    tied_output.copy_embedding(chunks, parallel_state.get_pipeline_model_parallel_group())
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,

@@ -59,7 +59,6 @@ def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]]
                                                     args.recompute_num_layers),
                      stage_layers=StageLayers.of_flags(args),
                      cp=getattr(args, "context_parallel_size", 1) or 1,
-                     tied_embeddings=not args.untie_embeddings_and_output_weights,
                      loss_backward_in_forward=args.loss_backward_in_forward,
                      spread_output=getattr(args, "spread_output", False))
     budget = run_budget(args.pipeline_schedule, args.pipeline_model_parallel_size,

@@ -98,19 +98,15 @@ class ScheduleBudget:
         return replace(self, only=placement, only_spread=spread_output)
 
 
-def spread_output_refusal(schedule: str, untie_embeddings: bool,
-                          loss_backward_in_forward: bool, schedule_flag: str) -> Optional[str]:
+def spread_output_refusal(schedule: str, loss_backward_in_forward: bool,
+                          schedule_flag: str) -> Optional[str]:
     """Why --spread-output cannot run with `schedule` (named by `schedule_flag`), or None: one
     rule for pretrain_gpt.py and the tools. Only a search chooses where the output layer runs;
-    every rank then holds a copy of it, which megatron cannot tie to the embedding; an O runs
-    the layer's backward at once, so the loss's backward at F has nothing to do."""
+    an O runs the layer's backward at once, so the loss's backward at F has nothing to do."""
     from seq1f1b.plan import registry          # registry imports this module
     if schedule not in registry.names() or not registry.get(schedule).searched:
         return (f"--spread-output: {schedule_flag} {schedule} is not searched; seq1f1b-zb-auto "
                 "chooses where the output layer runs")
-    if not untie_embeddings:
-        return ("--spread-output gives every pipeline rank a copy of the output layer, which "
-                "megatron cannot tie to the embedding: add --untie-embeddings-and-output-weights")
     if loss_backward_in_forward:
         return ("--loss-backward-in-forward with --spread-output: an O action runs the output "
                 "layer's backward at once already")
@@ -211,7 +207,6 @@ class RunShape:
     recompute: Optional[Recompute] = None
     stage_layers: StageLayers = EVEN
     cp: int = 1                 # context-parallel ranks per span: each holds 1/C of the bytes
-    tied_embeddings: bool = False   # a V would put both in two chunks of rank 0: loop only
     loss_backward_in_forward: bool = False   # the output layer's backward at F (early_loss)
     spread_output: bool = False     # also search with the output layer as O actions
 
@@ -257,10 +252,6 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
     if budget is not None and shape.spread_output:
         budget = with_output_spread(budget, name, pp, microbatches, len(shape.span_lengths),
                                     chunks, lambda schedule: costs_of(schedule, False, True))
-    if budget is not None and shape.tied_embeddings and chunks == 2:
-        # A V puts the embedding and the output layer in two chunks of rank 0, which megatron
-        # cannot tie (megatron_adapter); a loop of two chunks ties them as interleaving does.
-        return budget.pinned("loop")
     return budget
 
 

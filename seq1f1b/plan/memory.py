@@ -109,7 +109,7 @@ class TrainingSetup:
     decoder_last_pipeline_num_layers: Optional[int] = None    # uneven last stage
     pipeline_model_parallel_layout: Optional[str] = None      # every stage's layers (a layout)
     loss_backward_in_forward: bool = False          # the output layer's backward at F
-    spread_output: bool = False     # searched: also with the output layer as O actions (untied)
+    spread_output: bool = False     # searched: also with the output layer as O actions
 
     def __post_init__(self) -> None:
         recompute = self.recompute      # validates; full's defaults (uniform, 1) written back

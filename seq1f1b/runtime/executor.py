@@ -53,7 +53,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from seq1f1b import platform
 from seq1f1b.plan.actions import Action, Schedule, ScheduleError
 from seq1f1b.runtime.attention import cached_mask_tensors
-from seq1f1b.runtime import wgrad_fusion
+from seq1f1b.runtime import tied_output, wgrad_fusion
 from seq1f1b.runtime.early_loss import EarlyLoss
 from seq1f1b.runtime.grad_sync import GradSync
 from seq1f1b.runtime.kv_cache import MicrobatchKVCache, SpanContext, span_context
@@ -477,8 +477,11 @@ class Executor:
     def reduce_output_grads(self) -> None:
         """Sum the output layer's gradient copies over the pipeline group (after the
         data-parallel reduction: each copy holds what its rank's O's added, averaged over DP),
-        so every rank steps its copy with the whole gradient."""
+        so every rank steps its copy with the whole gradient; a copy of a tied embedding is
+        summed with the embedding's gradient, by tied_output.sum_gradients)."""
         for param in self.head.parameters():
+            if getattr(param, tied_output.TIED, False):
+                continue
             grad = getattr(param, "main_grad", None)
             if grad is None:
                 if param.grad is None:

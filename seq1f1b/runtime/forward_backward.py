@@ -24,6 +24,7 @@ from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.budget import ScheduleBudget
 from seq1f1b.plan.context_parallel import span_alignment
 from seq1f1b.plan.costs import ModelConfig
+from seq1f1b.runtime import tied_output
 from seq1f1b.runtime.executor import Executor, StepInputs
 from seq1f1b.runtime.trace import ExecutionTrace
 
@@ -260,6 +261,8 @@ def get_forward_backward_func(name: str = "seq1f1b",
                 pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         if executor.schedule.spread_output:
             executor.reduce_output_grads()
+        if not forward_only:    # a tied embedding's copies megatron could not tie
+            tied_output.sum_gradients(chunks, pp_group)
         if config.timers is not None:
             config.timers("forward-backward").stop()
         return store

@@ -218,16 +218,6 @@ def test_searched_schedule_is_placed_under_the_cap_and_estimated_alike(benchmark
         assert measured == pytest.approx(estimated, rel=0.15)
 
 
-def test_a_v_placement_with_tied_embeddings_is_one_line_exit_2():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "benchmark.py"), "--schedules",
-                           "1f1b", "zbv", "--pp", "2", "--chunks", "2"], env=ENV, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("benchmark.py: error: --schedules zbv:")
-    assert "--untie-embeddings-and-output-weights" in last
-
-
 def test_a_cap_no_order_fits_is_one_line_exit_2():
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "benchmark.py"), "--schedules",
                            "seq1f1b-zb-auto", "--pp", "2", "--splits", "2", "--seq-length", "32",

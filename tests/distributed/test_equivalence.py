@@ -62,13 +62,15 @@ EARLY = {"loss_backward_in_forward": True}
 SPREAD_SEARCHED = [
     {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2, "untie_embeddings": True,
      "spread_output": True},
-    {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2, "untie_embeddings": True,
-     "spread_output": True, "vocab_size": 512},
+    {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2, "spread_output": True,
+     "vocab_size": 512},
 ]
 """seq1f1b-zb-auto with the output layer's placement searched too (--spread-output of
-check_equivalence.py and benchmark.py, as pretrain_gpt.py's), at world 2."""
-SPREAD_AGAINST = {"schedule": "seq1f1b-zb-auto", "pp": 2, "splits": 2, "untie_embeddings": True,
-                  "spread_output": True, "against": "megatron-1f1b"}
+check_equivalence.py and benchmark.py, as pretrain_gpt.py's), at world 2; the V's output layer
+tied to the embedding (every copy of it, runtime/tied_output.py), the loop's untied."""
+SPREAD_AGAINST = {"schedule": "seq1f1b-zb-auto", "pp": 2, "splits": 2, "spread_output": True,
+                  "against": "megatron-1f1b"}
+"""Tied: the copies' gradients against megatron's own tying of a loop."""
 CASES: dict[int, list[dict]] = {
     1: [
         {"schedule": "seq1f1b", "splits": 1},
@@ -130,15 +132,16 @@ CASES: dict[int, list[dict]] = {
         {"schedule": "seq1f1b", "pp": 2, "splits": 4, **FULL, **DOCS,
          "document_lengths": [1, 12, 11], "num_query_groups": 2},
         # A V (chunk 1 of rank r is stage 2P-1-r): the embedding and the loss on rank 0, a chunk
-        # hand-over in memory on rank 1, layers numbered in stage order; untied output layer.
+        # hand-over in memory on rank 1, layers numbered in stage order; untied output layer,
+        # then tied to the embedding beside it (runtime/tied_output.py).
         {"schedule": "seq1f1b-zbv", "pp": 2, "chunks": 2, "splits": 3,
          "span_lengths": [4, 13, 7], "untie_embeddings": True},
-        {"schedule": "zbv", "pp": 2, "chunks": 2, "splits": 2, "untie_embeddings": True,
+        {"schedule": "zbv", "pp": 2, "chunks": 2, "splits": 2,
          "position_embedding_type": "learned_absolute"},
         {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 3, "partition": "compute",
          **LLAMA},
-        # the search on a loop: one chunk per rank, and two with tied embeddings (a V cannot
-        # tie them), each W split off on the loop's chunks
+        # the search on a loop of one chunk per rank, each W split off on the loop's chunks;
+        # on two with tied embeddings (it chooses a V)
         {"schedule": "seq1f1b-zb-auto", "pp": 2, "splits": 3, "num_microbatches": 5},
         {"schedule": "seq1f1b-zb-auto", "pp": 2, "chunks": 2, "splits": 2},
         # context parallelism: one K/V group replicated to both CP ranks, then two (one each)
@@ -328,7 +331,7 @@ def test_matrix_covers_every_schedule():
 
 def test_matrix_runs_the_search_on_every_placement_it_chooses():
     """seq1f1b-zb-auto's cases, as the harness places them: a loop of one chunk, a loop of two
-    (tied embeddings) and a V."""
+    (the output layer spread) and a V."""
     from seq1f1b.equivalence import EquivalenceCase, case_placement
     layouts = {(case.get("chunks", 1), case_placement(EquivalenceCase(**case)))
                for cases in CASES.values() for case in cases

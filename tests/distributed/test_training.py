@@ -23,7 +23,8 @@
   partition, re-placed with the measured times on the placement it chose) and the search on one
   chunk per rank (a loop): each resumes the Llama-shaped loop checkpoint at TP2 x PP2 and logs the
   loop's losses, and the search says where it placed itself; zbv trained from the start (evaluating on the V) resumes
-  bit for bit, and its checkpoint resumes in the loop with the V's losses;
+  bit for bit, and its checkpoint resumes in the loop with the V's losses, with the output layer
+  tied to the embedding (as are the spread V's and the spread loop's runs);
   --pipeline-schedule-file with the seq1f1b-zbv plan written to a file trains bit for bit as
   that schedule; uneven stages (--decoder-first-pipeline-num-layers 1) resume the even
   checkpoint with its losses, and so does a --pipeline-model-parallel-layout;
@@ -161,16 +162,20 @@ V_SCHEDULES = {   # name: flags of a V (two chunks per rank, rank 0 holds the fi
                           "2", "--pipeline-schedule", "seq1f1b-zb-auto", "--seq1f1b-splits", "2"],
 }
 V_RESHARD_FROM = "tp2pp2_to_tp1pp4"
-"""The loop checkpoint every V resumes from: the same Llama-shaped model (untied output, which
-a V needs), TP2 x PP2, saved at N by that resharding case."""
+"""The loop checkpoint every V resumes from: the same Llama-shaped model (untied output), TP2 x
+PP2, saved at N by that resharding case."""
 
 
 def _v_cases(data_prefix: str, root) -> dict:
     """Each V schedule resumed from the loop's checkpoint (same weights: the V's losses are the
-    loop's); zbv trained from the start, saved at N, resumed exactly, and resumed in the loop."""
+    loop's); zbv trained from the start, saved at N, resumed exactly, and resumed in the loop,
+    and so a V with the output layer spread, both with the output layer tied to the embedding
+    (runtime/tied_output.py: its copies start from the embedding and step with the summed
+    gradient, or their V and their loop would part)."""
     common, saving, _ = RESHARDS[V_RESHARD_FROM]
     flags = _model_flags(data_prefix) + common + [
         "--train-iters", str(RESHARD_ITERS), "--eval-iters", "0"]
+    tied = [flag for flag in flags if flag != "--untie-embeddings-and-output-weights"]
     cases = {("v", name, "from_loop"): flags + v + ["--load", str(root / V_RESHARD_FROM)]
              for name, v in V_SCHEDULES.items()}
     plan = registry.build("seq1f1b-zbv", 2, 4, 2, 2)     # TP2 x PP2: 4 micro-batches of 2
@@ -184,20 +189,20 @@ def _v_cases(data_prefix: str, root) -> dict:
         "--pipeline-model-parallel-layout", "Et*3|tL", "--load", str(root / V_RESHARD_FROM)]
     spread = root / "spread-v.csv"       # the output layer on both ranks (O actions)
     spread.write_text(schedule_file.write(spread_order(2, 4, 2, 2, "vshape")))
-    v_file = flags + V_FLAGS + ["--pipeline-schedule-file", str(spread), "--eval-interval", "2",
-                                "--eval-iters", "1"]
+    v_file = tied + V_FLAGS + ["--pipeline-schedule-file", str(spread), "--eval-interval", "2",
+                               "--eval-iters", "1"]
     cases[("spread", "straight")] = v_file
-    cases[("spread", "seq1f1b-zbv")] = flags + V_SCHEDULES["seq1f1b-zbv"] + v_file[-4:]
+    cases[("spread", "seq1f1b-zbv")] = tied + V_SCHEDULES["seq1f1b-zbv"] + v_file[-4:]
     cases[("spread", "first_half")] = v_file + ["--save", str(root / "spread"),
                                                 "--exit-interval", str(N)]
     cases[("spread", "resumed")] = v_file + ["--load", str(root / "spread")]
-    cases[("spread", "to_loop")] = flags + saving + ["--load", str(root / "spread")]
+    cases[("spread", "to_loop")] = tied + saving + ["--load", str(root / "spread")]
     own, evaluated = str(root / "zbv"), ["--eval-interval", "2", "--eval-iters", "1"]
-    cases[("v", "zbv", "straight")] = flags + V_SCHEDULES["zbv"] + evaluated
-    cases[("v", "zbv", "first_half")] = flags + V_SCHEDULES["zbv"] + evaluated + [
+    cases[("v", "zbv", "straight")] = tied + V_SCHEDULES["zbv"] + evaluated
+    cases[("v", "zbv", "first_half")] = tied + V_SCHEDULES["zbv"] + evaluated + [
         "--save", own, "--exit-interval", str(N)]
-    cases[("v", "zbv", "resumed")] = flags + V_SCHEDULES["zbv"] + evaluated + ["--load", own]
-    cases[("v", "zbv", "to_loop")] = flags + saving + ["--load", own]
+    cases[("v", "zbv", "resumed")] = tied + V_SCHEDULES["zbv"] + evaluated + ["--load", own]
+    cases[("v", "zbv", "to_loop")] = tied + saving + ["--load", own]
     return cases
 
 
@@ -236,10 +241,10 @@ OVERLAP_LAYOUTS = {   # name: (flags of both runs, flags the overlapped run adds
     "seq1f1b-early": (["--pipeline-schedule", "seq1f1b", "--seq1f1b-splits", "2",
                        "--use-distributed-optimizer", "--loss-backward-in-forward"], OVERLAP),
 }
-SPREAD_OVERLAP = ["--untie-embeddings-and-output-weights", "--micro-batch-size", "1",
-                  "--use-distributed-optimizer", *OVERLAP]
+SPREAD_OVERLAP = ["--micro-batch-size", "1", "--use-distributed-optimizer", *OVERLAP]
 """PP2 x DP2 with the distributed optimizer and both overlaps, four micro-batches of 1: a loop
-with the output layer spread (a file, `spread_overlap`) against seq1f1b-zb-h1 (`zb_overlap`)."""
+with the output layer spread (a file, `spread_overlap`) against seq1f1b-zb-h1 (`zb_overlap`),
+the output layer tied to the embedding."""
 
 
 def _overlap_flags(data_prefix: str, layout: str, overlapped: bool) -> list[str]:
@@ -351,7 +356,7 @@ def results(data_prefix, tmp_path_factory):
     cases["spread_overlap"] = {"argv": overlapped + ["--pipeline-schedule-file", str(spread)]}
     # two layers, k = 4: the output layer weighs a stage, and the search spreads it
     searched = _model_flags(data_prefix) + TP2_PP2 + [
-        "--untie-embeddings-and-output-weights", "--num-layers", "2", "--seq1f1b-splits", "4",
+        "--num-layers", "2", "--seq1f1b-splits", "4",
         "--train-iters", str(N), "--eval-iters", "0"]
     # with the fit partition: searched on the compute cut, then re-placed with the measured
     # times (each span's O scaled with it) after the first iteration
@@ -835,9 +840,10 @@ def test_a_v_run_resumes_exactly_and_its_checkpoint_resumes_in_a_loop(results):
 
 def test_the_output_layer_spread_over_the_ranks_trains_as_the_last_stage_runs_it(results):
     """O actions on both ranks of a V (a searched order from a file, every rank holding a copy
-    of the output layer): the losses, grad norms and evaluations of seq1f1b-zbv (the same
-    model: the copies start from the last stage's weights); saved at N and resumed bit for bit;
-    its checkpoint resumes in a loop without copies with the same losses."""
+    of the output layer, tied to the embedding): the losses, grad norms and evaluations of
+    seq1f1b-zbv (the same model: the copies start from the embedding's weights); saved at N and
+    resumed bit for bit; its checkpoint resumes in a loop without copies with the same
+    losses."""
     straight, zbv, first, resumed, to_loop = (results[("spread", case)] for case in (
         "straight", "seq1f1b-zbv", "first_half", "resumed", "to_loop"))
     assert len(straight["history"]) == RESHARD_ITERS and len(straight["validation"]) == 4

@@ -398,14 +398,12 @@ def _assert_refused_in_one_line(tmp_path, capsys, flags: dict, changes: dict, fl
 
 @pytest.mark.parametrize("changes, flag", [
     (dict(num_layers_per_virtual_pipeline_stage=1), "--num-layers-per-virtual-pipeline-stage"),
-    (dict(pipeline_schedule="seq1f1b-zbv", schedule_memory_cap=None,
-          untie_embeddings_and_output_weights=None), "--untie-embeddings-and-output-weights"),
     (dict(pipeline_schedule="seq1f1b-zbv", schedule_memory_cap="1x"), "--schedule-memory-cap"),
     (dict(schedule_memory_cap="half"), "--schedule-memory-cap"),
     (dict(schedule_memory_cap="0.01x"), "--schedule-memory-cap"),   # no order fits it
 ])
 def test_v_placement_flags_are_refused_in_one_line(tmp_path, capsys, monkeypatch, changes, flag):
-    """A V runs two chunks per rank with untied output weights; a memory cap is for the
+    """A V runs two chunks per rank; a memory cap is for the
     searched schedule only, readable, and one some order fits (placed before any work)."""
     monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
     flags = _with(tmp_path, pipeline_schedule="seq1f1b-zb-auto",
@@ -415,13 +413,12 @@ def test_v_placement_flags_are_refused_in_one_line(tmp_path, capsys, monkeypatch
 
 @pytest.mark.parametrize("changes, flag", [
     (dict(pipeline_schedule="seq1f1b"), "--spread-output: --pipeline-schedule seq1f1b is not"),
-    (dict(untie_embeddings_and_output_weights=None), "--untie-embeddings-and-output-weights"),
     (dict(loss_backward_in_forward=True), "--loss-backward-in-forward with --spread-output"),
 ])
 def test_spread_output_flags_are_refused_in_one_line(tmp_path, capsys, monkeypatch, changes,
                                                      flag):
-    """--spread-output: the searched schedule's option, with untied output weights, not with
-    the loss's backward at F (an O runs it at once)."""
+    """--spread-output: the searched schedule's option, not with the loss's backward at F (an
+    O runs it at once)."""
     monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
     flags = _with(tmp_path, pipeline_schedule="seq1f1b-zb-auto", spread_output=True,
                   untie_embeddings_and_output_weights=True)
@@ -431,13 +428,13 @@ def test_spread_output_flags_are_refused_in_one_line(tmp_path, capsys, monkeypat
 def test_the_searched_schedule_chooses_its_placement_at_validation(tmp_path, monkeypatch,
                                                                      capsys):
     """seq1f1b-zb-auto runs on the model's layout: one chunk per rank (a loop), or two (a V or a
-    loop, whichever simulates shorter; a loop when the embeddings are tied, which a V cannot
-    do); args.pipeline_placement holds the choice and the last rank says it in a line."""
+    loop, whichever simulates shorter, tied embeddings or not); args.pipeline_placement holds
+    the choice and the last rank says it in a line."""
     monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
     monkeypatch.setenv("RANK", str(WORLD - 1))
     for changes, chunks, placements in (
             (dict(), None, ("loop",)),
-            (dict(num_layers_per_virtual_pipeline_stage=2), 2, ("loop",)),
+            (dict(num_layers_per_virtual_pipeline_stage=2), 2, ("loop", "vshape")),
             (dict(num_layers_per_virtual_pipeline_stage=2,
                   untie_embeddings_and_output_weights=True), 2, ("loop", "vshape"))):
         args = validate_args(parse_args(_argv(_with(

@@ -101,9 +101,7 @@ SPREAD_FILE = ("F0.0,F1.0,B0.0,F2.0,B1.0,F3.0,B2.0,B3.0\n"
     (("--pipeline-schedule", "1f1b"), None, "--pipeline-schedule-file replaces"),
     (("--seq1f1b-splits", "2"), None, "is written for P=2 m=4 k=1 V=1; this run has P=2 m=4 k=2"),
     (("--global-batch-size", "2"), None, "this run has P=2 m=2"),
-    ((), SPREAD_FILE, "(O actions), which megatron cannot tie to the embedding: add "
-                      "--untie-embeddings-and-output-weights"),
-    (("--untie-embeddings-and-output-weights", "--loss-backward-in-forward"), SPREAD_FILE,
+    (("--loss-backward-in-forward",), SPREAD_FILE,
      "--loss-backward-in-forward: --pipeline-schedule-file"),
 ])
 def test_pretrain_refuses_a_bad_or_mismatched_file_in_one_line(tmp_path, capsys, registry_catalog,

@@ -3,8 +3,6 @@ timing and bytes, the cost model, the search and its bound, and the refusals whe
 modelled yet (issue 26, item 5)."""
 import importlib.util
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -191,13 +189,6 @@ def test_where_o_actions_are_not_modelled_or_not_allowed_they_are_refused_in_one
     path = tmp_path / "spread.csv"
     path.write_text(schedule.to_csv())
     assert schedule_file.load(path).spread_output      # plan.py, the check, the trainer run it
-    # the benchmark runs it too (tests/distributed/test_benchmark.py), with untied embeddings
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "benchmark.py"),
-                           "--pipeline-schedule-file", str(path), "--pp", "2",
-                           "--num-microbatches", "1"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "add --untie-embeddings-and-output-weights" in proc.stderr
     code = plan_cli.main(["simulate", "--pipeline-schedule-file", str(path), "--uniform-cost",
                           "1", "2"])
     err = capsys.readouterr().err
@@ -359,8 +350,7 @@ def test_plan_search_saves_a_spread_order_that_simulate_and_comm_read_back(capsy
     assert plan_cli.main(["search", "--pp", "2", "--microbatches", "2", "--splits", "4",
                           *model, "--spread-output", "--save-schedule", str(text)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith(
-        f"(train it: pretrain_gpt.py --pipeline-schedule-file {text} "
-        "--untie-embeddings-and-output-weights)")
+        f"(train it: pretrain_gpt.py --pipeline-schedule-file {text})")
     assert schedule_file.load(path).spread_output
     assert plan_cli.main(["simulate", "--pipeline-schedule-file", str(path), *model,
                           "--json"]) == 0

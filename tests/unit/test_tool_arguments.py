@@ -69,10 +69,8 @@ def _refusal(capsys, call, argv) -> str:
     (["--pp", "x"], "argument --pp: invalid int value: 'x'"),
     # --spread-output where pretrain_gpt.py refuses it, in the same words (naming --schedule)
     (["--spread-output"], "--spread-output: --schedule seq1f1b is not searched"),
-    (["--schedule", "seq1f1b-zb-auto", "--pp", "2", "--splits", "2", "--spread-output"],
-     "add --untie-embeddings-and-output-weights"),
     (["--schedule", "seq1f1b-zb-auto", "--pp", "2", "--splits", "2", "--spread-output",
-      "--untie-embeddings-and-output-weights", "--loss-backward-in-forward"],
+      "--loss-backward-in-forward"],
      "--loss-backward-in-forward with --spread-output"),
     (["--pipeline-schedule-file", "order.csv", "--spread-output"],
      "--spread-output: a --pipeline-schedule-file has its O actions or not"),
@@ -89,9 +87,9 @@ def test_check_equivalence_still_takes_a_good_case(check_equivalence):
 
 
 def test_check_equivalence_takes_the_search_with_the_output_layer_spread(check_equivalence):
+    """Tied embeddings too: every copy of the output layer is tied (runtime/tied_output.py)."""
     args = check_equivalence.parse_args(["--schedule", "seq1f1b-zb-auto", "--pp", "2",
-                                         "--splits", "2", "--chunks", "2", "--spread-output",
-                                         "--untie-embeddings-and-output-weights"])
+                                         "--splits", "2", "--chunks", "2", "--spread-output"])
     from seq1f1b.equivalence import case_plan
     assert case_plan(check_equivalence.case_from_args(args)).spread_output
 
@@ -103,9 +101,7 @@ SEARCHED = ["--schedules", "1f1b", "seq1f1b-zb-auto", "--pp", "2", "--splits", "
 @pytest.mark.parametrize("argv, message", [
     (["--schedules", "seq1f1b", "--spread-output"],
      "--spread-output: no searched schedule (seq1f1b-zb-auto) in --schedules"),
-    (SEARCHED, "--schedules seq1f1b-zb-auto: --spread-output gives every pipeline rank a copy of "
-               "the output layer"),
-    (SEARCHED + ["--untie-embeddings-and-output-weights", "--loss-backward-in-forward"],
+    (SEARCHED + ["--loss-backward-in-forward"],
      "--schedules seq1f1b-zb-auto: --loss-backward-in-forward with --spread-output"),
     # a searched entry is placed before the warm-up a fit measures: with or without a cap, by
     # its own @fit or a global --partition fit (it read "--method fit needs measured span

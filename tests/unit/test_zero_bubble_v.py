@@ -235,14 +235,37 @@ def test_v_layout_numbers_layers_in_stage_order():
         VShapeLayerLayout(3, 8)
 
 
-def test_v_placement_refuses_tied_embeddings():
+@pytest.mark.usefixtures("megatron_world")
+def test_a_v_ties_the_embedding_to_the_last_stage_beside_it():
+    """On a V rank 0 holds the embedding (chunk 0) and the last stage (chunk 1), where
+    megatron's tying would all-reduce with a rank that holds neither: the chunks are built
+    untied and tied by runtime/tied_output.py. The copy starts as the embedding, both step with
+    the sum of their gradients, and the copy is stored as megatron stores a tied last stage's:
+    under the embedding's key, replica 1."""
+    import torch
+
     from seq1f1b.megatron_adapter import build_model_chunk, make_transformer_config
+    from seq1f1b.runtime import tied_output
+    from megatron.core import parallel_state
     config = make_transformer_config(num_layers=4, hidden_size=16, num_attention_heads=2,
                                      pipeline_model_parallel_size=2,
                                      virtual_pipeline_model_parallel_size=2, placement="vshape")
-    with pytest.raises(ValueError, match="--untie-embeddings-and-output-weights"):
-        build_model_chunk(config, vocab_size=32, max_sequence_length=8, vp_stage=0,
-                          share_embeddings_and_output_weights=True)
+    chunks = [build_model_chunk(config, vocab_size=32, max_sequence_length=8, vp_stage=stage,
+                                pre_process=stage == 0, post_process=stage == 1,
+                                share_embeddings_and_output_weights=True) for stage in (0, 1)]
+    embedding = chunks[0].embedding.word_embeddings.weight
+    copy = chunks[1].output_layer.weight
+    assert embedding.shared_embedding and copy.shared_embedding and copy.shared
+    assert not getattr(embedding, "shared", False)       # counted once in the gradient norm
+    group = parallel_state.get_pipeline_model_parallel_group()
+    tied_output.copy_embedding(chunks, group)
+    assert torch.equal(copy, embedding)
+    embedding.grad, copy.grad = torch.ones_like(embedding), torch.full_like(copy, 2.0)
+    tied_output.sum_gradients(chunks, group)
+    assert torch.equal(embedding.grad, torch.full_like(embedding, 3.0))
+    assert torch.equal(copy.grad, embedding.grad)
+    entry = chunks[1].sharded_state_dict()["output_layer.weight"]
+    assert entry.key == "embedding.word_embeddings.weight" and entry.replica_id[0] == 1
 
 
 def test_plan_search_reports_its_gap_and_the_exact_optimum(capsys):

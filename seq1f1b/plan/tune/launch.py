@@ -59,8 +59,7 @@ def _vpp_layers(setup: TrainingSetup) -> int | None:
 
 def _script_gaps(setup: TrainingSetup) -> list[str]:
     """The layout flags launch_pretrain.sh has no variable for: uneven stages, recompute, the
-    loss's backward at F, a searched schedule's memory cap and --spread-output (RUN_FLAGS
-    unties the output layer, as it needs)."""
+    loss's backward at F, a searched schedule's memory cap and --spread-output."""
     flags = []
     if setup.decoder_first_pipeline_num_layers:
         flags += ["--decoder-first-pipeline-num-layers",
