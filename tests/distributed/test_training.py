@@ -54,7 +54,8 @@
   the new schedule (megatron-core's own scheduler, built fresh for 2 x 2N iterations, gives the
   expected rates); --use-checkpoint-opt_param-scheduler keeps the old one (its minimum);
 - starting points: --no-load-optim --no-load-rng continues from the checkpoint's weights and data
-  position (the next loss is the straight run's) with fresh Adam; --finetune and
+  position (the next loss is the straight run's) with fresh Adam, and on a V with the output
+  layer tied (distributed optimizer, both overlaps) with the same figures; --finetune and
   --pretrained-checkpoint start at iteration 0 from the same weights and log the same figures.
 """
 import json
@@ -318,6 +319,11 @@ def results(data_prefix, tmp_path_factory):
         if layout == "dp2_distopt":      # from the checkpoint at N, before the next save
             cases["no_load_optim"] = {"argv": flags + ["--load", checkpoints, "--no-load-optim",
                                                        "--no-load-rng"]}
+            # the same weights on a V with the distributed optimizer and both overlaps: rank
+            # 0's embedding and its output-layer copy tied by runtime/tied_output.py
+            cases["no_load_optim_v"] = {"argv": cases["no_load_optim"]["argv"] + [
+                "--pipeline-schedule", "seq1f1b-zbv", "--num-layers-per-virtual-pipeline-stage",
+                "1", *OVERLAP]}
             cases.update(_save_cases(flags, root))
         if layout == "cp2_distopt":      # the CP2 checkpoint at N resumed at CP1 (DP2)
             cases["cp2_to_cp1"] = {"argv": _resume_flags(data_prefix, "dp2_distopt") + [
@@ -988,6 +994,18 @@ def test_no_load_optim_continues_the_weights_and_data_with_fresh_adam(results):
     assert history[0]["losses"] == straight[N]["losses"]       # W_N on batch N + 1
     assert history[0]["learning_rate"] == 0.0                  # Megatron: schedule not loaded
     assert history[2]["losses"] != straight[N + 2]["losses"]
+
+
+def test_a_tied_v_with_the_distributed_optimizer_trains_as_its_loop(results):
+    """PP2 x DP2, the distributed optimizer with overlapped reduction and gathering, the loop's
+    checkpoint resumed on a V (seq1f1b-zbv) with fresh Adam: rank 0 holds the embedding and its
+    tied copy in the output layer, each in a bucket of its own (sharded alike), their gradients
+    summed after the reduction; the figures are the loop's."""
+    v, loop = results["no_load_optim_v"]["history"], results["no_load_optim"]["history"]
+    assert len(v) == len(loop) == N
+    assert [r["losses"]["lm loss"] for r in v] == \
+        pytest.approx([r["losses"]["lm loss"] for r in loop], rel=1e-6)
+    assert [r["grad_norm"] for r in v] == pytest.approx([r["grad_norm"] for r in loop], rel=1e-5)
 
 
 def test_finetune_and_pretrained_checkpoint_start_from_the_weights(results):
