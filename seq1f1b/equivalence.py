@@ -37,6 +37,7 @@ from seq1f1b.plan import registry, schedule_file
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.budget import (MemoryCap, RunShape, ScheduleBudget, run_budget,
                                  spread_output_refusal)
+from seq1f1b.plan.context_parallel import span_alignment
 from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
 from seq1f1b.runtime.attention import DOCUMENT_BACKENDS
@@ -78,6 +79,7 @@ class EquivalenceCase:
     splits: int = 1
     partition: str = "even"
     span_lengths: Optional[list[int]] = None
+    span_alignment: int = 1            # every span a multiple of it (and of TP under SP, of CP)
     position_embedding_type: str = "rope"
     sequence_parallel: bool = False
     untie_embeddings: bool = False
@@ -148,6 +150,9 @@ def add_model_flags(parser, partitions: tuple[str, ...] = ("even", "compute", "e
     add("--partition", choices=list(partitions), default="even")
     add("--span-lengths", type=int, nargs="+", default=None,
         help="explicit span lengths (implies --partition explicit)")
+    add("--span-alignment", type=int, default=1, metavar="N",
+        help="every span a multiple of N tokens (pretrain_gpt.py's --seq1f1b-span-alignment): "
+             "the cuts round to it, explicit lengths must be")
     add("--sequence-parallel", action="store_true")
     add("--attention-backend", choices=["auto", "eager", "sdpa", "flex", "flash", "te"],
         default="auto")
@@ -229,6 +234,8 @@ def case_spans(case: "EquivalenceCase") -> list[int]:
     return span_partition.partition(
         case.seq_length, case.splits, "explicit" if case.span_lengths else case.partition,
         cost_model(case), tp=case.tp, sequence_parallel=case.sequence_parallel,
+        align=math.lcm(case.span_alignment, span_alignment(case.cp, case.tp,
+                                                           case.sequence_parallel)),
         lengths=case.span_lengths)
 
 
@@ -251,8 +258,27 @@ def check_layout(case: "EquivalenceCase") -> None:
     (ValueError, one line naming the flag): chunks a schedule does not run on, a cut the
     sequence cannot take, layers the stages cannot share."""
     check_chunks(case)
+    check_span_alignment(case)
     case_spans(case)
     check_stage_layers(case)
+
+
+def check_span_alignment(case: "EquivalenceCase") -> None:
+    """--span-alignment N (with TP under sequence parallelism and CP, their lcm): the sequence
+    must hold --splits spans of its multiples, explicit lengths must be multiples (ValueError,
+    one line naming the flag)."""
+    if case.span_alignment == 1:
+        return
+    unit = math.lcm(case.span_alignment, span_alignment(case.cp, case.tp,
+                                                        case.sequence_parallel))
+    why = f"--span-alignment {case.span_alignment}" + (
+        f" with the TP / CP multiple = {unit}" if unit != case.span_alignment else "")
+    if case.span_lengths and any(length % unit for length in case.span_lengths):
+        raise ValueError(f"--span-lengths {' '.join(map(str, case.span_lengths))}: {why} must "
+                         "divide every span")
+    if not case.span_lengths and (case.seq_length % unit or case.seq_length // unit < case.splits):
+        raise ValueError(f"--seq-length {case.seq_length}: {why} must divide it into at least "
+                         f"--splits {case.splits} spans of multiples of {unit} tokens")
 
 
 def check_chunks(case: "EquivalenceCase") -> None:
@@ -582,6 +608,7 @@ class ParallelLayout:
         iterators = [iter(mine) for _ in self.chunks]
         settings = SpanSettings(case.splits, "explicit" if case.span_lengths else case.partition,
                                 tuple(case.span_lengths) if case.span_lengths else None,
+                                align=case.span_alignment,
                                 budget=case_budget(replace(case, schedule=schedule)),
                                 loss_backward_in_forward=case.loss_backward_in_forward)
         losses = get_forward_backward_func(schedule, settings)(

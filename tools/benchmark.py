@@ -160,7 +160,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[argparse.Namespace, li
         args.partition = "explicit"
     error = sizes_error(args, ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                                "seq_length", "micro_batch_size", "num_microbatches", "tp", "pp",
-                               "chunks", "splits", "iterations", "threads"))
+                               "chunks", "splits", "iterations", "threads", "span_alignment"))
     if error is not None:
         raise UsageError(error)
     try:
@@ -281,7 +281,8 @@ def _check_runs(args: argparse.Namespace, runs: list[Run]) -> None:
     documents (seq1f1b.equivalence.check_documents, as check_equivalence.py), every span cut
     (seq1f1b/plan/partition.py, as the runtime cuts it) and uniform full recompute groups that
     do not divide a model chunk's layers (megatron-core would index past its last layer)."""
-    from seq1f1b.equivalence import check_documents, cost_model, stage_layers
+    from seq1f1b.equivalence import (check_documents, check_span_alignment, cost_model,
+                                     stage_layers)
     from seq1f1b.plan import partition as span_partition
     from seq1f1b.plan.costs import Recompute
     from seq1f1b.plan.stage_layers import layers_per_virtual_stage
@@ -297,9 +298,11 @@ def _check_runs(args: argparse.Namespace, runs: list[Run]) -> None:
             continue
         explicit = run.partition == "explicit"
         try:        # a fit entry's warm-up runs the compute cut
+            check_span_alignment(_case(args, run))
             span_partition.partition(
                 args.seq_length, run.splits, "compute" if run.partition == "fit" else
                 run.partition, model, tp=args.tp, sequence_parallel=args.sequence_parallel,
+                align=args.span_alignment,
                 lengths=list(args.span_lengths) if explicit else None)
         except ValueError as err:
             raise UsageError(str(err) if explicit else f"--schedules {run.label}: {err}") from None
@@ -408,7 +411,7 @@ def _fitted_cut(args: argparse.Namespace, run: Run, traces: list) -> tuple[tuple
     from seq1f1b.runtime.traced_iterations import calibrate_fit
 
     lengths, fit = calibrate_fit(_plan(args, run), traces, args.seq_length, args.tp,
-                                 args.sequence_parallel)
+                                 args.sequence_parallel, args.span_alignment)
     return lengths, fit.describe()
 
 
@@ -446,11 +449,11 @@ def _run_group(args: argparse.Namespace, runs: list[Run], weights: dict,
         if run.partition == "fit":          # compute until the warm-up has been fitted
             lengths = cuts[run][0] if run in cuts else None
             return SpanSettings(run.splits, "explicit" if lengths else "compute", lengths,
-                                trace=trace, budget=budgets[run],
+                                align=case.span_alignment, trace=trace, budget=budgets[run],
                                 loss_backward_in_forward=case.loss_backward_in_forward)
         return SpanSettings(run.splits, run.partition,
                             tuple(case.span_lengths) if case.span_lengths else None,
-                            trace=trace, budget=budgets[run],
+                            align=case.span_alignment, trace=trace, budget=budgets[run],
                             loss_backward_in_forward=case.loss_backward_in_forward)
 
     def iteration(run: Run, trace: Optional[ExecutionTrace]) -> float:

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROG = "check_equivalence.py"
 COUNT_FLAGS = ("vocab_size", "micro_batch_size", "num_microbatches", "tp", "pp", "cp", "chunks",
-               "splits", "recompute_num_layers")
+               "splits", "recompute_num_layers", "span_alignment")
 """The layout and batch flags that count something (the model's own: model_flags.SIZE_FLAGS)."""
 
 

@@ -375,6 +375,11 @@ def _add_pipeline_schedule_args(parser: ArgumentParser) -> None:
                         f"(default: {DEFAULT_FIT_ITERATIONS})")
     g.add_argument("--seq1f1b-span-lengths", type=int, nargs="+", metavar="L",
                    help="explicit span lengths L1 ... Lk (sum = --seq-length)")
+    g.add_argument("--seq1f1b-span-alignment", type=int, metavar="N",
+                   help="every span a multiple of N tokens: the even, compute and fit cuts "
+                        "round to it, explicit lengths must be (with --sequence-parallel also a "
+                        "multiple of the TP size, with context parallelism of CP: their lcm); "
+                        "GPU kernels run multiples of 64 or 128 best (default: 1)")
     g.add_argument("--schedule-memory-cap", metavar="CAP",
                    help="searched schedules (seq1f1b-zb-auto): per-rank cap on held activations "
                         "and K/V, bytes (e.g. 17GiB) or a fraction of 1F1B's rank-0 peak (e.g. "
@@ -869,6 +874,7 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     cp = args.context_parallel_size
     if cp > 1:
         _validate_cp_spans(args, k, tp_unit * cp)
+    _validate_span_alignment(args, k, tp_unit * cp)
     if args.seq1f1b_partition == "explicit":
         if spans is None:
             _fail("--seq1f1b-span-lengths is required by --seq1f1b-partition explicit")
@@ -1018,6 +1024,29 @@ def _validate_spread_output(args: argparse.Namespace) -> None:
                                     "--pipeline-schedule")
     if refusal is not None:
         _fail(refusal)
+
+
+def _validate_span_alignment(args: argparse.Namespace, k: int, parallel_unit: int) -> None:
+    """--seq1f1b-span-alignment N: with the multiple TP and CP ask for (`parallel_unit`), every
+    span a multiple of their lcm: the sequence must hold k such spans, explicit lengths must be
+    multiples."""
+    if args.seq1f1b_span_alignment is None:
+        args.seq1f1b_span_alignment = 1
+    align = args.seq1f1b_span_alignment
+    if align < 1:
+        _fail(f"--seq1f1b-span-alignment must be a positive integer, got {align}")
+    unit = math.lcm(align, parallel_unit)
+    if align == 1:
+        return
+    why = f"--seq1f1b-span-alignment {align}" + (
+        f" with the TP / CP multiple {parallel_unit} = {unit}" if unit != align else "")
+    spans = args.seq1f1b_span_lengths
+    if spans is not None and any(span % unit for span in spans):
+        _fail(f"--seq1f1b-span-lengths {' '.join(map(str, spans))}: {why} must divide every "
+              "span")
+    if spans is None and (args.seq_length % unit or args.seq_length // unit < k):
+        _fail(f"--seq-length {args.seq_length}: {why} must divide it into at least "
+              f"--seq1f1b-splits {k} spans of multiples of {unit} tokens")
 
 
 def _validate_cp_spans(args: argparse.Namespace, k: int, unit: int) -> None:

@@ -9,6 +9,7 @@ they are in, schedule_function.py). Every rank computes the same budget from the
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Optional
 
 from seq1f1b.plan.actions import Schedule
@@ -29,15 +30,17 @@ def cost_model(args: argparse.Namespace) -> ModelConfig:
 
 def starting_span_lengths(args: argparse.Namespace) -> tuple[int, ...]:
     """The cut the run starts with (a fit partition starts with the compute cut), as the runtime
-    makes it: this model's FLOPs, every span a multiple of CP (of CP x TP under sequence
-    parallelism)."""
+    makes it: this model's FLOPs, every span a multiple of --seq1f1b-span-alignment and of CP
+    (of CP x TP under sequence parallelism)."""
     method = "compute" if args.seq1f1b_partition == "fit" else args.seq1f1b_partition
     return tuple(partition(args.seq_length, args.seq1f1b_splits, method, cost_model(args),
                            tp=args.tensor_model_parallel_size,
                            sequence_parallel=args.sequence_parallel,
-                           align=span_alignment(getattr(args, "context_parallel_size", 1) or 1,
-                                                args.tensor_model_parallel_size,
-                                                args.sequence_parallel),
+                           align=math.lcm(args.seq1f1b_span_alignment,
+                                          span_alignment(
+                                              getattr(args, "context_parallel_size", 1) or 1,
+                                              args.tensor_model_parallel_size,
+                                              args.sequence_parallel)),
                            lengths=args.seq1f1b_span_lengths))
 
 

@@ -47,6 +47,7 @@ def span_settings(args: argparse.Namespace) -> SpanSettings:
         splits=args.seq1f1b_splits,
         partition="compute" if args.seq1f1b_partition == "fit" else args.seq1f1b_partition,
         span_lengths=tuple(args.seq1f1b_span_lengths) if args.seq1f1b_span_lengths else None,
+        align=args.seq1f1b_span_alignment,
         p2p_timeout_s=args.p2p_timeout,
         budget=schedule_budget(args),
         loss_backward_in_forward=args.loss_backward_in_forward,
@@ -125,7 +126,8 @@ class ScheduleFunction:
     def _switch_to_fit(self) -> None:
         args = self._args
         lengths, fit = calibrate_fit(self._plan(), self._calibration, args.seq_length,
-                                     args.tensor_model_parallel_size, args.sequence_parallel)
+                                     args.tensor_model_parallel_size, args.sequence_parallel,
+                                     args.seq1f1b_span_alignment)
         self._calibration = []
         self._settings = replace(self._settings, partition="explicit", span_lengths=lengths,
                                  budget=schedule_budget(args, lengths, fit))

@@ -9,6 +9,7 @@ unmodified functions, so any run can be compared with the engine it extends.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -38,6 +39,7 @@ class SpanSettings:
     splits: int = 1
     partition: str = "even"                       # even | compute | explicit
     span_lengths: Optional[tuple[int, ...]] = None
+    align: int = 1                                # every span a multiple of it (and of CP, TP)
     p2p_timeout_s: float = 600.0
     trace: Optional[ExecutionTrace] = field(default=None, compare=False, hash=False)
     budget: Optional[ScheduleBudget] = None       # a searched schedule's costs and memory cap
@@ -127,15 +129,16 @@ def check_context_parallel_spans(lengths: Sequence[int], cp: int, tp: int,
 def _spans(settings: SpanSettings, seq_length: int, config_model: Optional[ModelConfig], tp: int,
            sequence_parallel: bool, cp: int = 1) -> tuple[tuple[int, int], ...]:
     """The span bounds, a compute cut balanced on `settings.cost_model` (else `config_model`,
-    the chunks' config); under context parallelism every span is a multiple of C (of C x TP
-    under sequence parallelism: each CP rank's part is then cut over TP)."""
+    the chunks' config), every span a multiple of `settings.align`; under context parallelism
+    also of C (of C x TP under sequence parallelism: each CP rank's part is then cut over
+    TP)."""
     if cp > 1 and settings.span_lengths is not None:
         check_context_parallel_spans(settings.span_lengths, cp, tp, sequence_parallel)
     lengths = span_partition.partition(
         seq_length, settings.splits, settings.partition,
         model=settings.cost_model or config_model, tp=tp,
         sequence_parallel=sequence_parallel, lengths=settings.span_lengths,
-        align=span_alignment(cp, tp, sequence_parallel))
+        align=math.lcm(settings.align, span_alignment(cp, tp, sequence_parallel)))
     return tuple(span_partition.span_bounds(lengths))
 
 

@@ -37,13 +37,14 @@ def gather_pipeline_actions(traces: Sequence[ExecutionTrace]) -> list[list[Measu
 
 
 def calibrate_fit(schedule: Schedule, traces: Sequence[ExecutionTrace], seq_length: int,
-                  tp: int = 1, sequence_parallel: bool = False
+                  tp: int = 1, sequence_parallel: bool = False, align: int = 1
                   ) -> tuple[tuple[int, ...], SpanTimeFit]:
-    """Collective: the fit partition's span lengths, and the fit, from `traces` of `schedule`
-    (this rank's traced iterations, all run with the same cut): each span's median F and B summed
-    over the stages, fitted per token and per causal query-key pair (span_fit.py)."""
+    """Collective: the fit partition's span lengths (multiples of `align`), and the fit, from
+    `traces` of `schedule` (this rank's traced iterations, all run with the same cut): each
+    span's median F and B summed over the stages, fitted per token and per causal query-key pair
+    (span_fit.py)."""
     reports = [measured_report(schedule, ranks) for ranks in gather_pipeline_actions(traces)]
     fit = fit_span_times(span_timings(schedule, reports, traces[0].span_bounds))
     lengths = partition(seq_length, schedule.splits, "fit", tp=tp,
-                        sequence_parallel=sequence_parallel, fit=fit)
+                        sequence_parallel=sequence_parallel, align=align, fit=fit)
     return tuple(lengths), fit

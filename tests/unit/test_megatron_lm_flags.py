@@ -131,6 +131,35 @@ def test_the_llama3_script_is_refused_only_for_its_gpu_only_flags(tmp_path, caps
     assert not (tmp_path / "checkpoints").exists()          # validation writes nothing
 
 
+def test_span_alignment_rounds_every_cut_and_the_runtime_cuts_the_same():
+    """--seq1f1b-span-alignment 64: the compute cut of 4096 tokens into 4 spans (not multiples
+    of 64 without it) rounds every span to a multiple of 64; the runtime's spans (span_settings,
+    as the iterations run them) are the first line's, the budget's and the estimate's
+    (starting_span_lengths); the fit's cut is aligned too (test_training.py). Numbers it cannot
+    take are refused in one line."""
+    from megatron.training.schedule_budget import starting_span_lengths
+    from megatron.training.schedule_function import span_settings
+    from seq1f1b.runtime.forward_backward import _spans
+
+    flags = dict(train_iters=2, seq1f1b_splits=4, seq1f1b_partition="compute",
+                 seq_length=4096, max_position_embeddings=4096)
+    plain = validate_args(parse_args(_run(**flags)), 1)
+    assert any(length % 64 for length in starting_span_lengths(plain))
+    args = validate_args(parse_args(_run(**flags, seq1f1b_span_alignment=64)), 1)
+    lengths = starting_span_lengths(args)
+    assert all(length % 64 == 0 for length in lengths) and sum(lengths) == 4096
+    bounds = _spans(span_settings(args), 4096, None, 1, False)
+    assert [end - start for start, end in bounds] == list(lengths)
+    for extra, message in ((dict(seq1f1b_span_alignment=0), "--seq1f1b-span-alignment must be"),
+                           (dict(seq1f1b_span_alignment=3000), "--seq-length 4096: "
+                            "--seq1f1b-span-alignment 3000 must divide it"),
+                           (dict(seq1f1b_span_alignment=64, seq1f1b_partition="explicit",
+                                 seq1f1b_span_lengths=[2000, 2096]),
+                            "--seq1f1b-span-lengths 2000 2096: --seq1f1b-span-alignment 64")):
+        with pytest.raises(ArgumentError, match=message):
+            validate_args(parse_args(_run(**{**flags, **extra})), 1)
+
+
 def test_the_first_line_gives_the_span_lengths_the_runtime_uses():
     from megatron.training.training import _first_span_lengths
 

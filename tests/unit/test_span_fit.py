@@ -96,3 +96,22 @@ def test_plan_cli_fit_prints_the_fit_and_its_balance(tmp_path):
                           capture_output=True, text=True, check=True)
     out = json.loads(proc.stdout)
     assert sum(out["spans"]) == 1024 and out["time_imbalance"] < 1.02
+
+
+def test_the_runs_fit_cut_keeps_the_span_alignment(monkeypatch):
+    """calibrate_fit (the trainer's and the benchmark's re-cut after the measured iterations)
+    cuts with the run's alignment: a fit whose per-pair cost shortens the later spans gives
+    44 29 23 of 96 tokens alone and 40 32 24 with --seq1f1b-span-alignment 8."""
+    from types import SimpleNamespace
+
+    from seq1f1b.plan.registry import build
+    from seq1f1b.runtime import traced_iterations
+    fit = SimpleNamespace(per_token=1.0, per_pair=0.02)
+    monkeypatch.setattr(traced_iterations, "gather_pipeline_actions", lambda traces: [])
+    monkeypatch.setattr(traced_iterations, "span_timings", lambda *args: [])
+    monkeypatch.setattr(traced_iterations, "fit_span_times", lambda timings: fit)
+    schedule = build("seq1f1b", 2, 2, 3, 1)
+    plain, _ = traced_iterations.calibrate_fit(schedule, [SimpleNamespace(span_bounds=())], 96)
+    aligned, _ = traced_iterations.calibrate_fit(schedule, [SimpleNamespace(span_bounds=())], 96,
+                                                 align=8)
+    assert (plain, aligned) == ((44, 29, 23), (40, 32, 24))

@@ -74,6 +74,12 @@ def _refusal(capsys, call, argv) -> str:
      "--loss-backward-in-forward with --spread-output"),
     (["--pipeline-schedule-file", "order.csv", "--spread-output"],
      "--spread-output: a --pipeline-schedule-file has its O actions or not"),
+    # the span alignment, named as the tools spell it (pretrain_gpt.py: --seq1f1b-span-alignment)
+    (["--span-alignment", "0"], "--span-alignment must be a positive integer, got 0"),
+    (["--splits", "2", "--span-alignment", "5"],
+     "--seq-length 24: --span-alignment 5 must divide it into at least --splits 2 spans"),
+    (["--splits", "2", "--span-lengths", "10", "14", "--span-alignment", "4"],
+     "--span-lengths 10 14: --span-alignment 4 must divide every span"),
 ])
 def test_check_equivalence_refuses_a_bad_number_in_one_line(check_equivalence, capsys, argv,
                                                             message):
@@ -84,6 +90,21 @@ def test_check_equivalence_refuses_a_bad_number_in_one_line(check_equivalence, c
 def test_check_equivalence_still_takes_a_good_case(check_equivalence):
     args = check_equivalence.parse_args(["--pp", "2", "--splits", "2", "--num-layers", "2"])
     assert (args.pp, args.splits, args.schedule) == (2, 2, "seq1f1b")
+
+
+def test_the_tools_cut_spans_of_the_alignment_asked_for(check_equivalence):
+    """--span-alignment 8: the compute cut of 96 tokens in 3 spans (37 31 28 without it) rounds
+    each boundary to a multiple of 8, as the runtime cuts it (SpanSettings.align)."""
+    from seq1f1b.equivalence import case_spans, cost_model
+    from seq1f1b.runtime.forward_backward import SpanSettings, _spans
+    argv = ["--splits", "3", "--partition", "compute", "--seq-length", "96"]
+    plain = case_spans(check_equivalence.case_from_args(check_equivalence.parse_args(argv)))
+    assert plain == [37, 31, 28]
+    case = check_equivalence.case_from_args(check_equivalence.parse_args(
+        argv + ["--span-alignment", "8"]))
+    assert case_spans(case) == [40, 32, 24]
+    settings = SpanSettings(3, "compute", align=case.span_alignment, cost_model=cost_model(case))
+    assert [end - start for start, end in _spans(settings, 96, None, 1, False)] == [40, 32, 24]
 
 
 def test_check_equivalence_takes_the_search_with_the_output_layer_spread(check_equivalence):
@@ -99,6 +120,8 @@ SEARCHED = ["--schedules", "1f1b", "seq1f1b-zb-auto", "--pp", "2", "--splits", "
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--schedules", "seq1f1b:2", "--span-alignment", "5"],
+     "--schedules seq1f1b@even: --seq-length 512: --span-alignment 5 must divide it"),
     (["--schedules", "seq1f1b", "--spread-output"],
      "--spread-output: no searched schedule (seq1f1b-zb-auto) in --schedules"),
     (SEARCHED + ["--loss-backward-in-forward"],
