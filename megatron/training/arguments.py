@@ -1038,28 +1038,27 @@ def _validate_span_alignment(args: argparse.Namespace, k: int, parallel_unit: in
     unit = math.lcm(align, parallel_unit)
     if align == 1:
         return
-    why = f"--seq1f1b-span-alignment {align}" + (
-        f" with the TP / CP multiple {parallel_unit} = {unit}" if unit != align else "")
+    _check_span_multiple(args, k, unit, f"--seq1f1b-span-alignment {align}" + (
+        f" with the TP / CP multiple {parallel_unit} = {unit}" if unit != align else ""))
+
+
+def _validate_cp_spans(args: argparse.Namespace, k: int, unit: int) -> None:
+    """Every span splits over the CP ranks (each part over TP under sequence parallelism)."""
+    cp = args.context_parallel_size
+    _check_span_multiple(args, k, unit, f"--context-parallel-size {cp}" + (
+        f" x --tensor-model-parallel-size {unit // cp} (--sequence-parallel)" if unit > cp
+        else "") + f" = {unit}")
+
+
+def _check_span_multiple(args: argparse.Namespace, k: int, unit: int, why: str) -> None:
+    """Explicit span lengths must be multiples of `unit`, else the sequence must hold k spans
+    of its multiples; `why` names the flags that ask for it."""
     spans = args.seq1f1b_span_lengths
     if spans is not None and any(span % unit for span in spans):
         _fail(f"--seq1f1b-span-lengths {' '.join(map(str, spans))}: {why} must divide every "
               "span")
     if spans is None and (args.seq_length % unit or args.seq_length // unit < k):
         _fail(f"--seq-length {args.seq_length}: {why} must divide it into at least "
-              f"--seq1f1b-splits {k} spans of multiples of {unit} tokens")
-
-
-def _validate_cp_spans(args: argparse.Namespace, k: int, unit: int) -> None:
-    """Every span splits over the CP ranks (each part over TP under sequence parallelism)."""
-    cp = args.context_parallel_size
-    why = f"--context-parallel-size {cp}" + (
-        f" x --tensor-model-parallel-size {unit // cp} (--sequence-parallel)" if unit > cp else "")
-    spans = args.seq1f1b_span_lengths
-    if spans is not None and any(span % unit for span in spans):
-        _fail(f"--seq1f1b-span-lengths {' '.join(map(str, spans))}: {why} = {unit} must divide "
-              "every span")
-    if spans is None and (args.seq_length % unit or args.seq_length // unit < k):
-        _fail(f"--seq-length {args.seq_length}: {why} = {unit} must divide it into at least "
               f"--seq1f1b-splits {k} spans of multiples of {unit} tokens")
 
 
