@@ -47,9 +47,10 @@ forward_s and two thirds in backward_s, as the last stage's F and B hold the lay
 megatron-core's own schedules (megatron-*) run without a trace: they are timed as a whole.
 V-shaped schedules (zbv, seq1f1b-zbv) need --chunks 2.
 The searched seq1f1b-zb-auto runs on --chunks 1 or 2 and chooses a V or a loop, placed with
-its default budget or under --schedule-memory-cap, with this model's FLOP and byte costs; with --spread-output it is also searched with the output layer as O actions on any
-rank, as pretrain_gpt.py --spread-output does, and runs the shorter. Runs whose output layer is
-spread (a searched one that chose it, a file with O actions) get model chunks of their own.
+its default budget or under --schedule-memory-cap, with this model's FLOP and byte costs; with
+--spread-output it is also searched with the output layer as O actions on any rank, as
+pretrain_gpt.py --spread-output does, and runs the shorter. Runs whose output layer is spread
+(a searched one that chose it, a file with O actions) get model chunks of their own.
 Output: a markdown table on rank 0; --json prints JSON instead; --output FILE also writes it.
 """
 from __future__ import annotations

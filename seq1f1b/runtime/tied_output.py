@@ -74,7 +74,7 @@ def _gradient(param: torch.nn.Parameter) -> torch.Tensor:
     return param.grad
 
 
-def spread(chunks: Sequence[torch.nn.Module]) -> bool:
+def _spread(chunks: Sequence[torch.nn.Module]) -> bool:
     """Whether the output layer is spread (every rank's last chunk holds a copy)."""
     return hasattr(_gpt(chunks[-1]), "output_head")
 
@@ -87,7 +87,7 @@ def copy_embedding(chunks: Sequence[torch.nn.Module], pp_group: dist.ProcessGrou
         return
     embedding = _embedding(chunks)
     with torch.no_grad():
-        if spread(chunks):
+        if _spread(chunks):
             source = embedding.data if embedding is not None else copies[0].data
             dist.broadcast(source, group_src=0, group=pp_group)
             for copy in copies:
@@ -108,7 +108,7 @@ def sum_gradients(chunks: Sequence[torch.nn.Module], pp_group: dist.ProcessGroup
     total = _gradient(tied[0])
     for param in tied[1:]:
         total += _gradient(param)
-    if spread(chunks):
+    if _spread(chunks):
         dist.all_reduce(total, group=pp_group)
     for param in tied[1:]:
         _gradient(param).copy_(total)
