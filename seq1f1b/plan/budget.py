@@ -226,8 +226,8 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
     spans, or, with `fit` (the fit partition's measured times, span_fit.py), the measured
     durations: each span's F on the stages scaled so that they sum to the fit's F of that span,
     and B (with W) to its B, the model keeping each stage's share (the output layer's on the
-    last). Without a cap the schedule's default cap on those costs (model_budget). Tied
-    embeddings on two chunks pin a loop. With `shape.spread_output` every placement is offered
+    last). Without a cap the schedule's default cap on those costs (model_budget). With
+    `shape.spread_output` every placement is offered
     again with the output layer as O actions on any rank (model_costs(spread_output=True)),
     under the same cap (the given one, or the default with the layer in the last stage): the
     search keeps the shorter, with `fit` too: an O is scaled with its span (_scaled_to_fit)."""
