@@ -227,10 +227,10 @@ def run_budget(name: str, pp: int, microbatches: int, chunks: int, cap: Optional
     durations: each span's F on the stages scaled so that they sum to the fit's F of that span,
     and B (with W) to its B, the model keeping each stage's share (the output layer's on the
     last). Without a cap the schedule's default cap on those costs (model_budget). With
-    `shape.spread_output` every placement is offered
-    again with the output layer as O actions on any rank (model_costs(spread_output=True)),
-    under the same cap (the given one, or the default with the layer in the last stage): the
-    search keeps the shorter, with `fit` too: an O is scaled with its span (_scaled_to_fit)."""
+    `shape.spread_output` every placement is offered again with the output layer as O actions
+    on any rank (model_costs(spread_output=True)), under the same cap (the given one, or the
+    default with the layer in the last stage): the search keeps the shorter, with `fit` too:
+    an O is scaled with its span (_scaled_to_fit)."""
 
     def costs_of(schedule: Schedule, whole: bool, spread: bool = False) -> SpanCosts:
         costs = model_costs(schedule, shape.model,
