@@ -389,6 +389,11 @@ def _add_pipeline_schedule_args(parser: ArgumentParser) -> None:
     g.add_argument("--loss-backward-in-forward", action="store_true",
                    help=LOSS_BACKWARD_IN_FORWARD_HELP)
     g.add_argument("--spread-output", action="store_true", help=SPREAD_OUTPUT_HELP)
+    g.add_argument("--search-layout", action="store_true",
+                   help="seq1f1b-zb-auto on two chunks per rank: also choose every virtual "
+                        "stage's decoder layers (a --pipeline-model-parallel-layout) with the "
+                        "schedule, as plan.py search --search-layout does, under the cap the "
+                        "even split's search placed under; the last rank says which it kept")
     g.add_argument("--pipe-sp-splits", type=int, help="alias of --seq1f1b-splits")
     g.add_argument("--pipe-sp-strategy", choices=tuple(PIPE_SP_STRATEGIES),
                    help="alias of --seq1f1b-partition: average = even, uniform_comp = compute")
@@ -853,6 +858,7 @@ def _validate_schedule(args: argparse.Namespace) -> None:
         _validate_v_placement(args)
     _validate_memory_cap(args)
     _validate_spread_output(args)
+    _validate_search_layout(args)
     _validate_stage_layers(args)
     if args.pipeline_schedule_file is not None:
         _check_schedule_file_shape(args)
@@ -1024,6 +1030,26 @@ def _validate_spread_output(args: argparse.Namespace) -> None:
                                     "--pipeline-schedule")
     if refusal is not None:
         _fail(refusal)
+
+
+def _validate_search_layout(args: argparse.Namespace) -> None:
+    """--search-layout: the searched schedule's, on the 2P stages of two chunks per rank, whose
+    layers it chooses itself."""
+    if not args.search_layout:
+        return
+    from seq1f1b.plan.stage_layers import FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG, StageLayers
+
+    name = args.pipeline_schedule
+    if name in MEGATRON_SCHEDULES or not _searched(name):
+        _fail(f"--search-layout: --pipeline-schedule {name} is not searched; seq1f1b-zb-auto "
+              "chooses its layout")
+    if args.virtual_pipeline_model_parallel_size != 2:
+        _fail("--search-layout chooses the layers of the 2P stages of two chunks per rank: give "
+              "--num-layers-per-virtual-pipeline-stage = --num-layers / (2 x "
+              "--pipeline-model-parallel-size)")
+    if StageLayers.of_flags(args).uneven:
+        _fail(f"--search-layout chooses every stage's layers: drop {FIRST_FLAG} / {LAST_FLAG} "
+              f"/ {LAYOUT_FLAG}")
 
 
 def _validate_span_alignment(args: argparse.Namespace, k: int, parallel_unit: int) -> None:
@@ -1315,6 +1341,8 @@ def _place_schedule(args: argparse.Namespace) -> None:
 
     chunks = args.virtual_pipeline_model_parallel_size or 1
     says = os.environ.get("RANK", "0") == str(args.world_size - 1)
+    if args.search_layout:
+        _search_layout(args, says)
     try:
         budget = schedule_budget(args)
         if says:
@@ -1338,6 +1366,30 @@ def _place_schedule(args: argparse.Namespace) -> None:
         _validate_stage_layers(args, schedule.placement)
     if says:
         print(f" {name}: {placement_report(schedule, budget)}", flush=True)
+
+
+def _search_layout(args: argparse.Namespace, says: bool) -> None:
+    """--search-layout: the layout kept becomes the run's --pipeline-model-parallel-layout (the
+    model chunks are built with it), and the cap every layout was searched under its
+    --schedule-memory-cap where none was given (the run's own search then places the same
+    order under it); `says`: this rank prints what was kept."""
+    from megatron.training.schedule_budget import searched_layout
+    from seq1f1b.plan.actions import ScheduleError
+
+    if says:
+        print(f" {args.pipeline_schedule}: --search-layout: searching the layers of the "
+              f"{2 * args.pipeline_model_parallel_size} stages ...", flush=True)
+    try:
+        chosen = searched_layout(args)
+    except ScheduleError as err:
+        _fail(f"--pipeline-schedule {args.pipeline_schedule}: {err}")
+    if args.schedule_memory_cap is None:
+        args.schedule_memory_cap = f"{chosen.cap:.6f}"
+    if chosen.layout is not None:
+        args.pipeline_model_parallel_layout = chosen.layout
+        _validate_stage_layers(args)
+    if says:
+        print(f" {args.pipeline_schedule}: {chosen.report()}", flush=True)
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:

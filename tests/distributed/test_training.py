@@ -27,7 +27,8 @@
   tied to the embedding (as are the spread V's and the spread loop's runs);
   --pipeline-schedule-file with the seq1f1b-zbv plan written to a file trains bit for bit as
   that schedule; uneven stages (--decoder-first-pipeline-num-layers 1) resume the even
-  checkpoint with its losses, and so does a --pipeline-model-parallel-layout;
+  checkpoint with its losses, and so does a --pipeline-model-parallel-layout; --search-layout
+  trains the layout it chose as that layout given by hand;
 - checkpoints: --async-save publishes each checkpoint only after every rank wrote it (the tracker
   names the previous one until then) and its resume is exact; --no-save-optim --no-save-rng
   leave those states out and the load asks for --no-load-optim; --skip-train only evaluates;
@@ -66,6 +67,7 @@ import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -370,6 +372,7 @@ def results(data_prefix, tmp_path_factory):
                                                   "--spread-output", "--seq1f1b-partition",
                                                   "fit", "--seq1f1b-fit-iterations", "1"]}
     cases["search_spread_reference"] = {"argv": searched}
+    chosen = _search_layout_cases(data_prefix, cases)
     cases["zb_overlap"] = {"argv": overlapped + ["--pipeline-schedule", "seq1f1b-zb-h1",
                                                  "--seq1f1b-splits", "2"]}
     fake = root / "fake_wandb"
@@ -387,7 +390,31 @@ def results(data_prefix, tmp_path_factory):
     print("seconds per case:", {str(name): r["seconds"] for name, r in by_name.items()})
     by_name["checkpoint_root"] = str(root)
     by_name["data_prefix"] = data_prefix
+    by_name["search_layout_chosen"] = chosen
     return by_name
+
+
+SEARCH_LAYOUT = ["--hidden-size", "16", "--num-attention-heads", "2", "--num-layers", "8",
+                 "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                 "2", "--pipeline-schedule", "seq1f1b-zb-auto", "--seq1f1b-splits", "2",
+                 "--train-iters", str(N), "--eval-iters", "0"]
+"""A model whose output layer outweighs a stage of its layers (hidden 16, a 384-row padded
+vocabulary), P2 x DP2 on two chunks per rank: --search-layout moves layers off its stage."""
+
+
+def _search_layout_cases(data_prefix: str, cases: dict) -> Optional[str]:
+    """--search-layout, and the layout and cap it keeps given by hand (what validation chose
+    here, in this process, as every rank of the run chooses it); returns that layout."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    flags = _model_flags(data_prefix) + SEARCH_LAYOUT
+    chosen = validate_args(parse_args(flags + ["--search-layout"]), WORLD)
+    cases["search_layout"] = {"argv": flags + ["--search-layout"]}
+    at = flags.index("--num-layers-per-virtual-pipeline-stage")    # the layout sets the chunks
+    cases["search_layout_given"] = {"argv": flags[:at] + flags[at + 2:] + [
+        "--pipeline-model-parallel-layout", str(chosen.pipeline_model_parallel_layout),
+        "--schedule-memory-cap", chosen.schedule_memory_cap]}
+    return chosen.pipeline_model_parallel_layout
 
 
 def _save_cases(flags: list[str], root) -> dict:
@@ -892,6 +919,22 @@ def test_the_search_with_spread_output_trains_the_order_it_chose(results):
     assert _losses(spread) == pytest.approx(_losses(reference), rel=1e-5, abs=0)
     assert [r["grad_norm"] for r in spread["history"]] == \
         pytest.approx([r["grad_norm"] for r in reference["history"]], rel=1e-4)
+
+
+def test_search_layout_trains_the_layout_it_chose(results):
+    """--search-layout: the last rank says which layout it kept (an uneven one for this model),
+    the model chunks are built with it, and the run is, bit for bit, the run given that layout
+    and cap by hand."""
+    from seq1f1b.plan.stage_layers import parse_layout
+
+    searched, given = results["search_layout"], results["search_layout_given"]
+    layout = results["search_layout_chosen"]
+    counts = parse_layout(layout)
+    assert sum(counts) == 8 and len(counts) == 4 and counts != (2, 2, 2, 2)
+    said = [line for line in searched["stdout"].splitlines() if "--search-layout" in line]
+    assert any(f"--search-layout chose --pipeline-model-parallel-layout '{layout}'" in line
+               for line in said), said
+    assert len(searched["history"]) == N and searched["history"] == given["history"]
 
 
 def test_resume_keeps_the_checkpoints_padded_vocabulary(results):

@@ -425,6 +425,24 @@ def test_spread_output_flags_are_refused_in_one_line(tmp_path, capsys, monkeypat
     _assert_refused_in_one_line(tmp_path, capsys, flags, changes, flag)
 
 
+@pytest.mark.parametrize("changes, flag", [
+    (dict(pipeline_schedule="seq1f1b-interleaved"),
+     "--search-layout: --pipeline-schedule seq1f1b-interleaved is not searched"),
+    (dict(num_layers_per_virtual_pipeline_stage=None),
+     "--search-layout chooses the layers of the 2P stages of two chunks per rank"),
+    (dict(decoder_first_pipeline_num_layers=1),
+     "--search-layout chooses every stage's layers: drop --decoder-first-pipeline-num-layers"),
+])
+def test_search_layout_flags_are_refused_in_one_line(tmp_path, capsys, monkeypatch, changes,
+                                                     flag):
+    """--search-layout: the searched schedule's, on two chunks per rank, choosing every stage's
+    layers itself (trainer-level: tests/distributed/test_training.py trains what it keeps)."""
+    monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
+    flags = _with(tmp_path, pipeline_schedule="seq1f1b-zb-auto", search_layout=True,
+                  num_layers_per_virtual_pipeline_stage=2)
+    _assert_refused_in_one_line(tmp_path, capsys, flags, changes, flag)
+
+
 def test_the_searched_schedule_chooses_its_placement_at_validation(tmp_path, monkeypatch,
                                                                      capsys):
     """seq1f1b-zb-auto runs on the model's layout: one chunk per rank (a loop), or two (a V or a
