@@ -38,6 +38,7 @@ from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.budget import (MemoryCap, RunShape, ScheduleBudget, run_budget,
                                  spread_output_refusal)
 from seq1f1b.plan.context_parallel import span_alignment
+from seq1f1b.plan.partition import span_multiple_error
 from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.stage_layers import StageLayers, layers_per_virtual_stage
 from seq1f1b.runtime.attention import DOCUMENT_BACKENDS
@@ -234,8 +235,7 @@ def case_spans(case: "EquivalenceCase") -> list[int]:
     return span_partition.partition(
         case.seq_length, case.splits, "explicit" if case.span_lengths else case.partition,
         cost_model(case), tp=case.tp, sequence_parallel=case.sequence_parallel,
-        align=math.lcm(case.span_alignment, span_alignment(case.cp, case.tp,
-                                                           case.sequence_parallel)),
+        align=span_alignment(case.cp, case.tp, case.sequence_parallel, case.span_alignment),
         lengths=case.span_lengths)
 
 
@@ -269,16 +269,13 @@ def check_span_alignment(case: "EquivalenceCase") -> None:
     one line naming the flag)."""
     if case.span_alignment == 1:
         return
-    unit = math.lcm(case.span_alignment, span_alignment(case.cp, case.tp,
-                                                        case.sequence_parallel))
-    why = f"--span-alignment {case.span_alignment}" + (
-        f" with the TP / CP multiple = {unit}" if unit != case.span_alignment else "")
-    if case.span_lengths and any(length % unit for length in case.span_lengths):
-        raise ValueError(f"--span-lengths {' '.join(map(str, case.span_lengths))}: {why} must "
-                         "divide every span")
-    if not case.span_lengths and (case.seq_length % unit or case.seq_length // unit < case.splits):
-        raise ValueError(f"--seq-length {case.seq_length}: {why} must divide it into at least "
-                         f"--splits {case.splits} spans of multiples of {unit} tokens")
+    unit = span_alignment(case.cp, case.tp, case.sequence_parallel, case.span_alignment)
+    error = span_multiple_error(case.seq_length, case.splits, case.span_lengths, unit,
+                                f"--span-alignment {case.span_alignment}" + (
+                                    f" with the TP / CP multiple = {unit}"
+                                    if unit != case.span_alignment else ""), "--")
+    if error is not None:
+        raise ValueError(error)
 
 
 def check_chunks(case: "EquivalenceCase") -> None:

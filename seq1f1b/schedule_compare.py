@@ -11,7 +11,6 @@ one rank weigh 1 and there is no K/V. So schedules of any k and V are priced ali
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -50,8 +49,8 @@ class CostModel:
         if self.model is not None:
             spans = partition(self.seq_length, schedule.splits, self.partition, self.model,
                               tp=self.tp, sequence_parallel=self.sequence_parallel,
-                              align=math.lcm(self.align, span_alignment(
-                                  self.cp, self.tp, self.sequence_parallel)))
+                              align=span_alignment(self.cp, self.tp, self.sequence_parallel,
+                                                   self.align))
             return model_costs(schedule, self.model, spans,
                                flops_per_second=self.flops_per_second, tp=self.tp,
                                sequence_parallel=self.sequence_parallel, cp=self.cp,

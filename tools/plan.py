@@ -193,8 +193,7 @@ def _time_fit(args: argparse.Namespace) -> SpanTimeFit | None:
 def _spans(args: argparse.Namespace, model: ModelConfig | None, splits: int) -> list[int]:
     return partition(args.seq_length, splits, args.method, model, tp=args.tp,
                      sequence_parallel=args.sequence_parallel,
-                     align=math.lcm(args.align, span_alignment(args.cp, args.tp,
-                                                               args.sequence_parallel)),
+                     align=span_alignment(args.cp, args.tp, args.sequence_parallel, args.align),
                      lengths=args.span_lengths, fit=_time_fit(args))
 
 

@@ -1079,13 +1079,12 @@ def _validate_cp_spans(args: argparse.Namespace, k: int, unit: int) -> None:
 def _check_span_multiple(args: argparse.Namespace, k: int, unit: int, why: str) -> None:
     """Explicit span lengths must be multiples of `unit`, else the sequence must hold k spans
     of its multiples; `why` names the flags that ask for it."""
-    spans = args.seq1f1b_span_lengths
-    if spans is not None and any(span % unit for span in spans):
-        _fail(f"--seq1f1b-span-lengths {' '.join(map(str, spans))}: {why} must divide every "
-              "span")
-    if spans is None and (args.seq_length % unit or args.seq_length // unit < k):
-        _fail(f"--seq-length {args.seq_length}: {why} must divide it into at least "
-              f"--seq1f1b-splits {k} spans of multiples of {unit} tokens")
+    from seq1f1b.plan.partition import span_multiple_error
+
+    error = span_multiple_error(args.seq_length, k, args.seq1f1b_span_lengths, unit, why,
+                                "--seq1f1b-")
+    if error is not None:
+        _fail(error)
 
 
 def _validate_fit(args: argparse.Namespace) -> None:

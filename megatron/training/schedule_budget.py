@@ -9,7 +9,6 @@ they are in, schedule_function.py). Every rank computes the same budget from the
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -40,11 +39,10 @@ def starting_span_lengths(args: argparse.Namespace) -> tuple[int, ...]:
     return tuple(partition(args.seq_length, args.seq1f1b_splits, method, cost_model(args),
                            tp=args.tensor_model_parallel_size,
                            sequence_parallel=args.sequence_parallel,
-                           align=math.lcm(args.seq1f1b_span_alignment,
-                                          span_alignment(
-                                              getattr(args, "context_parallel_size", 1) or 1,
-                                              args.tensor_model_parallel_size,
-                                              args.sequence_parallel)),
+                           align=span_alignment(getattr(args, "context_parallel_size", 1) or 1,
+                                                args.tensor_model_parallel_size,
+                                                args.sequence_parallel,
+                                                args.seq1f1b_span_alignment),
                            lengths=args.seq1f1b_span_lengths))
 
 

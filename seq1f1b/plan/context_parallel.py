@@ -12,6 +12,8 @@ C ranks of the CP group for everything but core attention, and all-to-alls q, k,
 """
 from __future__ import annotations
 
+import math
+
 from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.costs import ModelConfig
 
@@ -32,10 +34,12 @@ def check_heads(num_attention_heads: int, num_query_groups: int, tp: int, cp: in
                             "divide it")
 
 
-def span_alignment(cp: int, tp: int, sequence_parallel: bool) -> int:
-    """The multiple every span must be under context parallelism: C, so each CP rank holds an
-    equal contiguous part, times TP under sequence parallelism (each part is cut over TP)."""
-    return cp * tp if sequence_parallel else cp
+def span_alignment(cp: int, tp: int, sequence_parallel: bool, align: int = 1) -> int:
+    """The multiple every span must be: under context parallelism C, so each CP rank holds an
+    equal contiguous part, times TP under sequence parallelism (each part is cut over TP); with
+    the alignment asked for (--seq1f1b-span-alignment, the tools' --span-alignment, plan.py's
+    --align) their lcm."""
+    return math.lcm(align, cp * tp if sequence_parallel else cp)
 
 
 def kv_replication(model: ModelConfig, tp: int, cp: int) -> float:

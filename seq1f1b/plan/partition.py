@@ -42,6 +42,21 @@ def alignment_unit(tp: int = 1, sequence_parallel: bool = False, align: int = 1)
     return math.lcm(align, tp) if sequence_parallel else align
 
 
+def span_multiple_error(seq_length: int, splits: int, lengths, unit: int, why: str,
+                        prefix: str) -> str | None:
+    """The one-line error where explicit span `lengths` are not multiples of `unit`, or where
+    (without them) the sequence cannot hold `splits` spans of its multiples; None where fine.
+    `why` names what asks for the multiple; `prefix` is how the caller spells its span flags
+    (the trainer's "--seq1f1b-", the tools' "--")."""
+    if lengths and any(length % unit for length in lengths):
+        return (f"{prefix}span-lengths {' '.join(map(str, lengths))}: {why} must divide every "
+                "span")
+    if not lengths and (seq_length % unit or seq_length // unit < splits):
+        return (f"--seq-length {seq_length}: {why} must divide it into at least {prefix}splits "
+                f"{splits} spans of multiples of {unit} tokens")
+    return None
+
+
 def span_bounds(lengths: list[int]) -> list[tuple[int, int]]:
     """[(start, end), ...] of consecutive spans of the given lengths, starting at token 0."""
     ends = list(accumulate(lengths))

@@ -9,7 +9,6 @@ unmodified functions, so any run can be compared with the engine it extends.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -138,7 +137,7 @@ def _spans(settings: SpanSettings, seq_length: int, config_model: Optional[Model
         seq_length, settings.splits, settings.partition,
         model=settings.cost_model or config_model, tp=tp,
         sequence_parallel=sequence_parallel, lengths=settings.span_lengths,
-        align=math.lcm(settings.align, span_alignment(cp, tp, sequence_parallel)))
+        align=span_alignment(cp, tp, sequence_parallel, settings.align))
     return tuple(span_partition.span_bounds(lengths))
 
 
