@@ -57,7 +57,7 @@ from seq1f1b.plan.projection import A100  # noqa: E402
 from seq1f1b.plan.tune.space import LOSS_IN_FORWARD_CHOICES  # noqa: E402
 from seq1f1b.plan.stage_layers import (FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG,  # noqa: E402
                                        StageLayers)
-from seq1f1b.plan.layout_search import choose_layout  # noqa: E402
+from seq1f1b.plan.layout_search import LayoutSearch, search_layout  # noqa: E402
 from seq1f1b.plan.simulate import (SimulationReport, SpanCosts, model_costs,  # noqa: E402
                                    simulate, uniform_costs)
 from seq1f1b.plan.schedules.greedy import Problem, unit_costs  # noqa: E402
@@ -529,37 +529,32 @@ def _run_costs(args: argparse.Namespace, split: StageLayers | None = None,
     return costs_of, None
 
 
-def _searched_layout(args: argparse.Namespace, cap: float) -> StageLayers:
-    """--search-layout: every stage's layers chosen with the schedule (layout_search.py), each
-    candidate searched under `cap` without the annealing walk (seconds a candidate; the
-    run's own search anneals the layout kept); the choice goes to stderr as a layout string.
-    With --spread-output each candidate is searched with the output layer kept and spread over
-    the ranks too, and counts with the shorter (candidates are ranked by the bound with the
-    layer kept: with it spread the even split, always searched, is the natural start)."""
-    shape = registry.build("seq1f1b-zbv", args.pp, args.microbatches, args.splits, args.chunks)
+def _searched_layout(args: argparse.Namespace, budget: ScheduleBudget) -> LayoutSearch:
+    """--search-layout: every stage's layers chosen with the schedule, by the procedure
+    pretrain_gpt.py --search-layout runs (layout_search.search_layout), on this command's
+    budgets (`budget`: the even split's, the flags' cap); with --spread-output every layout is
+    also searched with the output layer spread, and counts with the shorter. The candidates'
+    choice goes to stderr as a layout string."""
 
-    def costs(split: StageLayers) -> SpanCosts:
-        return _run_costs(args, split)[0](shape, False)
+    def budget_of(split: Optional[StageLayers], cap: Optional[float]) -> ScheduleBudget:
+        found = budget if split is None else model_budget(
+            args.schedule, args.pp, args.microbatches, args.splits, args.chunks,
+            MemoryCap(cap, False), _run_costs(args, split)[0])
+        return _offer_spread(args, found, split) if args.spread_output else found
 
-    def search(split: StageLayers):
-        # Candidates are compared without the annealing walk; the run's own search, on the
-        # layout kept, anneals it.
-        budget = ScheduleBudget(costs(split), cap, "vshape", anneal=False)
-        if args.spread_output:
-            budget = _offer_spread(args, budget, split)
-        schedule = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
-                                  args.chunks, budget=budget)
-        costs_of = budget.costs_for(schedule.placement, schedule.spread_output)
-        return schedule, simulate(schedule, costs_of).makespan
-
-    choice = choose_layout(_model(args).num_layers, shape.num_stages,
-                           lambda split: lower_bound(shape, costs(split)), search)
+    found = search_layout(args.schedule, args.pp, args.microbatches, args.splits,
+                          _model(args).num_layers, budget_of)
+    choice = found.choice
     where = " (the output layer spread or kept, the shorter)" if args.spread_output else ""
     print(f"plan.py: --search-layout chose {LAYOUT_FLAG} '{choice.stage_layers.layout}': "
           f"makespan {choice.makespan:.6g} on a V{where} against {choice.start_makespan:.6g} "
           f"for the even split ({choice.tried} layouts searched, each without the annealing "
           "walk the final search adds)", file=sys.stderr)
-    return choice.stage_layers
+    if found.chosen is not None and found.layout is None:
+        print(f"plan.py: --search-layout: with the walk and every placement the even split "
+              f"is as short ({found.even.makespan:.6g} against {found.chosen.makespan:.6g}): "
+              "its order is kept", file=sys.stderr)
+    return found
 
 
 def _offer_spread(args: argparse.Namespace, budget: ScheduleBudget,
@@ -583,21 +578,22 @@ class _Searched(NamedTuple):
     cap: float
 
 
-def _searched(args: argparse.Namespace, budget: ScheduleBudget,
-              split: Optional[StageLayers] = None) -> _Searched:
+def _searched(args: argparse.Namespace, budget: ScheduleBudget) -> _Searched:
     """seq1f1b-zb-auto under `budget`; with --spread-output every placement is offered again
-    with the output layer as O actions (`split`: the stages' layers, None for the command
-    line's) under the same cap, through the function the trainer's --spread-output uses
-    (budget.with_output_spread), so both search the same order and the shorter is kept."""
+    with the output layer as O actions under the same cap, through the function the trainer's
+    --spread-output uses (budget.with_output_spread), so both search the same order and the
+    shorter is kept."""
     if args.spread_output:
-        budget = _offer_spread(args, budget, split)
-        print("plan.py: --spread-output: every placement searched again with the output layer "
-              "as O actions on any rank, under the same cap; the shorter is kept",
-              file=sys.stderr)
+        budget = _offer_spread(args, budget, None)
     schedule = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
                               args.chunks, budget=budget)
+    return _described(schedule, budget, searched_cap(args.pp, args.microbatches, args.splits,
+                                                     args.chunks, budget))
+
+
+def _described(schedule: Schedule, budget: ScheduleBudget, cap: float) -> _Searched:
+    """A searched order with its costs, replay and least lower bound under `budget` and `cap`."""
     costs = budget.costs_for(schedule.placement, schedule.spread_output)
-    cap = searched_cap(args.pp, args.microbatches, args.splits, args.chunks, budget)
     return _Searched(schedule, costs, simulate(schedule, costs),
                      searched_lower_bound(schedule, budget, cap), cap)
 
@@ -613,31 +609,28 @@ def cmd_search(args: argparse.Namespace) -> None:
     if args.spread_output and _model(args) is None:
         raise UsageError("--spread-output needs a model (--model or its dimensions): unit "
                          "costs have no output layer to spread")
+    if args.search_layout and args.chunks != 2:
+        raise UsageError("--search-layout chooses the layers of the 2P stages of two chunks per "
+                         "rank: give --chunks 2")
     if args.search_layout and _stage_layers(args).uneven:
         raise UsageError(f"--search-layout chooses every stage's layers: drop {FIRST_FLAG} / "
                          f"{LAST_FLAG} / {LAYOUT_FLAG}")
     costs_of, uniform = _run_costs(args)
     budget = _search_budget(args, costs_of, uniform)
-    searched = _searched(args, budget)
     layout = None
+    if args.spread_output:
+        print("plan.py: --spread-output: every placement searched again with the output layer "
+              "as O actions on any rank, under the same cap; the shorter is kept",
+              file=sys.stderr)
     if args.search_layout:
-        split = _searched_layout(args, searched.cap)
-        costs_of = _run_costs(args, split)[0]
-        shape = registry.build("seq1f1b-zbv", args.pp, args.microbatches, args.splits,
-                               args.chunks)
-        # the layout's counts are per stage in stage order: a loop of the same stages too;
-        # under the cap in bytes the even split's search placed under
-        on_v = costs_of(shape, False)
-        chosen = searched if on_v == budget.costs else _searched(args, ScheduleBudget(
-            on_v, searched.cap, "vshape",
-            (("loop", costs_of(replace(shape, placement="loop"), False)),)), split)
-        if chosen is searched or chosen.report.makespan < searched.report.makespan:
-            searched = chosen._replace(bound=min(chosen.bound, searched.bound))
-            layout = split.layout
-        else:
-            print(f"plan.py: --search-layout: with the walk and every placement the even split "
-                  f"is as short ({searched.report.makespan:.6g} against "
-                  f"{chosen.report.makespan:.6g}): its order is kept", file=sys.stderr)
+        found = _searched_layout(args, budget)
+        searched = _described(found.kept.schedule, found.kept.budget, found.cap)
+        # the least bound of the even split's and the layout's: the gap is to any of them
+        searched = searched._replace(bound=min(searched.bound, searched_lower_bound(
+            found.even.schedule, found.even.budget, found.cap)))
+        layout = found.layout.layout if found.layout is not None else None
+    else:
+        searched = _searched(args, budget)
     schedule, costs, report, bound, cap = searched
     out = {"placement": schedule.placement, "chunks": schedule.chunks,
            "makespan": report.makespan, "bubble": report.bubble_ratio, "cap": cap,

@@ -1385,7 +1385,7 @@ def _search_layout(args: argparse.Namespace, says: bool) -> None:
     if args.schedule_memory_cap is None:
         args.schedule_memory_cap = f"{chosen.cap:.6f}"
     if chosen.layout is not None:
-        args.pipeline_model_parallel_layout = chosen.layout
+        args.pipeline_model_parallel_layout = chosen.layout.layout
         _validate_stage_layers(args)
     if says:
         print(f" {args.pipeline_schedule}: {chosen.report()}", flush=True)

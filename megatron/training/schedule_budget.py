@@ -9,21 +9,19 @@ they are in, schedule_function.py). Every rank computes the same budget from the
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
 from typing import Optional
 
 from seq1f1b.plan import registry
-from seq1f1b.plan.actions import Schedule
-from seq1f1b.plan.bounds import lower_bound
+from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget, spreads_output
 from seq1f1b.plan.context_parallel import span_alignment
 from seq1f1b.plan.costs import ModelConfig, Recompute
-from seq1f1b.plan.layout_search import choose_layout, near_even
+from seq1f1b.plan.layout_search import LayoutSearch, search_layout
 from seq1f1b.plan.partition import partition
 from seq1f1b.plan.schedules.zero_bubble_v import searched_cap
 from seq1f1b.plan.simulate import simulate
 from seq1f1b.plan.span_fit import SpanTimeFit
-from seq1f1b.plan.stage_layers import LAYOUT_FLAG, StageLayers
+from seq1f1b.plan.stage_layers import StageLayers
 
 
 def cost_model(args: argparse.Namespace) -> ModelConfig:
@@ -78,60 +76,19 @@ def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]]
     return budget
 
 
-@dataclass(frozen=True)
-class LayoutChosen:
-    """What --search-layout kept: the layout (None: the even split), the cap in bytes every
-    layout was searched under, the two makespans and how many layouts were searched."""
-
-    layout: Optional[str]
-    cap: float
-    makespan: float
-    even_makespan: float
-    tried: int
-
-    def report(self) -> str:
-        """One line for the log."""
-        kept = (f"chose {LAYOUT_FLAG} '{self.layout}'" if self.layout is not None
-                else "kept the even split")
-        return (f"--search-layout {kept}: simulated makespan {self.makespan:.6g} against "
-                f"{self.even_makespan:.6g} for the even split ({self.tried} layouts searched "
-                f"under a cap of {self.cap:.6g} bytes)")
-
-
-def searched_layout(args: argparse.Namespace) -> LayoutChosen:
+def searched_layout(args: argparse.Namespace) -> LayoutSearch:
     """--search-layout: every virtual stage's decoder layers chosen with seq1f1b-zb-auto on two
-    chunks per rank, as `plan.py search --search-layout` chooses them: the even split searched
-    (its cap, in bytes, is every layout's), the layouts one or two single-layer moves away
-    ranked by their lower bound and the best searched on a V without the annealing walk
-    (layout_search.choose_layout; with --spread-output the layer spread too), and the chosen
-    one's whole search (a V or a loop, the walk) kept where it is shorter than the even
-    split's. ScheduleError where no order fits."""
-    name, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
-    m, k, chunks = args.num_micro_batches, args.seq1f1b_splits, 2
+    chunks per rank, by the procedure `plan.py search --search-layout` runs
+    (layout_search.search_layout) on this run's budgets: the flags' cap for the even split,
+    the cap in bytes the even split's search placed under for every other layout.
+    ScheduleError where no order fits."""
 
-    def searched(budget: ScheduleBudget) -> tuple[Schedule, float]:
-        schedule = registry.build(name, pp, m, k, chunks, budget=budget)
-        costs = budget.costs_for(schedule.placement, schedule.spread_output)
-        return schedule, simulate(schedule, costs).makespan
+    def budget_of(split: Optional[StageLayers], cap: Optional[float]) -> ScheduleBudget:
+        return schedule_budget(args, stage_layers=split,
+                               cap=None if cap is None else MemoryCap(cap, False))
 
-    even = schedule_budget(args)
-    _, even_makespan = searched(even)
-    cap = MemoryCap(searched_cap(pp, m, k, chunks, even), False)
-    shape = registry.build("seq1f1b-zbv", pp, m, k, chunks)
-
-    def budget_of(split: StageLayers) -> ScheduleBudget:
-        return schedule_budget(args, stage_layers=split, cap=cap)
-
-    choice = choose_layout(args.num_layers, shape.num_stages,
-                           lambda split: lower_bound(shape, budget_of(split).costs_for("vshape")),
-                           lambda split: searched(replace(budget_of(split).pinned("vshape"),
-                                                          anneal=False)))
-    if choice.stage_layers.counts != near_even(args.num_layers, shape.num_stages):
-        _, makespan = searched(budget_of(choice.stage_layers))
-        if makespan < even_makespan:
-            return LayoutChosen(choice.stage_layers.layout, cap.value, makespan, even_makespan,
-                                choice.tried)
-    return LayoutChosen(None, cap.value, even_makespan, even_makespan, choice.tried)
+    return search_layout(args.pipeline_schedule, args.pipeline_model_parallel_size,
+                         args.num_micro_batches, args.seq1f1b_splits, args.num_layers, budget_of)
 
 
 def placement_report(schedule: Schedule, budget: ScheduleBudget) -> str:
@@ -160,9 +117,6 @@ def _size(count: float) -> str:
 
 def searched(name: str) -> bool:
     """Whether --pipeline-schedule `name` is placed by a search (megatron's own are not)."""
-    from seq1f1b.plan import registry
-    from seq1f1b.plan.actions import ScheduleError
-
     try:
         return registry.get(name).searched
     except ScheduleError:           # megatron-core's own schedules: not in the registry

@@ -14,11 +14,14 @@ chosen never holds more than the cap asked for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, NamedTuple, Optional
 
 from seq1f1b.plan.actions import Schedule, ScheduleError
-from seq1f1b.plan.stage_layers import StageLayers
+from seq1f1b.plan.bounds import lower_bound
+from seq1f1b.plan.budget import ScheduleBudget
+from seq1f1b.plan.simulate import simulate
+from seq1f1b.plan.stage_layers import LAYOUT_FLAG, StageLayers
 
 LAYOUT_TRIES = 6
 """Candidates (besides the start) the schedule search is run on."""
@@ -94,3 +97,81 @@ def choose_layout(num_layers: int, stages: int, bound: Callable[[StageLayers], f
             best = LayoutChoice(split, schedule, makespan, start_makespan, 0)
     return LayoutChoice(best.stage_layers, best.schedule, best.makespan, start_makespan,
                         1 + min(tries, len(ranked)))
+
+
+class SearchedOrder(NamedTuple):
+    """A searched schedule, the budget it was placed under and its simulated makespan."""
+
+    schedule: Schedule
+    budget: ScheduleBudget
+    makespan: float
+
+
+@dataclass(frozen=True)
+class LayoutSearch:
+    """What `search_layout` found: the even split's whole search, the candidates' choice (on a
+    V, without the walk), the chosen layout's whole search (None where the choice is the even
+    split) and the cap in bytes every layout was searched under. The order kept is the chosen
+    layout's where shorter than the even split's."""
+
+    even: SearchedOrder
+    choice: LayoutChoice
+    chosen: Optional[SearchedOrder]
+    cap: float
+
+    @property
+    def layout(self) -> Optional[StageLayers]:
+        """The layout kept; None: the even split."""
+        if self.chosen is not None and self.chosen.makespan < self.even.makespan:
+            return self.choice.stage_layers
+        return None
+
+    @property
+    def kept(self) -> SearchedOrder:
+        """The order kept."""
+        return self.chosen if self.layout is not None else self.even
+
+    def report(self) -> str:
+        """One line: the layout kept (a --pipeline-model-parallel-layout) against the even
+        split, both searched in full."""
+        kept = (f"chose {LAYOUT_FLAG} '{self.layout.layout}'" if self.layout is not None
+                else "kept the even split")
+        return (f"--search-layout {kept}: simulated makespan {self.kept.makespan:.6g} against "
+                f"{self.even.makespan:.6g} for the even split ({self.choice.tried} layouts "
+                f"searched under a cap of {self.cap:.6g} bytes)")
+
+
+def search_layout(name: str, pp: int, microbatches: int, splits: int, num_layers: int,
+                  budget_of: Callable[[Optional[StageLayers], Optional[float]], ScheduleBudget]
+                  ) -> LayoutSearch:
+    """Every virtual stage's layers for searched schedule `name` on two chunks per rank (module
+    doc). `budget_of(split, cap)`: the run's whole budget (every placement; the output layer
+    spread too where the run offers it) with `split`'s layers under `cap` in bytes; (None,
+    None) is the run's own (the even split, its cap as given). ScheduleError where no order
+    fits or the model has too few layers."""
+    from seq1f1b.plan import registry               # registry's schedules import budget.py
+    from seq1f1b.plan.schedules.zero_bubble_v import searched_cap
+    chunks = 2
+
+    def searched(budget: ScheduleBudget) -> SearchedOrder:
+        schedule = registry.build(name, pp, microbatches, splits, chunks, budget=budget)
+        costs = budget.costs_for(schedule.placement, schedule.spread_output)
+        return SearchedOrder(schedule, budget, simulate(schedule, costs).makespan)
+
+    even = searched(budget_of(None, None))
+    cap = searched_cap(pp, microbatches, splits, chunks, even.budget)
+    shape = registry.build("seq1f1b-zbv", pp, microbatches, splits, chunks)
+
+    def candidate(split: StageLayers) -> tuple[Schedule, float]:
+        # Candidates are compared on a V without the annealing walk; the one kept is then
+        # searched in full.
+        order = searched(replace(budget_of(split, cap).pinned("vshape"), anneal=False))
+        return order.schedule, order.makespan
+
+    choice = choose_layout(num_layers, shape.num_stages,
+                           lambda split: lower_bound(shape,
+                                                     budget_of(split, cap).costs_for("vshape")),
+                           candidate)
+    chosen = (None if choice.stage_layers.counts == near_even(num_layers, shape.num_stages)
+              else searched(budget_of(choice.stage_layers, cap)))
+    return LayoutSearch(even, choice, chosen, cap)

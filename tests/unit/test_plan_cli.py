@@ -142,6 +142,8 @@ BAD_INPUTS = [
       "--search-layout", "--pipeline-model-parallel-layout", "Et*8|t*8|t*8|t*8L"],
      "--search-layout"),
     (["search", "--pp", "2", "--microbatches", "2", "--search-layout"], "--search-layout"),
+    (["search", "--pp", "2", "--microbatches", "2", "--model", "7b", "--seq-length", "4096",
+      "--chunks", "1", "--search-layout"], "--search-layout chooses the layers of the 2P stages"),
     (["simulate", "--schedule", "seq1f1b", "--pp", "2", "--microbatches", "2", "--splits", "2",
       "--uniform-cost", "1", "2", "--loss-backward-in-forward"], "--loss-backward-in-forward"),
     (["memory", "--schedule", "megatron-1f1b", "--pp", "2", "--microbatches", "2", "--model",

@@ -11,7 +11,7 @@ import pytest
 from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.bounds import lower_bound
 from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget, spreads_output
-from seq1f1b.plan import schedule_file
+from seq1f1b.plan import layout_search, schedule_file
 from seq1f1b.plan.communication import ACTIVATION, GRADIENT, Message, communication_plan
 from seq1f1b.plan.nccl import validate_modes
 from seq1f1b.plan.costs import ModelConfig, logits_bytes, preset
@@ -282,12 +282,12 @@ def test_search_layout_keeps_the_even_split_where_its_whole_search_is_as_short(c
     full and so is the even split, and the shorter stands (at 7B/64K, P=4, m=8, k=8 under 0.5x
     the even split's spread loop, 4.8626 s, beat the chosen layout's 4.87495). Here the choice
     is made a bad one."""
-    chosen = plan_cli.choose_layout
+    chosen = layout_search.choose_layout
 
     def bad_choice(num_layers, stages, bound, search):
         picked = chosen(num_layers, stages, bound, search)
         return replace(picked, stage_layers=StageLayers(counts=(1, 15, 1, 15)))
-    monkeypatch.setattr(plan_cli, "choose_layout", bad_choice)
+    monkeypatch.setattr(layout_search, "choose_layout", bad_choice)
     assert plan_cli.main(LAYOUT_CASE) == 0
     even = json.loads(capsys.readouterr().out)
     assert plan_cli.main(LAYOUT_CASE + ["--search-layout"]) == 0
