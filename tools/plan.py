@@ -692,6 +692,10 @@ def cmd_search(args: argparse.Namespace) -> None:
                + (f" --pipeline-model-parallel-layout '{layout}'" if layout is not None else ""))
         print(f"wrote {saved['path']}: {saved['order']}'s order, makespan "
               f"{saved['makespan']:.6g} ({use})")
+    else:
+        print("to train this order: --save-schedule FILE.csv writes it for pretrain_gpt.py "
+              "--pipeline-schedule-file FILE.csv"
+              + (f" --pipeline-model-parallel-layout '{layout}'" if layout is not None else ""))
 
 
 def _check_writable(flag: str, path: str, suffix: Optional[str] = None) -> None:

@@ -283,6 +283,11 @@ def test_plan_search_reports_its_gap_and_the_exact_optimum(capsys):
     assert exact["bound"] <= exact["makespan"] * (1 + 1e-4)   # the bound in rounded ticks
     if exact["optimal"]:
         assert exact["search_over_exact"] == pytest.approx(0)
+    # in text, without --save-schedule, the last line says how to train the order
+    assert plan_cli.main(argv[:9]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        "to train this order: --save-schedule FILE.csv writes it for pretrain_gpt.py "
+        "--pipeline-schedule-file FILE.csv")
 
 
 def test_plan_search_saves_the_shorter_order_as_a_schedule_file(capsys, tmp_path):
