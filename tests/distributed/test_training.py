@@ -86,7 +86,7 @@ threads outlive it (about 16 groups' worth per run at this world size), so one l
 of start-up each. What holds them: the config's `grad_scale_func` (the optimizer's bound
 `scale_loss`), the optimizer's shards (parameter views with a grad_fn) reaching megatron's DDP
 through the gradient accumulators' C++ hooks, a cycle the collector cannot see; holding the
-optimizer weakly there frees them, but the one run with that change aborted a rank with a heap
+optimizer weakly there frees them, but one of two runs with that change aborted a rank with a heap
 error in a gloo all_gather, so it was reverted (8456c8c) until that is understood."""
 N = 3
 SCHEDULE_ITERS = 10
