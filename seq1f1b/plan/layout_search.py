@@ -14,6 +14,7 @@ chosen never holds more than the cap asked for.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Optional
 
@@ -152,6 +153,8 @@ def search_layout(name: str, pp: int, microbatches: int, splits: int, num_layers
     from seq1f1b.plan import registry               # registry's schedules import budget.py
     from seq1f1b.plan.schedules.zero_bubble_v import searched_cap
     chunks = 2
+    # each candidate's budget is asked for twice (its bound, its search): priced once
+    budget_of = functools.lru_cache(maxsize=None)(budget_of)
 
     def searched(budget: ScheduleBudget) -> SearchedOrder:
         schedule = registry.build(name, pp, microbatches, splits, chunks, budget=budget)

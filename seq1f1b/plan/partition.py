@@ -28,6 +28,7 @@ import math
 from itertools import accumulate
 
 from seq1f1b.plan.actions import ScheduleError
+from seq1f1b.plan.context_parallel import span_alignment
 from seq1f1b.plan.costs import ModelConfig, model_forward_flops
 from seq1f1b.plan.span_fit import SpanTimeFit
 
@@ -35,11 +36,11 @@ METHODS = ("even", "compute", "fit", "explicit")
 
 
 def alignment_unit(tp: int = 1, sequence_parallel: bool = False, align: int = 1) -> int:
-    """The multiple every span length must be."""
+    """The multiple every span length must be (context_parallel.span_alignment without CP)."""
     for flag, value in (("--tp", tp), ("--align", align)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{flag} must be a positive integer, got {value!r}")
-    return math.lcm(align, tp) if sequence_parallel else align
+    return span_alignment(1, tp, sequence_parallel, align)
 
 
 def span_multiple_error(seq_length: int, splits: int, lengths, unit: int, why: str,
