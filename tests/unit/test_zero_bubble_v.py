@@ -377,13 +377,14 @@ def test_refine_retiming_after_a_move_equals_timing_every_action():
     makespan read from each rank's last action), for any move on any rank: over
     skewed durations with spans of their own costs, and with W and some stages' F free
     (zero-length actions end when they start, the edge of the kept set), from a replayed order
-    and from orders already moved."""
+    and from orders already moved. Given a limit (the searches pass the longest makespan they
+    would keep), it gives the same times at the makespan, and stops below it."""
     import random
     from dataclasses import replace
 
-    from seq1f1b.plan.schedules.refine import Orders
+    from seq1f1b.plan.schedules.refine import TOO_LONG, Orders
     rng = random.Random(7)
-    compared = deadlocked = 0
+    compared = deadlocked = stopped = 0
     for pp, m, k, placement in ((2, 4, 2, "vshape"), (4, 4, 3, "vshape"), (3, 6, 2, "loop")):
         problem = Problem(pp, m, k, 2, placement)
         unit = unit_costs(problem)
@@ -417,9 +418,19 @@ def test_refine_retiming_after_a_move_equals_timing_every_action():
                     continue
                 assert (retimed.start, retimed.end) == (full.start, full.end)
                 assert retimed.makespan == full.makespan == max(full.end)
+                # with a limit: the same times where nothing ends after it, else TOO_LONG (or,
+                # where only actions not timed again end after it, their times whole)
+                at = orders_of.timing(candidate, timing, rank, min(source, target),
+                                      limit=full.makespan)
+                assert (at.start, at.end) == (full.start, full.end)
+                below = orders_of.timing(candidate, timing, rank, min(source, target),
+                                         limit=full.makespan * (1 - 1e-9))
+                assert below is TOO_LONG or (below.start, below.end) == (full.start, full.end)
+                stopped += below is TOO_LONG
                 compared += 1
                 orders, timing = candidate, retimed     # the next move starts from this one
     assert compared > 300 and deadlocked > 0            # both outcomes occur
+    assert stopped > compared / 2
 
 
 def test_a_moves_peak_read_from_the_places_it_changes_equals_the_whole_programs():
