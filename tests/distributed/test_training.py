@@ -366,8 +366,10 @@ def results(data_prefix, tmp_path_factory):
         "--pipeline-model-parallel-size", "2", "--train-iters", str(SCHEDULE_ITERS),
         "--eval-interval", "5", "--eval-iters", "1"]
     cases["spread_overlap"] = {"argv": overlapped + ["--pipeline-schedule-file", str(spread)]}
-    # two layers, k = 4: the output layer weighs a stage, and the search spreads it
-    searched = _model_flags(data_prefix) + TP2_PP2 + [
+    # two layers, k = 4: the output layer weighs a stage, and the search spreads it; two
+    # micro-batches of four (each rank's search at start-up takes one core 11 s; with four
+    # micro-batches of two it took 46 s, the launch's longest case)
+    searched = _model_flags(data_prefix, micro_batch_size=4) + TP2_PP2 + [
         "--num-layers", "2", "--seq1f1b-splits", "4",
         "--train-iters", str(N), "--eval-iters", "0"]
     # with the fit partition: searched on the compute cut, then re-placed with the measured
