@@ -377,8 +377,9 @@ def test_refine_retiming_after_a_move_equals_timing_every_action():
     makespan read from each rank's last action), for any move on any rank: over
     skewed durations with spans of their own costs, and with W and some stages' F free
     (zero-length actions end when they start, the edge of the kept set), from a replayed order
-    and from orders already moved. Given a limit (the searches pass the longest makespan they
-    would keep), it gives the same times at the makespan, and stops below it."""
+    and from orders already moved. Given a limit (refine passes the makespan it would keep),
+    it gives the same times at the makespan, and just below it stops (TOO_LONG) in most moves,
+    or gives the same times where only actions not timed again end after the limit."""
     import random
     from dataclasses import replace
 
