@@ -82,12 +82,13 @@ WORLD = 4
 CASES_PER_LAUNCH = 10
 """Runs per torchrun launch. A finished run's gloo groups are destroyed, but some of their
 threads outlive it (about 16 groups' worth per run at this world size), so one launch for all
-~40 runs ended with ~1,000 polling threads per rank; a few launches keep that bounded for ~10 s
-of start-up each. What holds them: the config's `grad_scale_func` (the optimizer's bound
+~70 runs would end with ~1,000 polling threads per rank; a few launches keep that bounded for
+~17 s of start-up each. What holds them: the config's `grad_scale_func` (the optimizer's bound
 `scale_loss`), the optimizer's shards (parameter views with a grad_fn) reaching megatron's DDP
-through the gradient accumulators' C++ hooks, a cycle the collector cannot see; holding the
-optimizer weakly there frees them, but one of two runs with that change aborted a rank with a heap
-error in a gloo all_gather, so it was reverted (8456c8c) until that is understood."""
+through the gradient accumulators' C++ hooks, a cycle the collector cannot see. Holding the
+optimizer weakly there frees them (with it, every run in one launch: this module in 406 s against
+644 s), but one of six runs of this module with that change aborted a rank with a heap error in
+a gloo all_gather, cause unknown, so it was reverted (8456c8c) until that is understood."""
 N = 3
 SCHEDULE_ITERS = 10
 FIT_ITERS = 2
