@@ -157,8 +157,7 @@ def main(cases_path: str, results_path: str) -> None:
         result["grad_reductions"] = probe.take()
         result["seconds"] = round(time.perf_counter() - start, 2)
         results.append(result)
-        gc.collect()    # what of the case the collector can free (not its groups: see
-        #                 CASES_PER_LAUNCH in test_training.py)
+        gc.collect()    # not the case's groups: see CASES_PER_LAUNCH in test_training.py
     if dist.get_rank() == dist.get_world_size() - 1:
         json.dump(results, open(results_path, "w"))
     dist.destroy_process_group()
