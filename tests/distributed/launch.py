@@ -70,9 +70,24 @@ def _stacks_of_stuck(proc: subprocess.Popen) -> tuple[str, str]:
     try:
         return proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
-        for pid in launched:
+        for pid in set(launched) | _writers_to(proc):
             _signal(pid, signal.SIGKILL)
         return proc.communicate()
+
+
+def _writers_to(proc: subprocess.Popen) -> set[int]:
+    """Every process whose stdout or stderr is the launch's pipe: its descendants and any that
+    left the tree. A rank's helper process orphaned before the signals (a multiprocessing
+    Manager's server, on a suite run) held the pipe open, and reading to its end never ended."""
+    pipes = {f"pipe:[{os.fstat(stream.fileno()).st_ino}]" for stream in (proc.stdout, proc.stderr)}
+    found = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/[12]"):
+        try:
+            if os.readlink(fd) in pipes:
+                found.add(int(fd.parent.parent.name))
+        except OSError:     # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 def _wait_gone(pid: int, timeout_s: float) -> None:
