@@ -133,18 +133,6 @@ class ReductionProbe:
         return counts
 
 
-def gloo_loop_threads() -> int:
-    """This process's gloo event-loop threads: one per live gloo process group (Linux)."""
-    count = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                count += comm.read().strip() == "gloo_tcp_loop"
-        except OSError:         # the thread ended meanwhile
-            pass
-    return count
-
-
 def main(cases_path: str, results_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -169,9 +157,7 @@ def main(cases_path: str, results_path: str) -> None:
         result["grad_reductions"] = probe.take()
         result["seconds"] = round(time.perf_counter() - start, 2)
         results.append(result)
-        dist.barrier()  # every rank is done with the case's groups before any frees them
-        gc.collect()    # the case's groups end with their objects (seq1f1b.distributed)
-        result["gloo_loops"] = gloo_loop_threads()
+        gc.collect()    # not the case's groups: see CASES_PER_LAUNCH in test_training.py
     if dist.get_rank() == dist.get_world_size() - 1:
         json.dump(results, open(results_path, "w"))
     dist.destroy_process_group()
