@@ -436,12 +436,8 @@ def pretrain(args: argparse.Namespace, train_valid_test_datasets_provider: Datas
     try:
         set_global_variables(args)
         initialize_megatron(args)
-        summary = _pretrain(args, train_valid_test_datasets_provider, model_provider,
-                            forward_step_func, exits)
-        # Every rank has finished its last exchange on the run's groups before any frees them
-        # (finish_megatron): a freed gloo group closes its sockets under a peer still using them.
-        dist.barrier()
-        return summary
+        return _pretrain(args, train_valid_test_datasets_provider, model_provider,
+                         forward_step_func, exits)
     finally:
         exits.release()
         finish_megatron()
