@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import weakref
 from dataclasses import asdict
 from typing import Callable, Iterator
 
@@ -167,24 +166,8 @@ def build_optimizer(args: argparse.Namespace, config: TransformerConfig,
         params_dtype=params_dtype(args), use_distributed_optimizer=args.use_distributed_optimizer,
         timers=config.timers, barrier_with_L1_time=config.barrier_with_L1_time)
     optimizer = get_megatron_optimizer(optimizer_config, model)
-    config.grad_scale_func = _scale_loss_of(optimizer)
+    config.grad_scale_func = optimizer.scale_loss
     return optimizer
-
-
-def _scale_loss_of(optimizer: MegatronOptimizer) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`optimizer.scale_loss` without keeping the optimizer alive from the config.
-
-    Every module of the model holds the config, and the optimizer's shards (views of the
-    parameters) reach the model's DDP through autograd's gradient accumulators, whose hooks
-    megatron's DDP registers: with the bound method on the config that is a cycle through C++
-    objects Python's collector cannot see, so a finished run's model, optimizer and process
-    groups (their gloo threads polling) would outlive it in any process that trains again
-    (tests, sweeps): 17 groups a run with the distributed optimizer at a world of four."""
-    held = weakref.ref(optimizer)
-
-    def scale_loss(loss: torch.Tensor) -> torch.Tensor:
-        return held().scale_loss(loss)
-    return scale_loss
 
 
 def build_lr_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer
