@@ -12,7 +12,6 @@ import random
 import numpy
 import torch
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from seq1f1b.distributed import init_distributed, release_model_parallel
 
@@ -50,9 +49,6 @@ def set_random_seed(seed: int) -> None:
 
 def finish_megatron() -> None:
     """Drop parallel_state and its process groups (the default group stays, for a next run in the
-    same process: each layout's gloo groups hold threads of their own), and megatron's rotary
-    tables: `RotaryEmbedding.forward` is an lru_cache keyed on the module, so without this the
-    last 32 runs' rotary modules, each with its context-parallel group, stay alive."""
-    RotaryEmbedding.forward.cache_clear()
+    same process: each layout's gloo groups hold threads of their own)."""
     if parallel_state.model_parallel_is_initialized():
         release_model_parallel()
