@@ -245,13 +245,8 @@ class OutputHead(LanguageModule):
 
     def forward(self, input_ids=None, position_ids=None, attention_mask=None, labels=None,
                 **kwargs) -> torch.Tensor:
-        """Per-token losses [b, s] with `labels`, else the logits [b, s, V/TP], as GPTModel's.
-
-        The input is let go here: on the last stage it is the chunk's own output, whose autograd
-        graph reaches megatron's DDP through the parameters' gradient hooks, a cycle through C++
-        that Python's collector cannot see, so a finished run's model would outlive it."""
-        hidden, self.input_tensor = self.input_tensor, None
-        logits, _ = self.output_layer(self.final_layernorm(hidden))
+        """Per-token losses [b, s] with `labels`, else the logits [b, s, V/TP], as GPTModel's."""
+        logits, _ = self.output_layer(self.final_layernorm(self.input_tensor))
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
