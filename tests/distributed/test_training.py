@@ -83,12 +83,16 @@ CASES_PER_LAUNCH = 10
 """Runs per torchrun launch. A finished run's gloo groups are destroyed, but some of their
 threads outlive it (about 16 groups' worth per run at this world size), so one launch for all
 ~70 runs would end with ~1,000 polling threads per rank; a few launches keep that bounded for
-~17 s of start-up each. What holds them: the config's `grad_scale_func` (the optimizer's bound
-`scale_loss`), the optimizer's shards (parameter views with a grad_fn) reaching megatron's DDP
-through the gradient accumulators' C++ hooks, a cycle the collector cannot see. Holding the
-optimizer weakly there frees them (with it, every run in one launch: this module in 406 s against
-644 s), but one of six runs of this module with that change aborted a rank with a heap error in
-a gloo all_gather, cause unknown, so it was reverted (8456c8c) until that is understood."""
+~17 s of start-up each. Three things hold a finished run: the config's `grad_scale_func` (the
+optimizer's bound `scale_loss`, whose shards reach megatron's DDP through the gradient
+accumulators' C++ hooks, a cycle the collector cannot see), the spread output head's last input
+(the last stage's own output, its autograd graph) and megatron's lru_cache on
+`RotaryEmbedding.forward` (keyed on the module). With all three cut every run's groups end with
+it, and this module ran in one launch in 449-485 s (three runs) against 644 s. But with the
+groups freed, one run of this module in six (the first cut alone) aborted a rank with a heap
+error in a gloo all_gather, and a suite run with all three cut hung in an evaluation's param
+all-gather (start_param_sync: a distributed-optimizer run with --overlap-param-gather); so they
+are kept out (8456c8c, 1e02335) until that is understood."""
 N = 3
 SCHEDULE_ITERS = 10
 FIT_ITERS = 2
