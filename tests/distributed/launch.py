@@ -62,11 +62,14 @@ def _stacks_of_stuck(proc: subprocess.Popen) -> tuple[str, str]:
     threads, and stacks printed at once interleave on the stderr they share (a clean-clone run
     once found none whole). torchrun's agent goes first, so that no rank's death makes it stop
     the others before they print; the ranks run in sessions of their own and are found by
-    parent, in /proc. Then kill what is left; returns the output read so far, stacks included."""
+    parent, in /proc. Then kill what is left, the processes that still write to the launch's
+    output from outside its tree too; returns the output read so far, stacks included."""
     launched = [proc.pid] + _descendants(proc.pid)
     for pid in launched:
         _signal(pid, signal.SIGABRT)
         _wait_gone(pid, timeout_s=10)
+    for pid in _writers_to(proc):   # left the tree (orphans): no stacks of theirs to wait for
+        _signal(pid, signal.SIGKILL)
     try:
         return proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
@@ -77,7 +80,7 @@ def _stacks_of_stuck(proc: subprocess.Popen) -> tuple[str, str]:
 
 def _writers_to(proc: subprocess.Popen) -> set[int]:
     """Every process whose stdout or stderr is the launch's pipe: its descendants and any that
-    left the tree. A rank's helper process orphaned before the signals (a multiprocessing
+    left the tree. A rank's helper process orphaned before the timeout (a multiprocessing
     Manager's server, on a suite run) held the pipe open, and reading to its end never ended."""
     pipes = {f"pipe:[{os.fstat(stream.fileno()).st_ino}]" for stream in (proc.stdout, proc.stderr)}
     found = set()
