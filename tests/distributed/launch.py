@@ -68,12 +68,12 @@ def _stacks_of_stuck(proc: subprocess.Popen) -> tuple[str, str]:
     for pid in launched:
         _signal(pid, signal.SIGABRT)
         _wait_gone(pid, timeout_s=10)
-    for pid in _writers_to(proc):   # left the tree (orphans): no stacks of theirs to wait for
+    for pid in _writers_to(proc) - set(launched):   # orphans: no stacks of theirs to wait for
         _signal(pid, signal.SIGKILL)
     try:
         return proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
-        for pid in set(launched) | _writers_to(proc):
+        for pid in launched:
             _signal(pid, signal.SIGKILL)
         return proc.communicate()
 
