@@ -243,7 +243,7 @@ def _search_budget(args: argparse.Namespace, costs_of, uniform) -> ScheduleBudge
         budget = resolve_budget(cap, None, None, args.pp, args.splits)
         source = "unit costs"
         if uniform is not None:
-            shape = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
+            shape = registry.shape(args.schedule, args.pp, args.microbatches, args.splits,
                                    args.chunks)
             budget = ScheduleBudget(_uniform_with_bytes(shape, uniform), budget.cap)
             source = "the --uniform-cost costs"
@@ -254,7 +254,7 @@ def _search_budget(args: argparse.Namespace, costs_of, uniform) -> ScheduleBudge
     print(f"plan.py: {args.schedule} searched on {source}, memory cap {limit}, on "
           f"{' or '.join(searched_placements(args.schedule, args.chunks))}", file=sys.stderr)
     if budget.costs is None:
-        shape = registry.build(args.schedule, args.pp, args.microbatches, args.splits,
+        shape = registry.shape(args.schedule, args.pp, args.microbatches, args.splits,
                                args.chunks)
         budget = ScheduleBudget(unit_costs(Problem(shape.pp, shape.microbatches, shape.splits,
                                                    shape.chunks, shape.placement)), budget.cap)

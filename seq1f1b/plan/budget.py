@@ -140,8 +140,8 @@ def model_budget(name: str, pp: int, microbatches: int, splits: int, chunks: int
                  ) -> Optional[ScheduleBudget]:
     """The budget of searched schedule `name` on a model: `costs_of(schedule, whole)` gives a
     schedule's SpanCosts (durations and bytes) with the spans of this run, or with one span of
-    the whole sequence when `whole`. The searched schedule's own costs are those of
-    its default build (same stages, same W split); a fraction is taken of 1F1B's rank-0 peak with
+    the whole sequence when `whole`. The searched schedule's own costs are those of its shape
+    (registry.shape: same stages, same W split); a fraction is taken of 1F1B's rank-0 peak with
     one span per micro-batch on the same model. Without a cap the costs are still the model's
     and the cap is the schedule's default (seq1f1b-zb-auto: seq1f1b-zbv's peak on them); None
     for a schedule that is not searched and has no cap (a cap there is refused by build)."""
@@ -149,7 +149,7 @@ def model_budget(name: str, pp: int, microbatches: int, splits: int, chunks: int
     from seq1f1b.plan.simulate import simulate
     if cap is None and not registry.get(name).searched:
         return None
-    shape = registry.build(name, pp, microbatches, splits, chunks)
+    shape = registry.shape(name, pp, microbatches, splits, chunks)
     costs = costs_of(shape, False)
     alternatives = []
     for placement in searched_placements(name, chunks):
@@ -263,7 +263,7 @@ def with_output_spread(budget: ScheduleBudget, name: str, pp: int, microbatches:
     search keeps the shorter. One function for the trainer (run_budget) and the planner
     (memory.plan_schedule), so both search the same order."""
     from seq1f1b.plan import registry          # registry imports this module
-    base = registry.build(name, pp, microbatches, splits, chunks)
+    base = registry.shape(name, pp, microbatches, splits, chunks)
     return replace(budget, alternatives=budget.alternatives + tuple(
         (placement, spread_costs(replace(base, placement=placement)))
         for placement, _ in budget.options(restricted=False)))

@@ -32,21 +32,23 @@ class ScheduleInfo:
     splits_backward: bool = False  # B is input-grad only and W actions carry the weight grads
     searched: bool = False     # takes a ScheduleBudget (costs, memory cap) as its fifth argument
     any_chunks: bool = False   # runs on V = 1 or V = 2 chunks per rank, as the model is built
+    stand_in: Optional[Builder] = None  # a searched one's cheap order of the same kind (`shape`)
 
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
 
 
 def register(name: str, *, description: str, chunked: bool = False, placement: str = "loop",
-             splits_backward: bool = False, searched: bool = False, any_chunks: bool = False
-             ) -> Callable[[Builder], Builder]:
-    """Decorator: register `builder` under `name`."""
+             splits_backward: bool = False, searched: bool = False, any_chunks: bool = False,
+             stand_in: Optional[Builder] = None) -> Callable[[Builder], Builder]:
+    """Decorator: register `builder` under `name`; a searched one's `stand_in` builds, without
+    searching, an order of the same stages, placement and backward split (`shape`)."""
 
     def wrap(builder: Builder) -> Builder:
         if name in _REGISTRY:
             raise ValueError(f"schedule {name!r} registered twice")
         _REGISTRY[name] = ScheduleInfo(name, builder, description, chunked, placement,
-                                       splits_backward, searched, any_chunks)
+                                       splits_backward, searched, any_chunks, stand_in)
         return builder
 
     return wrap
@@ -88,6 +90,35 @@ def build(name: str, pp: int, microbatches: int, splits: int = 1, chunks: int = 
     if budget is not None and not info.searched:
         raise ScheduleError(f"--schedule-memory-cap: schedule {name!r} is not searched; it takes "
                             "no memory cap (seq1f1b-zb-auto does)")
+    _check_arguments(info, pp, microbatches, splits, chunks)
+    if info.searched:
+        programs, placement = _searched(info.builder, pp, microbatches, splits, chunks, budget)
+    else:
+        programs, placement = info.builder(pp, microbatches, splits, chunks), info.placement
+    return Schedule(name=name, pp=pp, microbatches=microbatches, splits=splits, chunks=chunks,
+                    programs=tuple(tuple(p) for p in programs), placement=placement)
+
+
+def shape(name: str, pp: int, microbatches: int, splits: int = 1, chunks: int = 1) -> Schedule:
+    """A schedule with what `name`'s costs and bytes depend on (P, m, k, V, the stages'
+    placement, whether backwards are split into B and W) for callers that need only those:
+    `name` itself, or for a searched one its `stand_in`'s order on the placement it searches
+    without a budget, named "`name` (shape)". Its own build would be a search (6 s under unit
+    costs at P = 16, m = 32, k = 4 on a V) whose order nobody reads."""
+    info = get(name)
+    if not info.searched or info.stand_in is None:
+        return build(name, pp, microbatches, splits, chunks)
+    _check_arguments(info, pp, microbatches, splits, chunks)
+    programs, placement = info.stand_in(pp, microbatches, splits, chunks)
+    return Schedule(name=f"{name} (shape)", pp=pp, microbatches=microbatches, splits=splits,
+                    chunks=chunks, programs=tuple(tuple(p) for p in programs),
+                    placement=placement)
+
+
+def _check_arguments(info: ScheduleInfo, pp: int, microbatches: int, splits: int, chunks: int
+                     ) -> None:
+    """Refuses sizes and chunk counts that schedule `info` does not run, naming the flag."""
+    name = info.name
     check_sizes(pp, microbatches, splits, chunks)
     if info.any_chunks:
         if chunks > 2:
@@ -99,12 +130,6 @@ def build(name: str, pp: int, microbatches: int, splits: int = 1, chunks: int = 
     elif info.chunked and chunks < 2:
         raise ScheduleError(f"--chunks: schedule {name!r} interleaves model chunks and needs "
                             f"chunks >= 2, got {chunks}")
-    if info.searched:
-        programs, placement = _searched(info.builder, pp, microbatches, splits, chunks, budget)
-    else:
-        programs, placement = info.builder(pp, microbatches, splits, chunks), info.placement
-    return Schedule(name=name, pp=pp, microbatches=microbatches, splits=splits, chunks=chunks,
-                    programs=tuple(tuple(p) for p in programs), placement=placement)
 
 
 @functools.lru_cache(maxsize=32)

@@ -8,13 +8,14 @@ import pytest
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.schedule_budget import cost_model, schedule_budget, starting_span_lengths
 from seq1f1b.plan import registry
+from seq1f1b.plan.actions import ScheduleError
 from seq1f1b.plan.budget import MemoryCap, RunShape, run_budget
 from seq1f1b.plan.communication import communication_plan
 from seq1f1b.plan.costs import ModelConfig
 from seq1f1b.plan.memory import TrainingSetup, plan_schedule
 from seq1f1b.plan.nccl import validate_modes
 from seq1f1b.plan.partition import span_bounds
-from seq1f1b.plan.simulate import simulate
+from seq1f1b.plan.simulate import model_costs, simulate
 from seq1f1b.plan.span_fit import OpFit, SpanTimeFit
 from seq1f1b.plan.validate import validate
 
@@ -109,6 +110,25 @@ def test_without_a_cap_the_search_still_takes_the_models_costs():
     assert budget.costs == capped.costs
     args.pipeline_schedule = "seq1f1b"
     assert schedule_budget(args) is None          # not searched: nothing to place
+
+
+@pytest.mark.parametrize("pp, m, k, chunks", [(1, 1, 1, 1), (2, 3, 2, 1), (4, 8, 4, 1),
+                                              (2, 1, 1, 2), (3, 5, 3, 2), (4, 8, 2, 2)])
+def test_a_searched_schedules_shape_prices_like_its_order(pp, m, k, chunks):
+    """The budget prices the searched schedule from registry.shape (a construction, no search):
+    the same placement, backward split and model costs as the searched order of those sizes,
+    and refused where that order is (a fourth chunk)."""
+    model = ModelConfig(num_layers=4 * pp, hidden_size=64, num_attention_heads=4,
+                        ffn_hidden_size=256, vocab_size=128)
+    lengths = [64 // k] * k
+    searched = registry.build("seq1f1b-zb-auto", pp, m, k, chunks)
+    shape = registry.shape("seq1f1b-zb-auto", pp, m, k, chunks)
+    assert (shape.placement, shape.split_backward) == (searched.placement, True)
+    assert searched.split_backward
+    assert model_costs(shape, model, lengths, flops_per_second=1e12) == \
+        model_costs(searched, model, lengths, flops_per_second=1e12)
+    with pytest.raises(ScheduleError, match="--chunks"):
+        registry.shape("seq1f1b-zb-auto", pp, m, k, 3)
 
 
 def test_under_context_parallelism_the_budget_counts_one_gpus_bytes():

@@ -129,8 +129,19 @@ def seq1f1b_zbv(pp: int, microbatches: int, splits: int, chunks: int) -> list[li
     return zbv_programs(pp, microbatches, splits, unit_size=1)
 
 
+def _stand_in(pp: int, microbatches: int, splits: int, chunks: int
+              ) -> tuple[list[list[Action]], str]:
+    """seq1f1b-zb-auto's shape (registry.shape) without a search: its own placement's
+    construction over spans, every backward split as in its orders (seq1f1b-zbv on a V,
+    seq1f1b-zb-h1 on a loop of one chunk)."""
+    if chunks == 2:
+        return zbv_programs(pp, microbatches, splits, unit_size=1), "vshape"
+    from seq1f1b.plan import registry   # the registry loads this family
+    return list(registry.build("seq1f1b-zb-h1", pp, microbatches, splits).programs), "loop"
+
+
 @register("seq1f1b-zb-auto", placement="vshape", splits_backward=True, searched=True,
-          any_chunks=True,
+          any_chunks=True, stand_in=_stand_in,
           description="Seq1F1B zero bubble, searched: F, B and W placed under a memory cap "
                       "(--schedule-memory-cap; default: Seq1F1B's peak, seq1f1b-zbv's on two "
                       "chunks), on a V or a loop (two chunks) or a loop (one), shortest "
