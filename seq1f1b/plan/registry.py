@@ -103,8 +103,8 @@ def shape(name: str, pp: int, microbatches: int, splits: int = 1, chunks: int = 
     """A schedule with what `name`'s costs and bytes depend on (P, m, k, V, the stages'
     placement, whether backwards are split into B and W) for callers that need only those:
     `name` itself, or for a searched one its `stand_in`'s order on the placement it searches
-    without a budget, named "`name` (shape)". Its own build would be a search (6 s under unit
-    costs at P = 16, m = 32, k = 4 on a V) whose order nobody reads."""
+    without a budget, named "`name` (shape)". Its own build would be a search (about 6 s under
+    unit costs at P = 16, m = 32, k = 4 on a V) whose order nobody reads."""
     info = get(name)
     if not info.searched or info.stand_in is None:
         return build(name, pp, microbatches, splits, chunks)
