@@ -62,6 +62,7 @@ from seq1f1b.plan.simulate import (SimulationReport, SpanCosts, model_costs,  # 
                                    simulate, uniform_costs)
 from seq1f1b.plan.schedules.greedy import Problem, unit_costs  # noqa: E402
 from seq1f1b.plan.schedules.zero_bubble_v import searched_cap  # noqa: E402
+from seq1f1b.plan.search_progress import shown  # noqa: E402
 from seq1f1b.plan.bounds import gap_to_bound, lower_bound  # noqa: E402
 from seq1f1b.plan.exact import solve  # noqa: E402
 from seq1f1b.plan.rank_bound import rank_bound  # noqa: E402
@@ -1055,7 +1056,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         check_common_flags(args)
-        return args.run(args) or 0
+        with shown(sys.stderr, "plan.py: "):      # a long search says how far it is
+            return args.run(args) or 0
     except (UsageError, ScheduleError, CalibrationError) as err:
         print(f"plan.py: error: {err}", file=sys.stderr)
         return 2

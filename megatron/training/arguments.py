@@ -20,6 +20,7 @@ schedule, `checkpoint_common.read_common_state`, and its layout record, `checkpo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
 import os
@@ -1337,6 +1338,7 @@ def _place_schedule(args: argparse.Namespace) -> None:
     from megatron.training.schedule_budget import placement_report, schedule_budget
     from seq1f1b.plan import registry
     from seq1f1b.plan.actions import ScheduleError
+    from seq1f1b.plan.search_progress import shown
 
     chunks = args.virtual_pipeline_model_parallel_size or 1
     says = os.environ.get("RANK", "0") == str(args.world_size - 1)
@@ -1354,9 +1356,10 @@ def _place_schedule(args: argparse.Namespace) -> None:
                   f"P={args.pipeline_model_parallel_size} m={args.num_micro_batches} "
                   f"k={args.seq1f1b_splits} on {where} of {chunks} chunk"
                   f"{'s' if chunks > 1 else ''} per rank{output} ...", flush=True)
-        schedule = registry.build(name, args.pipeline_model_parallel_size,
-                                  args.num_micro_batches, args.seq1f1b_splits, chunks,
-                                  budget=budget)
+        with shown(sys.stdout, " ") if says else contextlib.nullcontext():
+            schedule = registry.build(name, args.pipeline_model_parallel_size,
+                                      args.num_micro_batches, args.seq1f1b_splits, chunks,
+                                      budget=budget)
     except ScheduleError as err:
         _fail(f"--pipeline-schedule {name}: {err}")
     args.pipeline_placement = schedule.placement

@@ -251,3 +251,25 @@ def test_search_layout_says_the_layout_it_chose_and_simulate_runs_it(capsys):
                      "--pipeline-model-parallel-layout", found["layout"])
     assert again["lower_bound"] == pytest.approx(found["lower_bound"])
     assert again["makespan"] == pytest.approx(found["makespan"])
+
+
+def test_a_long_search_says_how_far_it_is_and_finds_the_same_order(capsys, monkeypatch):
+    """A search that has run for QUIET_SECONDS reports its stages on stderr (one at P = 16,
+    m = 64, k = 8 takes minutes); before that it says nothing, and the order is the same
+    either way: the clock decides only what is printed (search_progress.py)."""
+    from seq1f1b.plan import registry, search_progress
+    argv = ["search", "--pp", "2", "--microbatches", "4", "--splits", "2", "--chunks", "2",
+            "--model", "1.3b", "--seq-length", "8192", "--json"]
+    said = {}
+    for quiet in (1e9, 0.0):
+        monkeypatch.setattr(search_progress, "QUIET_SECONDS", quiet)
+        registry._searched.cache_clear()      # searched again, not read from the last run
+        code, out, err = run(capsys, *argv)
+        assert code == 0, err
+        said[quiet] = out, [line for line in err.splitlines() if "seq1f1b-zb-auto on a" in line]
+    assert said[1e9][0] == said[0.0][0] and said[1e9][1] == []
+    lines = said[0.0][1]
+    assert lines[0].startswith("plan.py: seq1f1b-zb-auto on a V: ")
+    assert "greedy replays and the constructions, makespan" in lines[0]
+    assert any("on a V: refined, makespan" in line for line in lines)
+    assert any("on a loop: refined, makespan" in line for line in lines)

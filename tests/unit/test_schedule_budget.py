@@ -154,3 +154,20 @@ def test_the_estimator_prices_the_order_the_trainer_searches(pp, m, k, cap):
     assert starting_span_lengths(args) == tuple(setup.spans())
     estimated = plan_schedule(setup)
     assert (estimated.placement, estimated.programs) == (trainer.placement, trainer.programs)
+
+
+def test_the_rank_that_logs_says_how_far_a_long_search_is(capsys, monkeypatch):
+    """The trainer's search at start-up (validate_args) reports its stages on the last rank,
+    the one that logs, once it has run for QUIET_SECONDS (here at once); the other ranks
+    search in silence."""
+    from seq1f1b.plan import search_progress
+    monkeypatch.setattr(search_progress, "QUIET_SECONDS", 0.0)
+    said = {}
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        registry._searched.cache_clear()      # searched again, not read from the last run
+        _args(2, 4, 2, "1x")
+        said[rank] = [line for line in capsys.readouterr().out.splitlines()
+                      if line.startswith(" seq1f1b-zb-auto on a")]
+    assert any("on a V: refined, makespan" in line for line in said["1"])
+    assert said["0"] == []

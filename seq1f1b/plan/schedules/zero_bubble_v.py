@@ -55,6 +55,7 @@ from seq1f1b.plan.schedules.greedy import (PROMISES, Placed, Placer, Policy, Pro
                                              unit_costs)
 from seq1f1b.plan.schedules.refine import refine
 from seq1f1b.plan.schedules.zbv_construction import dualpipev_programs, zbv_programs
+from seq1f1b.plan.search_progress import Progress
 from seq1f1b.plan.simulate import SpanCosts, simulate
 
 OUTPUT_SLACKS = (0.0, 2.0, None)
@@ -156,6 +157,7 @@ def seq1f1b_zb_auto(pp: int, microbatches: int, splits: int, chunks: int,
     options = budget.options() if budget is not None else [(own, None)]
     cap = searched_cap(pp, microbatches, splits, chunks, budget)
     found, refused = [], None
+    progress = Progress()
     for placement, costs in options:
         problem = Problem(pp, microbatches, splits, chunks, placement or own, unit=1,
                           spread_output=costs is not None and costs.output is not None)
@@ -165,7 +167,8 @@ def seq1f1b_zb_auto(pp: int, microbatches: int, splits: int, chunks: int,
             # search (grid tests build it on thousands of shapes); tools pass the run's costs
             # in a budget.
             placed = search(problem, costs, cap,
-                            rounds=SEARCH_ROUNDS if budget is not None else 0)
+                            rounds=SEARCH_ROUNDS if budget is not None else 0,
+                            progress=progress)
         except ScheduleError as err:
             refused = refused or err
             continue
@@ -180,11 +183,19 @@ def seq1f1b_zb_auto(pp: int, microbatches: int, splits: int, chunks: int,
                                                                       key=lambda f: f[1]):
             bound = lower_bound(_schedule(problem, placed.programs), costs, cap)
             if makespan <= shortest * ANNEAL_REACH and shortest > bound * ANNEAL_ABOVE_BOUND:
+                progress.done(f"{_where(problem)}: annealing from makespan {makespan:.6g}")
                 placed = annealed(problem, costs, cap, placed, bound)
+                progress.done(f"{_where(problem)}: annealed, makespan {placed.makespan:.6g}")
                 found[at] = (placed.makespan, order, placed, problem, costs)
                 shortest = min(shortest, placed.makespan)
     _, _, placed, problem, _ = min(found)
     return placed.programs, problem.placement
+
+
+def _where(problem: Problem) -> str:
+    """Which of its searches a progress line is about."""
+    return (f"seq1f1b-zb-auto on {'a V' if problem.placement == 'vshape' else 'a loop'}"
+            + (", output layer spread" if problem.spread_output else ""))
 
 
 def _own_placement(chunks: int) -> str:
@@ -283,8 +294,8 @@ def _replayed(problem: Problem, programs: list[list[Action]], costs: SpanCosts
     return report.makespan, max(rank.peak_held_bytes for rank in report.ranks)
 
 
-def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_ROUNDS
-           ) -> Placed:
+def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_ROUNDS,
+           progress: Optional[Progress] = None) -> Placed:
     """The shortest makespan under `cap` among: the fixed constructions (`constructions`), the
     greedy replays of every policy (forward or backward first, which chunk's ready forwards
     and backwards go first, whether a forward waits for a backward due before it ends, how
@@ -293,9 +304,11 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
     from the best replay of each way of keeping promises and from the replays near it
     (DEPTH_SEARCH_REACH, module doc); with `rounds`, the
     better of the best construction and each of those is then refined on its critical path
-    (refine.py)."""
+    (refine.py). `progress` hears how far it is (search_progress.py)."""
     placer = Placer(problem, costs)
     replays: dict[Policy, Optional[tuple[Placed, Policy]]] = {}
+    progress = progress or Progress()
+    where = _where(problem)
 
     def evaluate(policy: Policy) -> Optional[tuple[Placed, Policy]]:
         """The replay of `policy` (None where it gets stuck), each policy replayed once: the
@@ -306,6 +319,7 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
                 replays[policy] = placer.place(cap, policy), policy
             except ScheduleError:
                 replays[policy] = None
+            progress.tick(f"{where}: {len(replays)} greedy replays")
         return replays[policy]
 
     found = []
@@ -352,6 +366,8 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
     # replay is not always the start that refines to the shortest order (module doc)
     families = [[f for f in family if f[1].output_slack == slack]
                 for family in families for slack in slacks]
+    progress.done(f"{where}: {len(replays)} greedy replays and the constructions, makespan "
+                  f"{min(p.makespan for p in fixed + [f[0] for f in found]):.6g}")
 
     def depth_search(best: Placed, policy: Policy) -> Placed:
         """`best` (the replay of `policy`) improved by moving one rank's depth at a time,
@@ -397,6 +413,7 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
     best = shortest(fixed + starts)
     if not rounds:
         return best
+    progress.done(f"{where}: depth search, makespan {best.makespan:.6g}")
     # Refined from the better of the constructions and each family's best replay: the local
     # search, too, does not always end shorter from the shorter start.
     refined_from = []
@@ -408,6 +425,7 @@ def search(problem: Problem, costs: SpanCosts, cap: float, rounds: int = SEARCH_
         refined = refine(placer, start, cap)
         if refined is not start:
             best = _shorter_within(problem, costs, cap, refined.programs, best)
+    progress.done(f"{where}: refined, makespan {best.makespan:.6g}")
     return best
 
 
