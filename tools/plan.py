@@ -39,7 +39,7 @@ from seq1f1b.writable import check_output_file  # noqa: E402
 from seq1f1b.model_flags import (COST_FLAGS, LOSS_BACKWARD_IN_FORWARD_HELP,  # noqa: E402
                                  add_model_shape_args, model_of_flags, sizes_error)
 from seq1f1b.plan import registry, schedule_file  # noqa: E402
-from seq1f1b.plan.actions import Schedule, ScheduleError  # noqa: E402
+from seq1f1b.plan.actions import Schedule, ScheduleError, placement_words  # noqa: E402
 from seq1f1b.plan.budget import (NOMINAL_FLOPS_PER_SECOND, MemoryCap, ScheduleBudget,  # noqa: E402
                                  model_budget, resolve_budget, searched_lower_bound,
                                  searched_placements, with_output_spread)
@@ -673,7 +673,7 @@ def cmd_search(args: argparse.Namespace) -> None:
              if schedule.spread_output else ", output layer kept in the last stage (no order "
              "with it spread is shorter under the cap)")
     print(f"seq1f1b-zb-auto P={args.pp} m={args.microbatches} k={args.splits} V={args.chunks} "
-          f"on {'a V' if schedule.placement == 'vshape' else 'a loop'}{where}: makespan "
+          f"on {placement_words(schedule.placement)}{where}: makespan "
           f"{out['makespan']:.6g}, bubble {out['bubble']:.1%}, peak {out['peak']:.6g} of cap "
           f"{cap:.6g}; lower bound {out['lower_bound']:.6g} (gap {out['lower_bound_gap']:.2%})")
     if args.exact:

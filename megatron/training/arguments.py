@@ -1337,7 +1337,7 @@ def _place_schedule(args: argparse.Namespace) -> None:
         return
     from megatron.training.schedule_budget import placement_report, schedule_budget
     from seq1f1b.plan import registry
-    from seq1f1b.plan.actions import ScheduleError
+    from seq1f1b.plan.actions import ScheduleError, placement_words
     from seq1f1b.plan.search_progress import shown
 
     chunks = args.virtual_pipeline_model_parallel_size or 1
@@ -1348,8 +1348,7 @@ def _place_schedule(args: argparse.Namespace) -> None:
         budget = schedule_budget(args)
         if says:
             where = " and ".join(dict.fromkeys(
-                "a V" if placement == "vshape" else "a loop"
-                for placement, _ in budget.options()))
+                placement_words(placement) for placement, _ in budget.options()))
             output = (", the output layer in the last stage and spread over the ranks"
                       if args.spread_output else "")
             print(f" {name}: searching orders of F, B and W for "

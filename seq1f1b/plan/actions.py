@@ -30,6 +30,11 @@ PLACEMENTS = ("loop", "vshape")
 interleaving). "vshape": chunk 0 of rank r is stage r, chunk 1 is stage 2P-1-r (zero-bubble ZBV)."""
 
 
+def placement_words(placement: str) -> str:
+    """How a line for users names a placement: "a V" or "a loop"."""
+    return "a V" if placement == "vshape" else "a loop"
+
+
 def virtual_stage(placement: str, pp: int, rank: int, chunk: int) -> int:
     """The virtual stage that model chunk `chunk` of pipeline rank `rank` holds (PLACEMENTS);
     model building reads it too, so a chunk gets the layers of the stage the plan runs it as."""

@@ -158,8 +158,8 @@ def test_the_estimator_prices_the_order_the_trainer_searches(pp, m, k, cap):
 
 def test_the_rank_that_logs_says_how_far_a_long_search_is(capsys, monkeypatch):
     """The trainer's search at start-up (validate_args) reports its stages on the last rank,
-    the one that logs, once it has run for QUIET_SECONDS (here at once); the other ranks
-    search in silence."""
+    the one that logs, once it has run for QUIET_SECONDS (here at once), after the line that
+    says where it searches; the other ranks search in silence."""
     from seq1f1b.plan import search_progress
     monkeypatch.setattr(search_progress, "QUIET_SECONDS", 0.0)
     said = {}
@@ -168,6 +168,8 @@ def test_the_rank_that_logs_says_how_far_a_long_search_is(capsys, monkeypatch):
         registry._searched.cache_clear()      # searched again, not read from the last run
         _args(2, 4, 2, "1x")
         said[rank] = [line for line in capsys.readouterr().out.splitlines()
-                      if line.startswith(" seq1f1b-zb-auto on a")]
-    assert any("on a V: refined, makespan" in line for line in said["1"])
+                      if line.startswith(" seq1f1b-zb-auto")]
+    assert said["1"][0].startswith(" seq1f1b-zb-auto: searching orders of F, B and W for P=2 "
+                                   "m=4 k=2 on a V and a loop of 2 chunks per rank"), said["1"]
+    assert any("on a V: refined, makespan" in line for line in said["1"][1:])
     assert said["0"] == []

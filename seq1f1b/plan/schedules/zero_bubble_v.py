@@ -46,7 +46,8 @@ import math
 from dataclasses import replace
 from typing import Optional
 
-from seq1f1b.plan.actions import Action, Schedule, ScheduleError, split_full_backwards
+from seq1f1b.plan.actions import (Action, Schedule, ScheduleError, placement_words,
+                                  split_full_backwards)
 from seq1f1b.plan.bounds import lower_bound
 from seq1f1b.plan.budget import ScheduleBudget
 from seq1f1b.plan.registry import register
@@ -194,7 +195,7 @@ def seq1f1b_zb_auto(pp: int, microbatches: int, splits: int, chunks: int,
 
 def _where(problem: Problem) -> str:
     """Which of its searches a progress line is about."""
-    return (f"seq1f1b-zb-auto on {'a V' if problem.placement == 'vshape' else 'a loop'}"
+    return (f"seq1f1b-zb-auto on {placement_words(problem.placement)}"
             + (", output layer spread" if problem.spread_output else ""))
 
 
