@@ -1343,7 +1343,8 @@ def _place_schedule(args: argparse.Namespace) -> None:
     chunks = args.virtual_pipeline_model_parallel_size or 1
     says = os.environ.get("RANK", "0") == str(args.world_size - 1)
     if args.search_layout:
-        _search_layout(args, says)
+        with shown(sys.stdout, " ") if says else contextlib.nullcontext():
+            _search_layout(args, says)
     try:
         budget = schedule_budget(args)
         if says:

@@ -10,7 +10,9 @@ by the lower bound on their costs (bounds.py, cheap; ties: fewer layers on the o
 stage first), then runs the schedule search itself on the
 `tries` best and on the start, and keeps the shortest simulated makespan (ties: the start, then
 the earlier candidate). Each candidate is searched under the same cap in bytes, so the layout
-chosen never holds more than the cap asked for.
+chosen never holds more than the cap asked for. Each candidate's result is reported to
+search_progress's logger (its searches, seconds each, are too short to say anything themselves,
+and the whole takes the even split's search and then up to `LAYOUT_TRIES` + 1 more).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Callable, NamedTuple, Optional
 from seq1f1b.plan.actions import Schedule, ScheduleError
 from seq1f1b.plan.bounds import lower_bound
 from seq1f1b.plan.budget import ScheduleBudget
+from seq1f1b.plan.search_progress import Progress
 from seq1f1b.plan.simulate import simulate
 from seq1f1b.plan.stage_layers import LAYOUT_FLAG, StageLayers
 
@@ -161,14 +164,21 @@ def search_layout(name: str, pp: int, microbatches: int, splits: int, num_layers
         costs = budget.costs_for(schedule.placement, schedule.spread_output)
         return SearchedOrder(schedule, budget, simulate(schedule, costs).makespan)
 
+    progress = Progress()
     even = searched(budget_of(None, None))
     cap = searched_cap(pp, microbatches, splits, chunks, even.budget)
     shape = registry.build("seq1f1b-zbv", pp, microbatches, splits, chunks)
+    layouts = 1 + min(LAYOUT_TRIES, len(neighbours(near_even(num_layers, shape.num_stages))))
+    compared: list[float] = []
 
     def candidate(split: StageLayers) -> tuple[Schedule, float]:
         # Candidates are compared on a V without the annealing walk; the one kept is then
         # searched in full.
         order = searched(replace(budget_of(split, cap).pinned("vshape"), anneal=False))
+        compared.append(order.makespan)
+        progress.done(f"--search-layout: layout {len(compared)} of {layouts} "
+                      f"('{split.layout}'): makespan {order.makespan:.6g} on a V without the "
+                      f"walk, the shortest so far {min(compared):.6g}")
         return order.schedule, order.makespan
 
     choice = choose_layout(num_layers, shape.num_stages,

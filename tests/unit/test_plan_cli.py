@@ -228,14 +228,18 @@ def test_bad_input_from_a_shell_exits_2_with_one_line():
         assert "Traceback" not in done.stderr
 
 
-def test_search_layout_says_the_layout_it_chose_and_simulate_runs_it(capsys):
+def test_search_layout_says_the_layout_it_chose_and_simulate_runs_it(capsys, monkeypatch):
     """plan.py search --search-layout (7B/64K, P=4, m=8, k=2, cap 0.5x): the layout chosen on
-    a V is printed (JSON and stderr), no slower than the even split it started from; the final
+    a V is printed (JSON and stderr), no slower than the even split it started from; each
+    layout searched says its makespan as it ends (search_progress.py, here without waiting),
+    the even split first, the shortest of them the one chosen; the final
     search, which also places a loop of the same stages and ends with the annealing walk the
     candidates were compared without, is no slower than that V; and the schedule searched with
     that layout
     given back as --pipeline-model-parallel-layout finds the search's costs: its lower bound
     and its makespan are the search's."""
+    from seq1f1b.plan import search_progress
+    monkeypatch.setattr(search_progress, "QUIET_SECONDS", 0.0)
     shape = ["--pp", "4", "--microbatches", "8", "--splits", "2", "--model", "7b", "--tp", "8",
              "--sequence-parallel", "--seq-length", "65536", "--partition", "compute"]
     code, out, err = run(capsys, "search", *shape, "--schedule-memory-cap", "0.5x",
@@ -247,6 +251,12 @@ def test_search_layout_says_the_layout_it_chose_and_simulate_runs_it(capsys):
     chosen, even = (float(x) for x in line.split("makespan ")[1].split(" for the")[0]
                     .split(" on a V against "))
     assert chosen <= even and found["makespan"] <= chosen * (1 + 1e-9)
+    tried = [x for x in err.splitlines() if x.startswith("plan.py: --search-layout: layout ")]
+    assert [x.split(" (")[0] for x in tried] == [
+        f"plan.py: --search-layout: layout {n} of 7" for n in range(1, 8)], tried
+    assert "('Et*4|t*4|t*4|t*4|t*4|t*4|t*4|t*4L'): makespan " in tried[0]
+    assert float(tried[0].split("makespan ")[1].split(" ")[0]) == pytest.approx(even, 1e-5)
+    assert float(tried[-1].split("so far ")[1].split(" ")[0]) == pytest.approx(chosen, 1e-5)
     again = run_json(capsys, "search", *shape, "--schedule-memory-cap", "0.5x",
                      "--pipeline-model-parallel-layout", found["layout"])
     assert again["lower_bound"] == pytest.approx(found["lower_bound"])

@@ -23,7 +23,8 @@ FIT = SpanTimeFit(OpFit(2e-5, 3e-8), OpFit(7e-5, 1e-7), 0.05, 8)
 """A measured fit whose backward costs 3.5x the forward (a CPU's proportions, not a GPU's)."""
 
 
-def _args(pp: int, microbatches: int, splits: int, cap: str, cp: int = 1):
+def _args(pp: int, microbatches: int, splits: int, cap: str, cp: int = 1,
+          extra: tuple[str, ...] = ()):
     layers = 2 * pp
     return validate_args(parse_args([
         "--num-layers", str(layers), "--hidden-size", "64", "--num-attention-heads", "4",
@@ -32,7 +33,7 @@ def _args(pp: int, microbatches: int, splits: int, cap: str, cp: int = 1):
         "--pipeline-model-parallel-size", str(pp), "--num-layers-per-virtual-pipeline-stage",
         "1", "--untie-embeddings-and-output-weights", "--pipeline-schedule", "seq1f1b-zb-auto",
         "--seq1f1b-splits", str(splits), "--schedule-memory-cap", cap,
-        "--context-parallel-size", str(cp)]), pp * cp)
+        "--context-parallel-size", str(cp), *extra]), pp * cp)
 
 
 @pytest.mark.parametrize("pp, m, k, cap, fitted", [
@@ -173,3 +174,12 @@ def test_the_rank_that_logs_says_how_far_a_long_search_is(capsys, monkeypatch):
                                    "m=4 k=2 on a V and a loop of 2 chunks per rank"), said["1"]
     assert any("on a V: refined, makespan" in line for line in said["1"][1:])
     assert said["0"] == []
+    # --search-layout's candidates say their makespans there too (8 layers on 4 stages: the
+    # even split and six of its neighbours)
+    monkeypatch.setenv("RANK", "1")
+    registry._searched.cache_clear()
+    _args(2, 4, 2, "1x", extra=("--num-layers", "8", "--num-layers-per-virtual-pipeline-stage",
+                                "2", "--search-layout"))
+    tried = [line.split(" (")[0] for line in capsys.readouterr().out.splitlines()
+             if line.startswith(" --search-layout: layout ")]
+    assert tried == [f" --search-layout: layout {n} of 7" for n in range(1, 8)], tried
