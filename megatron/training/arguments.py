@@ -801,9 +801,6 @@ def _validate_context_parallel(args: argparse.Namespace) -> None:
                     args.tensor_model_parallel_size, args.context_parallel_size)
     except ValueError as err:
         _fail(str(err))
-    if args.seq1f1b_partition == "fit":
-        _fail(f"--context-parallel-size {args.context_parallel_size}: --seq1f1b-partition fit "
-              "does not align its cut to the CP ranks yet; use even, compute or explicit")
     if args.pipeline_schedule in MEGATRON_SCHEDULES:
         _fail(f"--context-parallel-size {args.context_parallel_size}: --pipeline-schedule "
               f"{args.pipeline_schedule} would need megatron's own CP attention (Transformer "

@@ -37,11 +37,15 @@ def starting_span_lengths(args: argparse.Namespace) -> tuple[int, ...]:
     return tuple(partition(args.seq_length, args.seq1f1b_splits, method, cost_model(args),
                            tp=args.tensor_model_parallel_size,
                            sequence_parallel=args.sequence_parallel,
-                           align=span_alignment(getattr(args, "context_parallel_size", 1) or 1,
-                                                args.tensor_model_parallel_size,
-                                                args.sequence_parallel,
-                                                args.seq1f1b_span_alignment),
-                           lengths=args.seq1f1b_span_lengths))
+                           align=span_multiple(args), lengths=args.seq1f1b_span_lengths))
+
+
+def span_multiple(args: argparse.Namespace) -> int:
+    """What every span of the run is a multiple of: --seq1f1b-span-alignment and CP (CP x TP
+    under sequence parallelism), for the cut it starts with and the cut a fit makes."""
+    return span_alignment(getattr(args, "context_parallel_size", 1) or 1,
+                          args.tensor_model_parallel_size, args.sequence_parallel,
+                          args.seq1f1b_span_alignment)
 
 
 def schedule_budget(args: argparse.Namespace, lengths: Optional[tuple[int, ...]] = None,

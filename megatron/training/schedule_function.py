@@ -30,7 +30,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megatron.training.schedule_budget import cost_model, schedule_budget, searched
+from megatron.training.schedule_budget import (cost_model, schedule_budget, searched,
+                                              span_multiple)
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule
 from seq1f1b.plan.partition import span_bounds
@@ -127,7 +128,7 @@ class ScheduleFunction:
         args = self._args
         lengths, fit = calibrate_fit(self._plan(), self._calibration, args.seq_length,
                                      args.tensor_model_parallel_size, args.sequence_parallel,
-                                     args.seq1f1b_span_alignment)
+                                     span_multiple(args))
         self._calibration = []
         self._settings = replace(self._settings, partition="explicit", span_lengths=lengths,
                                  budget=schedule_budget(args, lengths, fit))

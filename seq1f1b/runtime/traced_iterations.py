@@ -4,8 +4,9 @@ measured timeline draws (`pretrain_gpt.py --timeline-path`).
 
 Each rank records its own actions (`ExecutionTrace`: seconds from its iteration's start, so the
 caller puts a barrier before a traced iteration to line the ranks' clocks up). One rank per
-pipeline stage speaks for it, the one at data-parallel and tensor-parallel rank 0: the others run
-the same program on other data or other shards. The gather is collective and every rank gets the
+pipeline stage speaks for it, the one at data-parallel, context-parallel and tensor-parallel
+rank 0: the others run the same program on other data or other shards (a CP rank on its part
+of every span). The gather is collective and every rank gets the
 same lists, so every rank fits the same cut without a broadcast.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from seq1f1b.runtime.trace import ExecutionTrace
 def gather_pipeline_actions(traces: Sequence[ExecutionTrace]) -> list[list[MeasuredActions]]:
     """Collective over the world: for each of `traces` (this rank's traced iterations, the same
     count on every rank), every pipeline rank's actions (label, start, end), in rank order."""
-    speaks = (parallel_state.get_data_parallel_rank() == 0
+    speaks = (parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
               and parallel_state.get_tensor_model_parallel_rank() == 0)
     mine = (parallel_state.get_pipeline_model_parallel_rank(),
             [[(a.action, a.start, a.end) for a in trace.actions] for trace in traces]

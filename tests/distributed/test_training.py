@@ -339,6 +339,11 @@ def results(data_prefix, tmp_path_factory):
         if layout == "cp2_distopt":      # the CP2 checkpoint at N resumed at CP1 (DP2)
             cases["cp2_to_cp1"] = {"argv": _resume_flags(data_prefix, "dp2_distopt") + [
                 "--load", checkpoints]}
+            # the fit partition cut to the CP ranks, its second iteration drawn
+            cases["cp2_fit"] = {"argv": flags + [
+                "--seq1f1b-partition", "fit", "--seq1f1b-fit-iterations", "1",
+                "--timeline-path", str(root / "cp2_timeline" / "timeline.png"),
+                "--timeline-iteration", "2"]}
         cases[(layout, "resumed")] = {"argv": flags + ["--load", checkpoints, "--save",
                                                        checkpoints]}
     cases.update({name: {"argv": argv} for name, argv in _reshard_cases(data_prefix, root).items()})
@@ -524,6 +529,30 @@ def test_context_parallel_trains_with_the_losses_of_data_parallel(results):
         pytest.approx([r["grad_norm"] for r in dp["history"]], rel=1e-5)
     assert [r["learning_rate"] for r in cp["history"]] == \
         [r["learning_rate"] for r in dp["history"]]
+
+
+def test_context_parallel_fits_its_cut_to_the_cp_ranks_and_draws_one_rank_per_stage(results):
+    """--seq1f1b-partition fit under CP 2 (PP 2): every span of the fitted cut splits over the
+    two CP ranks, the losses are the run's with its own cut (any cut is exact), and the traces
+    the fit and the timeline read hold one rank per pipeline stage, not one per CP rank."""
+    fit, straight = results["cp2_fit"], results[("cp2_distopt", "straight")]
+    lines = [line for line in fit["stdout"].splitlines() if line.startswith(" fit partition ")]
+    assert len(lines) == 1, fit["stdout"][-3000:]
+    found = re.fullmatch(r" fit partition from iterations 1-1: F .* fitted to 2 spans within "
+                         r"\d+%; span lengths (\d+) (\d+): \[0, \d+\) \[\d+, 64\)", lines[0])
+    assert found, lines[0]
+    lengths = [int(found[1]), int(found[2])]
+    assert sum(lengths) == 64 and all(n > 0 and n % 2 == 0 for n in lengths), lengths
+    assert _losses(fit) == pytest.approx(_losses(straight), rel=1e-5, abs=0)
+    record = json.loads(Path(results["checkpoint_root"], "cp2_timeline",
+                             "timeline.json").read_text())
+    assert record["iteration"] == 2
+    assert [tuple(b) for b in record["span_bounds"]] == [(0, lengths[0]), (lengths[0], 64)]
+    programs = registry.build("seq1f1b", 2, 4, 2, 1).programs
+    assert [rank["rank"] for rank in record["ranks"]] == [0, 1]
+    for rank in record["ranks"]:
+        assert {a["action"] for a in rank["actions"]} == \
+            {a.format() for a in programs[rank["rank"]]}
 
 
 def test_a_context_parallel_checkpoint_resumes_without_context_parallelism(results):

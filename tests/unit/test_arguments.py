@@ -200,7 +200,6 @@ BAD = [  # (changes to the base flags, world size, flag the message must name)
      "--seq1f1b-span-lengths 15 17 16 16"),
     ({"context_parallel_size": 2, "sequence_parallel": True, "seq_length": 66}, WORLD,
      "--seq-length 66"),
-    ({"context_parallel_size": 2, "seq1f1b_partition": "fit"}, WORLD, "--seq1f1b-partition fit"),
     ({"context_parallel_size": 2, "pipeline_schedule": "megatron-1f1b", "seq1f1b_splits": None},
      WORLD, "--pipeline-schedule megatron-1f1b"),
     # NaN passes every comparison and infinity an open upper end: both reached the ranks
