@@ -13,7 +13,9 @@ from typing import Optional
 
 from seq1f1b.plan import registry
 from seq1f1b.plan.actions import Schedule, ScheduleError
-from seq1f1b.plan.budget import MemoryCap, RunShape, ScheduleBudget, run_budget, spreads_output
+from seq1f1b.plan.bounds import gap_to_bound
+from seq1f1b.plan.budget import (MemoryCap, RunShape, ScheduleBudget, run_budget,
+                                 searched_lower_bound, spreads_output)
 from seq1f1b.plan.context_parallel import span_alignment
 from seq1f1b.plan.costs import ModelConfig, Recompute
 from seq1f1b.plan.layout_search import LayoutSearch, search_layout
@@ -96,8 +98,9 @@ def searched_layout(args: argparse.Namespace) -> LayoutSearch:
 
 
 def placement_report(schedule: Schedule, budget: ScheduleBudget) -> str:
-    """What a searched schedule chose, in one line: its placement, simulated bubble and the
-    fullest rank's held bytes against the cap."""
+    """What a searched schedule chose, in one line: its placement, simulated bubble, how far
+    its makespan is above the lower bound of every placement it could take (plan.py search's
+    "gap"), and the fullest rank's held bytes against the cap."""
     report = simulate(schedule, budget.costs_for(schedule.placement, schedule.spread_output))
     cap = searched_cap(schedule.pp, schedule.microbatches, schedule.splits, schedule.chunks,
                        budget)
@@ -107,9 +110,10 @@ def placement_report(schedule: Schedule, budget: ScheduleBudget) -> str:
     output = ("" if not any(spreads_output(costs) for _, costs in budget.options()) else
               ", the output layer spread over the ranks" if schedule.spread_output else
               ", the output layer kept in the last stage (shorter here)")
+    gap = gap_to_bound(report.makespan, searched_lower_bound(schedule, budget, cap))
     return (f"placed on {layout[schedule.placement]}{output}, simulated bubble "
-            f"{report.bubble_ratio:.1%} on the model's FLOPs, peak held {_size(peak)} per rank "
-            f"under a cap of {_size(cap)}")
+            f"{report.bubble_ratio:.1%} on the model's FLOPs ({gap:.1%} above the lower bound), "
+            f"peak held {_size(peak)} per rank under a cap of {_size(cap)}")
 
 
 def _size(count: float) -> str:

@@ -1,6 +1,7 @@
 """Flags: Megatron's derived values, the reference fork's aliases, and a table of bad inputs, each
 rejected with one line naming the right flag and nothing written."""
 import os
+import re
 
 import pytest
 
@@ -446,7 +447,8 @@ def test_the_searched_schedule_chooses_its_placement_at_validation(tmp_path, mon
                                                                      capsys):
     """seq1f1b-zb-auto runs on the model's layout: one chunk per rank (a loop), or two (a V or a
     loop, whichever simulates shorter, tied embeddings or not); args.pipeline_placement holds
-    the choice and the last rank says it in a line."""
+    the choice and the last rank says it in a line, with how far the order is above the lower
+    bound (never below it)."""
     monkeypatch.setattr(arguments, "schedule_catalog", lambda: {**CATALOG, **V_SCHEDULES})
     monkeypatch.setenv("RANK", str(WORLD - 1))
     for changes, chunks, placements in (
@@ -460,6 +462,9 @@ def test_the_searched_schedule_chooses_its_placement_at_validation(tmp_path, mon
         assert args.pipeline_placement in placements
         said = capsys.readouterr().out.splitlines()
         assert said[-1].startswith(" seq1f1b-zb-auto: placed on a "), said
+        gap = re.search(r" on the model's FLOPs \((\d+\.\d)% above the lower bound\), peak held ",
+                        said[-1])
+        assert gap and float(gap[1]) >= 0, said[-1]
     args = validate_args(parse_args(_argv(_with(tmp_path, pipeline_schedule="zbv",
                                                 num_layers_per_virtual_pipeline_stage=2,
                                                 untie_embeddings_and_output_weights=True))),
