@@ -2,9 +2,10 @@
 """Issue 26's claim over a grid: capped at any rival's peak, seq1f1b-zb-auto finishes no later.
 
   peer_grid.py --pp 2 4 8 16 --microbatches-per-rank 1 2 4 --splits 1 2 4 8 \\
-               --costs unit skewed model
+               --costs unit skewed model model-even
 
-For every (P, m = P x factor, k) and cost model: the rivals are torch's ZB-V, DualPipeV and
+For every (P, m = P x factor, k) and cost model (unit, skewed, 7B at 64K with TP 8 and SP on
+spans of equal compute or of equal length): the rivals are torch's ZB-V, DualPipeV and
 interleaved zero bubble (k = 1) and our fixed schedules at k, on a V or a loop. Capped at a
 rival's peak, the search runs on two chunks per rank (a V or a loop, its choice) and on one (a
 loop), and the shorter must finish no later. One line per case: the violations, the default
@@ -45,8 +46,11 @@ from seq1f1b.plan.simulate import simulate  # noqa: E402
 from seq1f1b.schedule_compare import (SKEWED, UNIT, CostModel, ours, peer_rows,  # noqa: E402
                                       peer_violations, row, searched)
 
-COSTS = {"unit": CostModel(UNIT), "skewed": CostModel(SKEWED),
-         "model": CostModel(model=preset("7b"), seq_length=65536, tp=8, sequence_parallel=True)}
+_7B_64K = CostModel(model=preset("7b"), seq_length=65536, tp=8, sequence_parallel=True)
+COSTS = {"unit": CostModel(UNIT), "skewed": CostModel(SKEWED), "model": _7B_64K,
+         "model-even": replace(_7B_64K, partition="even")}
+"""The grid's costs: "model" cuts the sequence into spans of equal compute (the partition the
+paper tunes), "model-even" into spans of equal length (plan.py's and the trainer's default)."""
 
 
 PROG = "peer_grid.py"
