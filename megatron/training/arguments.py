@@ -1339,26 +1339,26 @@ def _place_schedule(args: argparse.Namespace) -> None:
 
     chunks = args.virtual_pipeline_model_parallel_size or 1
     says = os.environ.get("RANK", "0") == str(args.world_size - 1)
-    if args.search_layout:
-        with shown(sys.stdout, " ") if says else contextlib.nullcontext():
+    # the searches say how far they are on the rank that logs
+    with shown(sys.stdout, " ") if says else contextlib.nullcontext():
+        if args.search_layout:
             _search_layout(args, says)
-    try:
-        budget = schedule_budget(args)
-        if says:
-            where = " and ".join(dict.fromkeys(
-                placement_words(placement) for placement, _ in budget.options()))
-            output = (", the output layer in the last stage and spread over the ranks"
-                      if args.spread_output else "")
-            print(f" {name}: searching orders of F, B and W for "
-                  f"P={args.pipeline_model_parallel_size} m={args.num_micro_batches} "
-                  f"k={args.seq1f1b_splits} on {where} of {chunks} chunk"
-                  f"{'s' if chunks > 1 else ''} per rank{output} ...", flush=True)
-        with shown(sys.stdout, " ") if says else contextlib.nullcontext():
+        try:
+            budget = schedule_budget(args)
+            if says:
+                where = " and ".join(dict.fromkeys(
+                    placement_words(placement) for placement, _ in budget.options()))
+                output = (", the output layer in the last stage and spread over the ranks"
+                          if args.spread_output else "")
+                print(f" {name}: searching orders of F, B and W for "
+                      f"P={args.pipeline_model_parallel_size} m={args.num_micro_batches} "
+                      f"k={args.seq1f1b_splits} on {where} of {chunks} chunk"
+                      f"{'s' if chunks > 1 else ''} per rank{output} ...", flush=True)
             schedule = registry.build(name, args.pipeline_model_parallel_size,
                                       args.num_micro_batches, args.seq1f1b_splits, chunks,
                                       budget=budget)
-    except ScheduleError as err:
-        _fail(f"--pipeline-schedule {name}: {err}")
+        except ScheduleError as err:
+            _fail(f"--pipeline-schedule {name}: {err}")
     args.pipeline_placement = schedule.placement
     args.pipeline_spread_output = schedule.spread_output
     if schedule.placement != _placement(name, chunks):

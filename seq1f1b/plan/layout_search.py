@@ -81,26 +81,35 @@ def neighbours(counts: tuple[int, ...], moves: int = 2) -> list[tuple[int, ...]]
     return out
 
 
+Searched = Callable[[int, int, StageLayers, float, float], None]
+"""Told after each layout's search: (its number, how many are searched, the layout, its
+makespan, the shortest so far)."""
+
+
 def choose_layout(num_layers: int, stages: int, bound: Callable[[StageLayers], float],
                   search: Callable[[StageLayers], tuple[Schedule, float]],
-                  tries: int = LAYOUT_TRIES) -> LayoutChoice:
+                  tries: int = LAYOUT_TRIES,
+                  searched: Searched = lambda *_: None) -> LayoutChoice:
     """The layout of the shortest searched schedule among the start and the `tries` candidates
     of lowest `bound` (module doc). `bound(split)`: a lower bound on any schedule's makespan
-    with `split`'s costs; `search(split)`: the searched schedule on them and its makespan."""
+    with `split`'s costs; `search(split)`: the searched schedule on them and its makespan;
+    `searched` hears each result as it comes."""
     start = StageLayers(counts=near_even(num_layers, stages))
     # Ties of the bound (it often sees only rank 0's work) go to fewer layers on the output
     # layer's stage, the last.
     ranked = sorted(neighbours(start.counts),
                     key=lambda c: (bound(StageLayers(counts=c)), c[-1]))
+    count = 1 + min(tries, len(ranked))
     schedule, start_makespan = search(start)
     best = LayoutChoice(start, schedule, start_makespan, start_makespan, 1)
-    for counts in ranked[:tries]:
+    searched(1, count, start, start_makespan, start_makespan)
+    for number, counts in enumerate(ranked[:tries], 2):
         split = StageLayers(counts=counts)
         schedule, makespan = search(split)
         if makespan < best.makespan:
             best = LayoutChoice(split, schedule, makespan, start_makespan, 0)
-    return LayoutChoice(best.stage_layers, best.schedule, best.makespan, start_makespan,
-                        1 + min(tries, len(ranked)))
+        searched(number, count, split, makespan, best.makespan)
+    return LayoutChoice(best.stage_layers, best.schedule, best.makespan, start_makespan, count)
 
 
 class SearchedOrder(NamedTuple):
@@ -168,23 +177,23 @@ def search_layout(name: str, pp: int, microbatches: int, splits: int, num_layers
     even = searched(budget_of(None, None))
     cap = searched_cap(pp, microbatches, splits, chunks, even.budget)
     shape = registry.build("seq1f1b-zbv", pp, microbatches, splits, chunks)
-    layouts = 1 + min(LAYOUT_TRIES, len(neighbours(near_even(num_layers, shape.num_stages))))
-    compared: list[float] = []
 
     def candidate(split: StageLayers) -> tuple[Schedule, float]:
         # Candidates are compared on a V without the annealing walk; the one kept is then
         # searched in full.
         order = searched(replace(budget_of(split, cap).pinned("vshape"), anneal=False))
-        compared.append(order.makespan)
-        progress.done(f"--search-layout: layout {len(compared)} of {layouts} "
-                      f"('{split.layout}'): makespan {order.makespan:.6g} on a V without the "
-                      f"walk, the shortest so far {min(compared):.6g}")
         return order.schedule, order.makespan
+
+    def say(number: int, count: int, split: StageLayers, makespan: float,
+            shortest: float) -> None:
+        progress.done(f"--search-layout: layout {number} of {count} ('{split.layout}'): "
+                      f"makespan {makespan:.6g} on a V without the walk, the shortest so far "
+                      f"{shortest:.6g}")
 
     choice = choose_layout(num_layers, shape.num_stages,
                            lambda split: lower_bound(shape,
                                                      budget_of(split, cap).costs_for("vshape")),
-                           candidate)
+                           candidate, searched=say)
     chosen = (None if choice.stage_layers.counts == near_even(num_layers, shape.num_stages)
               else searched(budget_of(choice.stage_layers, cap)))
     return LayoutSearch(even, choice, chosen, cap)

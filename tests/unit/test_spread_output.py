@@ -284,8 +284,8 @@ def test_search_layout_keeps_the_even_split_where_its_whole_search_is_as_short(c
     is made a bad one."""
     chosen = layout_search.choose_layout
 
-    def bad_choice(num_layers, stages, bound, search):
-        picked = chosen(num_layers, stages, bound, search)
+    def bad_choice(num_layers, stages, bound, search, **told):
+        picked = chosen(num_layers, stages, bound, search, **told)
         return replace(picked, stage_layers=StageLayers(counts=(1, 15, 1, 15)))
     monkeypatch.setattr(layout_search, "choose_layout", bad_choice)
     assert plan_cli.main(LAYOUT_CASE) == 0
