@@ -81,6 +81,19 @@ if [ "$WAIT" -eq 0 ]; then
     echo "collect when done: $0 --collect $OUT"
     exit 0
 fi
-pending() { squeue -h --me -o %i | grep -Fx -f <(printf '%s\n' "${JOB_IDS[@]}") || true; }
-while [ -n "$(pending)" ]; do sleep 2; done
+# Wait until none of the sweep's jobs is in the queue. A failed squeue (a busy slurmctld times
+# out) is not an empty queue: it is asked again, or collecting would write the jobs still running
+# as FAILED (a CI run under load did). SQUEUE_TRIES failures in a row give up, jobs untouched.
+SQUEUE_TRIES=30
+failures=0
+while :; do
+    if listed="$(squeue -h --me -o %i)"; then
+        failures=0
+        grep -qFx -f <(printf '%s\n' "${JOB_IDS[@]}") <<< "$listed" || break
+    elif [ $((failures += 1)) -ge "$SQUEUE_TRIES" ]; then
+        echo "sweep.sh: error: squeue failed $failures times in a row; the jobs may still be running: collect them when done with $0 --collect $OUT" >&2
+        exit 1
+    fi
+    sleep 2
+done
 collect "$OUT"

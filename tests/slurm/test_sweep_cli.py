@@ -32,3 +32,39 @@ def test_bad_input_is_refused_before_submitting(tmp_path, argv, env, names):
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and names in result.stderr, result.stderr
     assert not (tmp_path / "s" / "jobs.tsv").exists()
+
+
+FAKE_SBATCH = """#!/bin/bash
+# job 7: remember where its output goes (--output=PATH, %j the id)
+for arg; do case "$arg" in --output=*) echo "${arg#--output=}" > "$STATE/output" ;; esac; done
+echo "7;cluster"
+"""
+FAKE_SQUEUE = """#!/bin/bash
+# call 1 fails as a busy slurmctld does, call 2 lists the running job, then the job has ended
+calls=$(( $(cat "$STATE/calls" 2>/dev/null || echo 0) + 1 )); echo $calls > "$STATE/calls"
+case $calls in
+    1) echo "slurm_load_jobs error: Socket timed out on send/recv operation" >&2; exit 1 ;;
+    2) echo 7 ;;
+    *) output="$(cat "$STATE/output")"
+       echo "SEQ1F1B_RESULT status=OK exit=0 iterations=3" > "${output//%j/7}" ;;
+esac
+"""
+
+
+def test_wait_asks_a_failed_squeue_again_and_collects_the_ended_job(tmp_path):
+    """`--wait` took a failed squeue for an empty queue and wrote the running jobs as FAILED."""
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name, text in (("sbatch", FAKE_SBATCH), ("squeue", FAKE_SQUEUE)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    result = subprocess.run(
+        ["bash", "examples/slurm/sweep.sh", "--out", str(tmp_path / "s"), "--wait", SCRIPT],
+        cwd=REPO, env={**os.environ, **GRID, "SCHEDULES": "1f1b", "STATE": str(state),
+                       "PATH": f"{bin_dir}:/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert (state / "calls").read_text().strip() == "3"
+    rows = (tmp_path / "s" / "results.csv").read_text().splitlines()
+    assert len(rows) == 2 and ",OK," in rows[1], rows
