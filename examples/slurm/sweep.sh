@@ -7,6 +7,7 @@
 #   examples/slurm/sweep.sh --collect DIR
 #
 # SPLITS (k) applies to the seq1f1b* schedules; the other schedules run once each with k = 1.
+# With --wait, a failed squeue is asked again every 2 s, up to SQUEUE_TRIES (30) times in a row.
 # Each job gets SCHEDULE, SPLITS, SEQ_LENGTH and MICRO_BATCHES in its environment (the example
 # scripts read them) and everything else exported here; sbatch options go before SCRIPT in their
 # --name=value form, ARGs after it reach the script (and pretrain_gpt.py). The jobs' output files
@@ -48,8 +49,9 @@ MODEL="$(basename "$SCRIPT" .sbatch)"; MODEL="${MODEL#pretrain_gpt_}"
 : "${SCHEDULES:=1f1b seq1f1b}" "${SPLITS:=4}"
 [ -n "${SEQ_LENGTHS:-}" ] || usage "set SEQ_LENGTHS (e.g. SEQ_LENGTHS=\"16384 32768\")"
 [ -n "${MICRO_BATCHES:-}" ] || usage "set MICRO_BATCHES (e.g. MICRO_BATCHES=32)"
-for value in $SPLITS $SEQ_LENGTHS $MICRO_BATCHES; do
-    [[ "$value" =~ ^[1-9][0-9]*$ ]] || usage "SPLITS, SEQ_LENGTHS, MICRO_BATCHES: $value is not a positive integer"
+: "${SQUEUE_TRIES:=30}"    # --wait: squeue failures in a row before giving up (below)
+for value in $SPLITS $SEQ_LENGTHS $MICRO_BATCHES $SQUEUE_TRIES; do
+    [[ "$value" =~ ^[1-9][0-9]*$ ]] || usage "SPLITS, SEQ_LENGTHS, MICRO_BATCHES, SQUEUE_TRIES: $value is not a positive integer"
 done
 
 mkdir -p "$OUT"
@@ -84,7 +86,6 @@ fi
 # Wait until none of the sweep's jobs is in the queue. A failed squeue (a busy slurmctld times
 # out) is not an empty queue: it is asked again, or collecting would write the jobs still running
 # as FAILED (a CI run under load did). SQUEUE_TRIES failures in a row give up, jobs untouched.
-SQUEUE_TRIES=30
 failures=0
 while :; do
     if listed="$(squeue -h --me -o %i)"; then

@@ -17,6 +17,7 @@ GRID = {"SEQ_LENGTHS": "64", "MICRO_BATCHES": "4"}
     ([SCRIPT], {"SEQ_LENGTHS": "64"}, "MICRO_BATCHES"),
     ([SCRIPT], {**GRID, "SPLITS": "two"}, "SPLITS"),
     ([SCRIPT], {**GRID, "SEQ_LENGTHS": "0"}, "SEQ_LENGTHS"),
+    ([SCRIPT], {**GRID, "SQUEUE_TRIES": "0"}, "SQUEUE_TRIES"),
     (["-p", "gpu", SCRIPT], GRID, "-p"),
     ([], GRID, "no sbatch script"),
     (["examples/slurm/missing.sbatch"], GRID, "missing.sbatch"),
@@ -51,20 +52,35 @@ esac
 """
 
 
-def test_wait_asks_a_failed_squeue_again_and_collects_the_ended_job(tmp_path):
-    """`--wait` took a failed squeue for an empty queue and wrote the running jobs as FAILED."""
+def _wait_with_fakes(tmp_path, squeue: str, tries: int) -> tuple[subprocess.CompletedProcess, Path]:
+    """sweep.sh --wait of one job against a fake sbatch and `squeue`; (its run, the fakes'
+    state folder)."""
     bin_dir, state = tmp_path / "bin", tmp_path / "state"
     bin_dir.mkdir()
     state.mkdir()
-    for name, text in (("sbatch", FAKE_SBATCH), ("squeue", FAKE_SQUEUE)):
+    for name, text in (("sbatch", FAKE_SBATCH), ("squeue", squeue)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    result = subprocess.run(
+    return subprocess.run(
         ["bash", "examples/slurm/sweep.sh", "--out", str(tmp_path / "s"), "--wait", SCRIPT],
         cwd=REPO, env={**os.environ, **GRID, "SCHEDULES": "1f1b", "STATE": str(state),
-                       "PATH": f"{bin_dir}:/usr/bin:/bin"},
-        capture_output=True, text=True, timeout=60)
+                       "SQUEUE_TRIES": str(tries), "PATH": f"{bin_dir}:/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=60), state
+
+
+def test_wait_asks_a_failed_squeue_again_and_collects_the_ended_job(tmp_path):
+    """`--wait` took a failed squeue for an empty queue and wrote the running jobs as FAILED."""
+    result, state = _wait_with_fakes(tmp_path, FAKE_SQUEUE, tries=30)
     assert result.returncode == 0, result.stderr
     assert (state / "calls").read_text().strip() == "3"
     rows = (tmp_path / "s" / "results.csv").read_text().splitlines()
     assert len(rows) == 2 and ",OK," in rows[1], rows
+
+
+def test_wait_gives_up_after_squeue_tries_failures_and_collects_nothing(tmp_path):
+    result, _ = _wait_with_fakes(tmp_path, "#!/bin/bash\necho 'timed out' >&2; exit 1\n", tries=2)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("sweep.sh: error: squeue failed 2 times in a row") and \
+        "--collect" in last, result.stderr
+    assert not (tmp_path / "s" / "results.csv").exists()
