@@ -1,4 +1,5 @@
-"""sweep.sh refuses bad input before it submits anything: one line on stderr, exit code 2."""
+"""sweep.sh refuses bad input before it submits anything (one line on stderr, exit code 2), and
+`--wait` waits through a failed squeue (a fake sbatch and squeue: no Slurm needed)."""
 from __future__ import annotations
 
 import os
@@ -52,7 +53,8 @@ esac
 """
 
 
-def _wait_with_fakes(tmp_path, squeue: str, tries: int) -> tuple[subprocess.CompletedProcess, Path]:
+def _wait_with_fakes(tmp_path, squeue: str,
+                     tries: int) -> tuple[subprocess.CompletedProcess, Path]:
     """sweep.sh --wait of one job against a fake sbatch and `squeue`; (its run, the fakes'
     state folder)."""
     bin_dir, state = tmp_path / "bin", tmp_path / "state"
