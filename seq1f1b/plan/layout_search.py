@@ -101,15 +101,15 @@ def choose_layout(num_layers: int, stages: int, bound: Callable[[StageLayers], f
                     key=lambda c: (bound(StageLayers(counts=c)), c[-1]))
     count = 1 + min(tries, len(ranked))
     schedule, start_makespan = search(start)
-    best = LayoutChoice(start, schedule, start_makespan, start_makespan, 1)
+    best = LayoutChoice(start, schedule, start_makespan, start_makespan, count)
     searched(1, count, start, start_makespan, start_makespan)
     for number, counts in enumerate(ranked[:tries], 2):
         split = StageLayers(counts=counts)
         schedule, makespan = search(split)
         if makespan < best.makespan:
-            best = LayoutChoice(split, schedule, makespan, start_makespan, 0)
+            best = LayoutChoice(split, schedule, makespan, start_makespan, count)
         searched(number, count, split, makespan, best.makespan)
-    return LayoutChoice(best.stage_layers, best.schedule, best.makespan, start_makespan, count)
+    return best
 
 
 class SearchedOrder(NamedTuple):

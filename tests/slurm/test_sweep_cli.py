@@ -13,6 +13,12 @@ SCRIPT = "examples/slurm/pretrain_gpt_2.7b_8gpu.sbatch"
 GRID = {"SEQ_LENGTHS": "64", "MICRO_BATCHES": "4"}
 
 
+def _clean_env() -> dict[str, str]:
+    """This environment without the grid and wait settings sweep.sh reads from it."""
+    return {key: value for key, value in os.environ.items()
+            if key not in ("SEQ_LENGTHS", "MICRO_BATCHES", "SPLITS", "SCHEDULES", "SQUEUE_TRIES")}
+
+
 @pytest.mark.parametrize("argv, env, names", [
     ([SCRIPT], {"MICRO_BATCHES": "4"}, "SEQ_LENGTHS"),
     ([SCRIPT], {"SEQ_LENGTHS": "64"}, "MICRO_BATCHES"),
@@ -26,10 +32,9 @@ GRID = {"SEQ_LENGTHS": "64", "MICRO_BATCHES": "4"}
     (["--collect"], {}, "--collect"),
 ])
 def test_bad_input_is_refused_before_submitting(tmp_path, argv, env, names):
-    clean = {key: value for key, value in os.environ.items()
-             if key not in ("SEQ_LENGTHS", "MICRO_BATCHES", "SPLITS", "SCHEDULES")}
     result = subprocess.run(["bash", "examples/slurm/sweep.sh", "--out", str(tmp_path / "s"),
-                             *argv], cwd=REPO, env={**clean, **env, "PATH": "/usr/bin:/bin"},
+                             *argv], cwd=REPO,
+                            env={**_clean_env(), **env, "PATH": "/usr/bin:/bin"},
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and names in result.stderr, result.stderr
@@ -65,7 +70,7 @@ def _wait_with_fakes(tmp_path, squeue: str,
         (bin_dir / name).chmod(0o755)
     return subprocess.run(
         ["bash", "examples/slurm/sweep.sh", "--out", str(tmp_path / "s"), "--wait", SCRIPT],
-        cwd=REPO, env={**os.environ, **GRID, "SCHEDULES": "1f1b", "STATE": str(state),
+        cwd=REPO, env={**_clean_env(), **GRID, "SCHEDULES": "1f1b", "STATE": str(state),
                        "SQUEUE_TRIES": str(tries), "PATH": f"{bin_dir}:/usr/bin:/bin"},
         capture_output=True, text=True, timeout=60), state
 
