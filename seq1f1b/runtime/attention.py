@@ -225,8 +225,6 @@ def _additive_causal_mask(sq: int, sk: int, dtype: torch.dtype, device: torch.de
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
           dropout_p: float) -> Tensor:
-    from torch.nn.attention.bias import causal_lower_right
-
     sq, sk = q.size(0), k.size(0)
     gqa = q.size(2) != k.size(2)
     q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
@@ -242,6 +240,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float,
     elif cudnn_merge_refusal(q, k, v, dropout_p) is None:     # sm90+: two cuDNN calls
         return _merge_heads(merged_span_attention(q, k, v, scale))
     else:               # CUDA: flash-2 applies it without a materialised mask
+        from torch.nn.attention.bias import causal_lower_right   # imports dynamo: CUDA only
         allowed = causal_lower_right(sq, sk)
     # On CUDA the causal case passes causal_lower_right, which holds no mask tensor.
     check_sdpa_kernel(q, k, v, allowed if mask is not None else None)
