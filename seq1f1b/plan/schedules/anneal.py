@@ -30,9 +30,10 @@ times only what starts after it (refine.py's `Orders.timing`).
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 from seq1f1b.plan.schedules.greedy import Placed, Placer
-from seq1f1b.plan.schedules.refine import Orders, refine
+from seq1f1b.plan.schedules.refine import Held, Orders, _Timed, refine
 
 SEED = 0
 """The walk's random numbers: `random.Random(SEED)`. Over 88 capped cases at 7B/64K (TP 8, SP;
@@ -102,12 +103,13 @@ def _walk(orders_of: Orders, placed: Placed, cap: float, rng: random.Random, bud
     shortest order it passed."""
     orders = orders_of.steps(placed.programs)
     timing = orders_of.timing(orders)
-    if timing is None:
+    if not isinstance(timing, _Timed):
         return placed
     current = shortest = timing.makespan
     kept = orders
     spent = orders_of.timed
-    waits, helds = None, [None] * len(orders)
+    waits: Optional[list[tuple[int, int]]] = None
+    helds: list[Optional[Held]] = [None] * len(orders)
     while orders_of.timed - spent < budget and shortest > floor * (1 + _TIE):
         cooled = 1.0 - (orders_of.timed - spent) / budget
         temperature = START_TEMPERATURE * shortest * cooled * cooled
@@ -123,15 +125,16 @@ def _walk(orders_of: Orders, placed: Placed, cap: float, rng: random.Random, bud
         target = source + rng.randrange(1, REACH + 1) * (1 if rng.random() < 0.5 else -1)
         if not 0 <= target < len(orders[rank]):
             continue
-        if helds[rank] is None:
-            helds[rank] = orders_of.held(orders[rank])
-        trial = orders_of.moved(orders[rank], helds[rank], source, target, cap,
+        held = helds[rank]
+        if held is None:
+            held = helds[rank] = orders_of.held(orders[rank])
+        trial = orders_of.moved(orders[rank], held, source, target, cap,
                                 swap=swaps > 0 and rng.random() < swaps)
         if trial is None:
             continue
         candidate = orders[:rank] + [trial] + orders[rank + 1:]
         timed = orders_of.timing(candidate, timing, rank, min(source, target))
-        if timed is None:
+        if not isinstance(timed, _Timed):
             continue
         makespan = timed.makespan
         if makespan <= current or makespan - current < temperature * rng.random():

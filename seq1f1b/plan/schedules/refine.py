@@ -256,7 +256,7 @@ def refine(placer: Placer, placed: Placed, cap: float,
     orders_of = Orders(placer)
     orders = orders_of.steps(placed.programs)
     timing = orders_of.timing(orders)
-    if timing is None:
+    if not isinstance(timing, _Timed):
         return placed
     score = timing.score
     budget = orders_of.timed + max(20 * orders_of.size, timed_actions)
