@@ -1,6 +1,7 @@
-"""`make test`'s worker groups take effect (tests/conftest.py): every test of tests/distributed
-runs on one worker, each unit file on one. Nothing fails when they don't (pytest 9.2, or a hook
-order that hides the marks from xdist): the launches then run two at once, 8 ranks on 2 cores."""
+"""`make test`'s worker groups take effect (tests/worker_groups.py, which tests/conftest.py takes
+in): every test of tests/distributed runs on one worker, each unit file on one. Nothing fails
+when they don't (pytest 9.2, or a hook order that hides the marks from xdist): the launches then
+run two at once, 8 ranks on 2 cores."""
 import re
 import subprocess
 import sys
@@ -8,14 +9,10 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 CONFTEST = f"""
-import importlib.util
 import sys
 
 sys.path.insert(0, {str(TESTS)!r})
-spec = importlib.util.spec_from_file_location("suite_conftest", {str(TESTS / "conftest.py")!r})
-suite = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(suite)
-pytest_collection_modifyitems = suite.pytest_collection_modifyitems
+from worker_groups import pytest_collection_modifyitems  # noqa: F401  (the suite's own hook)
 """
 TESTS_OF_A_FILE = "".join(f"def test_{n}():\n    pass\n\n\n" for n in range(4))
 
