@@ -14,7 +14,7 @@ from seq1f1b.equivalence import EquivalenceCase, run_case
 
 def main(cases_path: str, results_path: str) -> None:
     init_distributed(timeout_s=120)
-    gc.freeze()     # what is imported lives on: each case's collections skip its ~400k objects
+    gc.freeze()     # what is imported lives on: each case's collections skip its ~280k objects
     results = []
     for spec in json.load(open(cases_path)):
         try:
