@@ -37,7 +37,7 @@ $(SEARCH_BUILD): $(STAMP) $(wildcard seq1f1b/plan/*.py seq1f1b/plan/*/*.py)
 XDIST := -n 2 --dist loadgroup
 
 # The repo's own sources byte-compiled before the tests, as the installed packages are at setup
-# (only what changed since is compiled again, ~1 s): with PYTHONDONTWRITEBYTECODE set, as on CI,
+# (1-3 s; then only what changed is compiled again): with PYTHONDONTWRITEBYTECODE set, as on CI,
 # each of the suite's hundreds of processes (torchrun ranks, the tools the docs run) would
 # otherwise compile the modules it imports again (plan.py comm: 0.66 -> 0.42 s). Python checks
 # each .pyc against its source, so an edit is never shadowed.
