@@ -27,4 +27,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         folder = item.path.parent.name
         group = "launches" if folder in LAUNCHING else item.path.stem
         item.add_marker(pytest.mark.xdist_group(group))
-
