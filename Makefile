@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-unit test-distributed test-slurm device-wheel clean
+.PHONY: setup bytecode test test-unit test-distributed test-slurm device-wheel clean
 
 SEARCH_BUILD := .build/search/stamp.json
 
@@ -41,24 +41,21 @@ XDIST := -n 2 --dist loadgroup
 # each of the suite's hundreds of processes (torchrun ranks, the tools the docs run) would
 # otherwise compile the modules it imports again (plan.py comm: 0.66 -> 0.42 s). Python checks
 # each .pyc against its source, so an edit is never shadowed.
-BYTECODE := $(PY) -m compileall -q -j 0 seq1f1b megatron tools tests examples pretrain_gpt.py
+bytecode: setup
+	$(PY) -m compileall -q -j 0 seq1f1b megatron tools tests examples pretrain_gpt.py
 
-test: setup
-	$(BYTECODE)
+test: bytecode
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests
 
-test-unit: setup
-	$(BYTECODE)
+test-unit: bytecode
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests/unit
 
-test-distributed: setup
-	$(BYTECODE)
+test-distributed: bytecode
 	$(PY) -m pytest -q -p no:cacheprovider tests/distributed
 
 # A throwaway Slurm cluster (installed from Debian's packages when missing) runs the sbatch
 # scripts of examples/slurm for real; `make test` runs these too, as part of tests/.
-test-slurm: setup
-	$(BYTECODE)
+test-slurm: bytecode
 	$(PY) -m pytest -q -p no:cacheprovider tests/slurm
 
 # From nothing: the venv, the shipped corpus as .bin/.idx, a tiny GPT trained with Seq1F1B (k=4) on
