@@ -190,6 +190,17 @@ def _add_training_args(parser: ArgumentParser) -> None:
                    action="store_false",
                    help="do not stop at a NaN or inf loss or gradient norm (by default the run "
                         "stops, naming the iteration, the stage and the micro-batch)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="turn Python's garbage collector off for the run and collect at the same "
+                        "points on every rank: at the start, every --manual-gc-interval "
+                        "iterations and around each evaluation (a rank collecting on its own is "
+                        "a straggler the pipeline waits for)")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc, collect after every this many iterations (default 0: "
+                        "never between iterations)")
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", dest="manual_gc_eval",
+                   action="store_false",
+                   help="with --manual-gc, do not collect around evaluations")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="gradient of the global batch's token mean (default: mean over "
                         "micro-batches of each one's token mean, as Megatron)")
@@ -595,6 +606,7 @@ def _validate_basics(args: argparse.Namespace) -> None:
                  "rotary_seq_len_interpolation_factor"):
         check_range(args, name, 1)
     check_range(args, "exit_duration_in_mins", 0, low_inclusive=False)
+    check_range(args, "manual_gc_interval", 0)
     for name in ("eval_iters", "lr_warmup_iters", "lr", "min_lr", "weight_decay", "clip_grad",
                  "lr_warmup_samples", "lr_warmup_init", "decoupled_lr", "decoupled_min_lr"):
         check_range(args, name, 0)

@@ -41,6 +41,7 @@ from megatron.training.async_checkpoint import AsyncSaves
 from megatron.training.checkpoint_common import starting_point
 from megatron.training.data import MicroBatchIterator, train_valid_test_num_samples
 from megatron.training.exit_conditions import ExitConditions
+from megatron.training.garbage_collection import ManualCollection
 from megatron.training.global_vars import get_args, get_tokenizer, set_global_variables
 from megatron.training.initialize import finish_megatron, initialize_megatron
 from megatron.training.logging_utils import (IntervalReport, PeakMemory, params_l2_norm,
@@ -138,6 +139,7 @@ class _Run:
         self.writers = ScalarWriters(args, enabled=is_last_rank())
         self.saves = AsyncSaves() if args.async_save else None
         self.profiler = Profiler(args, dist.get_rank(), is_last_rank())
+        self.collection = ManualCollection(args)
         self.cost_model = ModelConfig.of_transformer_config(get_model_config(model[0]),
                                                             vocab_size=args.padded_vocab_size)
         self.summary = TrainingSummary(position.iteration, position.iteration)
@@ -403,8 +405,9 @@ def _train(run: _Run, train_iterators: list, valid_iterators: Optional[list]) ->
         run.schedule.finished(run.iteration)     # after the log line, outside the iteration's time
         iteration = run.iteration
         if valid_iterators is not None and args.eval_iters and iteration % args.eval_interval == 0:
-            run.summary.validation.append(
-                (iteration, run.evaluate(valid_iterators, f"iteration {iteration}")))
+            with run.collection.evaluation():
+                run.summary.validation.append(
+                    (iteration, run.evaluate(valid_iterators, f"iteration {iteration}")))
             run.consumed_valid_samples += args.eval_iters * args.global_batch_size
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             run.save()
@@ -418,6 +421,7 @@ def _train(run: _Run, train_iterators: list, valid_iterators: Optional[list]) ->
             print_rank_0(f" exiting program at iteration {iteration} ({stop})")
             run.summary.stopped_by = stop
             return False
+        run.collection.after_iteration(iteration)
     if args.save and saved_at != run.iteration:
         run.save()
     return True
@@ -490,25 +494,26 @@ def _pretrain(args: argparse.Namespace, datasets_provider: DatasetsProvider,
     valid_iterators = run.iterators(valid_ds, 0 if args.skip_train else
                                     position.consumed_valid_samples) \
         if has_valid and args.eval_iters else None
-    try:
-        if args.skip_train:
-            print_rank_0(" skipping training (--skip-train is on) ...")
-            finished = True
-        else:
-            finished = _train(run, run.iterators(train_ds, position.consumed_train_samples),
-                              valid_iterators)
-            run.publish_saves(blocking=True)   # an error leaves the pending one unpublished
-    finally:
-        run.profiler.stop()
-    # Megatron-LM's end-of-training prefixes ("validation loss at iteration N on test set" too)
-    if finished and valid_iterators is not None:
-        run.summary.validation.append(
-            ("end/valid", run.evaluate(valid_iterators,
-                                       f"iteration {run.iteration} on validation set")))
-    if finished and has_test and args.eval_iters:
-        run.summary.validation.append(
-            ("end/test", run.evaluate(run.iterators(test_ds, 0),
-                                      f"iteration {run.iteration} on test set", split="test")))
+    with run.collection.running():      # --manual-gc: the collector off to the end
+        try:
+            if args.skip_train:
+                print_rank_0(" skipping training (--skip-train is on) ...")
+                finished = True
+            else:
+                finished = _train(run, run.iterators(train_ds, position.consumed_train_samples),
+                                  valid_iterators)
+                run.publish_saves(blocking=True)   # an error leaves the pending one unpublished
+        finally:
+            run.profiler.stop()
+        # Megatron-LM's end-of-training prefixes ("validation loss at iteration N on test set" too)
+        if finished and valid_iterators is not None:
+            run.summary.validation.append(
+                ("end/valid", run.evaluate(valid_iterators,
+                                           f"iteration {run.iteration} on validation set")))
+        if finished and has_test and args.eval_iters:
+            run.summary.validation.append(
+                ("end/test", run.evaluate(run.iterators(test_ds, 0),
+                                          f"iteration {run.iteration} on test set", split="test")))
     run.writers.close()
     return run.summary
 

@@ -356,7 +356,9 @@ def results(data_prefix, tmp_path_factory):
             "--wandb-exp-name", "1f1b", "--wandb-save-dir", str(root / "wandb"),
             "--profile", "--profile-step-start", "2", "--profile-step-end", "3",
             "--profile-ranks", "0", "3"]},
-        "seq1f1b": {"argv": _schedule_flags(data_prefix, "seq1f1b", 4)},
+        # with Megatron-LM's manual collection, which must change no figure
+        "seq1f1b": {"argv": _schedule_flags(data_prefix, "seq1f1b", 4) + [
+            "--manual-gc", "--manual-gc-interval", "4"]},
         "fit": {"argv": _schedule_flags(data_prefix, "seq1f1b", 4) + [
             "--seq1f1b-partition", "fit", "--seq1f1b-fit-iterations", str(FIT_ITERS),
             "--timeline-path", str(root / "timeline" / "timeline.png"),
@@ -621,6 +623,15 @@ def test_schedules_give_the_same_loss_at_every_iteration(results, other):
     grad_norms = [r["grad_norm"] for r in results[other]["history"]]
     assert grad_norms == pytest.approx([r["grad_norm"] for r in results["1f1b"]["history"]],
                                        rel=1e-4)
+
+
+def test_manual_gc_collects_where_megatron_does_and_changes_no_figure(results):
+    # 10 iterations, --manual-gc-interval 4, an evaluation at 5 and 10: a full collection at the
+    # start, after iterations 4 and 8, before each evaluation, and generation 0 after each
+    assert results["seq1f1b"]["manual_collections"] == {
+        "generations": [2, 2, 2, 0, 2, 2, 0], "enabled_after": True}
+    # without the flag the collector is never turned off
+    assert results["1f1b"]["manual_collections"] == {"generations": [], "enabled_after": True}
 
 
 def test_packed_documents_train_alike_under_1f1b_and_seq1f1b(results):

@@ -8,7 +8,8 @@ and datasets provider. The last rank (which holds the losses) writes one result 
 per-iteration history, the evaluations, the start and end iteration, why it stopped early, what
 the case printed on that rank (the log lines), how many gradient bucket reductions (after the
 first iteration, which only learns the buckets) were launched while the schedule ran versus after
-it (`--overlap-grad-reduce` must launch them all while it runs) and the seconds it took, or the
+it (`--overlap-grad-reduce` must launch them all while it runs), the collections made while the
+collector was off (--manual-gc's) and whether it is on again, and the seconds it took, or the
 error.
 
 Imports of megatron-core happen inside the functions: a checkpoint save starts a `spawn` helper
@@ -101,6 +102,23 @@ def run(argv: list, sigterm: list = None, record_saves: str = None) -> dict:
             "checkpoints": summary.checkpoints, "stopped_by": summary.stopped_by}
 
 
+class CollectionProbe:
+    """Records the generation of every collection made while the automatic collector is off:
+    with --manual-gc, the trainer's own (the automatic ones run only while it is on)."""
+
+    def __init__(self) -> None:
+        self.generations: list[int] = []
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict) -> None:
+        if phase == "start" and not gc.isenabled():
+            self.generations.append(info["generation"])
+
+    def take(self) -> dict:
+        taken, self.generations = self.generations, []
+        return {"generations": taken, "enabled_after": gc.isenabled()}
+
+
 class ReductionProbe:
     """Counts megatron's bucket reductions launched inside and outside the executor's run."""
 
@@ -142,7 +160,7 @@ def main(cases_path: str, results_path: str) -> None:
     warnings.simplefilter("ignore", UserWarning)
     torch.set_num_threads(1)
     init_distributed(timeout_s=300)
-    probe = ReductionProbe()
+    probe, collections = ReductionProbe(), CollectionProbe()
     # what every case imports, frozen once: each case's collections skip its ~330k objects
     import pretrain_gpt  # noqa: F401
     import torch._dynamo  # noqa: F401  (torch.optim's first parameter group imports it)
@@ -160,6 +178,7 @@ def main(cases_path: str, results_path: str) -> None:
                       "traceback": traceback.format_exc()[-3000:]}
         result["stdout"] = printed.getvalue()
         result["grad_reductions"] = probe.take()
+        result["manual_collections"] = collections.take()
         result["seconds"] = round(time.perf_counter() - start, 2)
         results.append(result)
         gc.collect()    # not the case's groups: see CASES_PER_LAUNCH in test_training.py
