@@ -25,8 +25,8 @@ $(STAMP): requirements.txt
 	$(PY) -c "import torch, megatron.core, seq1f1b; print('setup ok: torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
 	@touch $(STAMP)
 
-# The schedule search's refine and anneal modules compiled by mypyc (1.5-1.9x faster searches,
-# the same orders), rebuilt when a source of seq1f1b/plan/ changes; optional: without a C
+# The schedule search's greedy, refine and anneal modules compiled by mypyc (1.3-1.7x faster
+# searches, the same orders), rebuilt when a source of seq1f1b/plan/ changes; optional: without a C
 # compiler it says so and the search runs as Python (seq1f1b/plan/schedules/compiled.py).
 $(SEARCH_BUILD): $(STAMP) $(wildcard seq1f1b/plan/*.py seq1f1b/plan/*/*.py)
 	$(PY) tools/build_search.py

@@ -1,7 +1,8 @@
-"""Compile the schedule search's two hottest modules with mypyc (`make setup` runs this).
+"""Compile the schedule search's three hottest modules with mypyc (`make setup` runs this).
 
     python tools/build_search.py
-    -> .build/search/seq1f1b/plan/schedules/{refine,anneal}.<suffix> and .build/search/stamp.json
+    -> .build/search/seq1f1b/plan/schedules/{greedy,refine,anneal}.<suffix> and
+       .build/search/stamp.json
 
 Why and how the package picks the build up: seq1f1b/plan/schedules/compiled.py. The build is
 optional: without mypy or a C compiler this prints one line saying the search stays pure

@@ -1,6 +1,6 @@
 """Schedule families. Each module registers its names on import, in this order:
 gpipe, 1f1b, seq1f1b, interleaved-1f1b, seq1f1b-interleaved, zb-h1, seq1f1b-zb-h1, zbv,
-seq1f1b-zbv, seq1f1b-zb-auto. The search's refine and anneal modules are the mypyc build's
+seq1f1b-zbv, seq1f1b-zb-auto. The search's greedy, refine and anneal modules are the mypyc build's
 where it is current (compiled.py), before any of them is imported."""
 from seq1f1b.plan.schedules import compiled
 

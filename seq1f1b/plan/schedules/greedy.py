@@ -61,8 +61,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 from typing import Optional
 
 from seq1f1b.plan.actions import Action, Schedule, ScheduleError, dependencies
@@ -102,19 +101,22 @@ def unit_costs(problem: Problem) -> SpanCosts:
 Steps = tuple[int, ...]
 
 
-@dataclass
 class _Rank:
-    forwards: list[deque]          # per chunk: F units still to run, in order
-    backwards: list[deque]         # per chunk: B units still to run, in order
-    depth: float                   # most spans whose F ran and B did not, counted per chunk
-    owed: deque = field(default_factory=deque)     # W units whose B has run
-    current: deque = field(default_factory=deque)  # steps of the unit being run
-    held: float = 0.0
-    reserved: float = 0.0          # promised to allocations that admitted forwards will cause
-    in_flight: int = 0             # spans whose F ran and B did not, over both chunks
-    program: list[int] = field(default_factory=list)
-    held_by: dict = field(default_factory=dict)    # micro-batch -> bytes it holds here
-    claims: dict = field(default_factory=dict)     # micro-batch -> bytes promised to it here
+    """One rank's state during a replay."""
+
+    def __init__(self, forwards: list[deque[Steps]], backwards: list[deque[Steps]],
+                 depth: float) -> None:
+        self.forwards = forwards        # per chunk: F units still to run, in order
+        self.backwards = backwards      # per chunk: B units still to run, in order
+        self.depth = depth              # most spans whose F ran and B did not, per chunk
+        self.owed: deque[Steps] = deque()      # W units whose B has run
+        self.current: deque[int] = deque()     # steps of the unit being run
+        self.held = 0.0
+        self.reserved = 0.0     # promised to allocations that admitted forwards will cause
+        self.in_flight = 0      # spans whose F ran and B did not, over both chunks
+        self.program: list[int] = []
+        self.held_by: dict[int, float] = {}    # micro-batch -> bytes it holds here
+        self.claims: dict[int, float] = {}     # micro-batch -> bytes promised to it here
 
     def done(self) -> bool:
         return not (self.current or self.owed or any(self.forwards) or any(self.backwards))
@@ -173,6 +175,7 @@ class _Plan:
                     backward = self.step(last_rank, last_chunk, "B", j, i)
                     self.needs[backward] += (self.outputs + j * m + i,)
         self.finished = [math.inf] * len(self.duration)
+        self._actions: Optional[list[Action]] = None
 
     def step(self, rank: int, chunk: int, op: str, span: int, microbatch: int) -> int:
         p = self.problem
@@ -182,12 +185,13 @@ class _Plan:
                 * p.microbatches + microbatch)
 
     def action(self, step: int) -> Action:
-        return self.actions[step]
+        return self.actions()[step]
 
-    @cached_property
     def actions(self) -> list[Action]:
         """The action of every step, made once: each replay returns its programs as actions,
         and a search makes hundreds of replays."""
+        if self._actions is not None:
+            return self._actions
         p, actions = self.problem, []
         for step in range(self.outputs):
             rest, i = divmod(step, p.microbatches)
@@ -197,6 +201,7 @@ class _Plan:
         for step in range(len(self.duration) - self.outputs):
             j, i = divmod(step, p.microbatches)
             actions.append(Action("O", i, j))
+        self._actions = actions
         return actions
 
     def op(self, step: int) -> str:
@@ -278,147 +283,177 @@ class Placer:
         # rank's own work, an even share of all the work, the longest O, the last stage's rank
         plan = self.plan
         self.outputs = sorted(range(plan.outputs, len(plan.duration)), key=plan.microbatch)
+        # the sums start at 0.0, not 0: the same floats, and typed float where mypyc compiles
         self.work = [sum(plan.duration[rank * (plan.outputs // problem.pp):
-                                       (rank + 1) * (plan.outputs // problem.pp)])
+                                       (rank + 1) * (plan.outputs // problem.pp)], 0.0)
                      for rank in range(problem.pp)]
-        self.share = (sum(self.work) + sum(plan.duration[s] for s in self.outputs)) / problem.pp
+        self.share = (sum(self.work, 0.0) + sum((plan.duration[s] for s in self.outputs), 0.0)
+                      ) / problem.pp
         self.longest_output = max((plan.duration[s] for s in self.outputs), default=0.0)
         self.home = problem.shape().owner_of(problem.pp * problem.chunks - 1)[0]
 
     def place(self, cap: float, policy: Policy = Policy()) -> Placed:
         """Per-rank programs of F, B and W placed by the greedy replay (module docstring) with
         every rank's held bytes at most `cap`; ScheduleError when no order fits."""
-        problem, plan, promise, promised = self.problem, self.plan, self.promise, self.promised
+        return _Replay(self, cap, policy).run()
+
+
+class _Replay:
+    """One greedy replay: the state of every rank and of the O hand-off, and the choices
+    (module docstring). A class of typed fields and methods, not closures, so that mypyc
+    compiles it (compiled.py)."""
+
+    def __init__(self, placer: Placer, cap: float, policy: Policy) -> None:
+        problem, plan = placer.problem, placer.plan
         plan.finished = [math.inf] * len(plan.duration)
         m, k, V = problem.microbatches, problem.splits, problem.chunks
-        size = problem.unit
-        ranks = []
+        self.problem, self.plan, self.policy, self.cap = problem, plan, policy, cap
+        self.promise, self.promised = placer.promise, placer.promised
+        self.size = problem.unit
+        self.ranks: list[_Rank] = []
         for rank in range(problem.pp):
             forwards = [_units([plan.step(rank, c, "F", j, i) for i in range(m)
-                                for j in range(k)], size) for c in range(V)]
+                                for j in range(k)], self.size) for c in range(V)]
             backwards = [_units([plan.step(rank, c, "B", j, i) for i in range(m)
-                                 for j in reversed(range(k))], size) for c in range(V)]
-            ranks.append(_Rank(forwards, backwards,
-                               math.inf if policy.depth is None else policy.depth[rank]))
-        to_weight = m * k       # a B's W is the same (rank, chunk, span, micro-batch) one op on
+                                 for j in reversed(range(k))], self.size) for c in range(V)]
+            self.ranks.append(_Rank(forwards, backwards,
+                                    math.inf if policy.depth is None else policy.depth[rank]))
+        self.to_weight = m * k   # a B's W is the same (rank, chunk, span, micro-batch) one op on
+        self.limit = cap * (1 + 1e-9)
+        self.outputs = list(placer.outputs)     # O steps not placed yet
+        # the F each O waits for
+        self.output_need = {step: plan.needs[step][0] for step in self.outputs}
+        self.load = list(placer.work)           # each rank's work, with the O's it took
+        self.share, self.home = placer.share, placer.home
+        self.slack = (policy.output_slack or 0.0) * placer.longest_output
+        self.at_once = policy.promises == "at once"
+        self.in_turn = policy.promises == "in turn"
+        self.held_back = False
+        self.wake = [(0.0, rank) for rank in range(problem.pp)]
+        self.asleep: dict[int, float] = {}   # rank -> when it looks again (inf: by `watchers`)
+        self.watchers: dict[int, list[int]] = {}   # unplaced step -> ranks asleep until placed
 
-        limit = cap * (1 + 1e-9)
-        outputs = list(self.outputs)     # O steps not placed yet
-        output_need = {step: plan.needs[step][0] for step in outputs}   # the F each waits for
-        load = list(self.work)           # each rank's work, with the O's it took
-        share, home = self.share, self.home
-        slack = (policy.output_slack or 0.0) * self.longest_output
+    def output_for(self, rank: int, state: _Rank, now: float) -> Optional[int]:
+        """The oldest ready O this rank takes: one that fits beside what it holds, while its
+        work stays within an even share of all the work plus the policy's slack; the last
+        stage's rank takes one beyond that only when no other rank could (it is where the
+        layer would otherwise be)."""
+        # asked at every choice while O's are left, of each O left: its one dependency (the
+        # last stage's F) and its bytes read inline, not by ready_at and fits
+        plan, outputs, load = self.plan, self.outputs, self.load
+        finished, alloc, held, limit = plan.finished, plan.alloc, state.held, self.limit
+        spreads = self.policy.output_slack is not None
+        for n, step in enumerate(outputs):
+            if finished[self.output_need[step]] > now or held + alloc[step] > limit:
+                continue
+            room = [self.share + self.slack - load[r] >= plan.duration[step] and spreads
+                    for r in range(self.problem.pp)]
+            if room[rank] or (rank == self.home and not any(room)):
+                del outputs[n]
+                load[rank] += plan.duration[step]
+                return step
+        return None
 
-        def output_for(rank: int, state: _Rank, now: float) -> Optional[int]:
-            """The oldest ready O this rank takes: one that fits beside what it holds, while its
-            work stays within an even share of all the work plus the policy's slack; the last
-            stage's rank takes one beyond that only when no other rank could (it is where the
-            layer would otherwise be)."""
-            # asked at every choice while O's are left, of each O left: its one dependency (the
-            # last stage's F) and its bytes read inline, not by ready_at and fits
-            finished, alloc, held = plan.finished, plan.alloc, state.held
-            for n, step in enumerate(outputs):
-                if finished[output_need[step]] > now or held + alloc[step] > limit:
-                    continue
-                room = [share + slack - load[r] >= plan.duration[step]
-                        and policy.output_slack is not None for r in range(problem.pp)]
-                if room[rank] or (rank == home and not any(room)):
-                    del outputs[n]
-                    load[rank] += plan.duration[step]
-                    return step
-            return None
-        held_back = False
-
-        def safe(state: _Rank, unit: Steps) -> bool:
-            """Whether, after `unit` allocates, the micro-batches holding or promised bytes on
-            the rank can still finish one after another, oldest first: each gets what it was
-            promised from what is free once the older ones have freed theirs."""
-            microbatch = plan.microbatch(unit[0])
-            allocated = sum(plan.alloc[s] for s in unit)
-            promised_now = sum(promise.get(s, 0.0) - (plan.alloc[s] if s in promised else 0.0)
-                               for s in unit)
-            free = limit - state.held - allocated
-            for i in sorted(state.held_by.keys() | state.claims.keys() | {microbatch}):
-                held, claim = state.held_by.get(i, 0.0), state.claims.get(i, 0.0)
-                if i == microbatch:
-                    held, claim = held + allocated, claim + promised_now
-                if claim > free:      # the first test also refuses what does not fit now
-                    return False
-                free += held
-            return True
-
-        def fits(state: _Rank, unit: Steps) -> bool:
-            """Whether what `unit` allocates fits beside what the rank holds now."""
-            return state.held + sum(plan.alloc[s] for s in unit) <= limit
-
-        room = safe if policy.promises == "in turn" else fits   # promises not kept at once
-
-        def admissible(state: _Rank, unit: Steps) -> bool:
-            """A forward unit runs when the rank has room for it and for what it promises."""
-            nonlocal held_back
-            if unit[0] not in promise:   # its bytes were promised when its twin was admitted
-                return policy.promises == "at once" or room(state, unit)
-            if state.in_flight + len(unit) > state.depth and state.in_flight > 0:
+    def safe(self, state: _Rank, unit: Steps) -> bool:
+        """Whether, after `unit` allocates, the micro-batches holding or promised bytes on the
+        rank can still finish one after another, oldest first: each gets what it was promised
+        from what is free once the older ones have freed theirs."""
+        plan, promise, promised = self.plan, self.promise, self.promised
+        microbatch = plan.microbatch(unit[0])
+        allocated = sum((plan.alloc[s] for s in unit), 0.0)
+        promised_now = sum((promise.get(s, 0.0) - (plan.alloc[s] if s in promised else 0.0)
+                            for s in unit), 0.0)
+        free = self.limit - state.held - allocated
+        for i in sorted(state.held_by.keys() | state.claims.keys() | {microbatch}):
+            held, claim = state.held_by.get(i, 0.0), state.claims.get(i, 0.0)
+            if i == microbatch:
+                held, claim = held + allocated, claim + promised_now
+            if claim > free:      # the first test also refuses what does not fit now
                 return False
-            if policy.promises != "at once":
-                return room(state, unit)
-            need = sum(plan.alloc[s] + promise[s] for s in unit)
-            if state.held + state.reserved + need <= limit:
-                return True
-            held_back = held_back or state.held + need <= limit
+            free += held
+        return True
+
+    def room(self, state: _Rank, unit: Steps) -> bool:
+        """Whether `unit` may allocate where promises are not kept at once: in turn (`safe`),
+        or (none) where what it allocates fits beside what the rank holds now."""
+        if self.in_turn:
+            return self.safe(state, unit)
+        return state.held + sum((self.plan.alloc[s] for s in unit), 0.0) <= self.limit
+
+    def admissible(self, state: _Rank, unit: Steps) -> bool:
+        """A forward unit runs when the rank has room for it and for what it promises."""
+        promise = self.promise
+        if unit[0] not in promise:   # its bytes were promised when its twin was admitted
+            return self.at_once or self.room(state, unit)
+        if state.in_flight + len(unit) > state.depth and state.in_flight > 0:
             return False
+        if not self.at_once:
+            return self.room(state, unit)
+        need = sum((self.plan.alloc[s] + promise[s] for s in unit), 0.0)
+        if state.held + state.reserved + need <= self.limit:
+            return True
+        self.held_back = self.held_back or state.held + need <= self.limit
+        return False
 
-        def choose(rank: int, state: _Rank, now: float) -> Optional[Steps]:
-            output = output_for(rank, state, now) if outputs else None
-            if output is not None:      # the last stage's B waits for it: first
-                return (output,)
-            ready = [(plan.microbatch(q[0][0]), -c if policy.later_backward_first else c, c)
-                     for c, q in enumerate(state.backwards)
-                     if q and plan.ready_at(q[0][0]) <= now and
-                     (policy.promises == "at once" or q[0][0] not in promised or
-                      room(state, q[0]))]
-            backward = state.backwards[min(ready)[2]] if ready else None
-            if backward is not None and not policy.forward_first:
-                return backward.popleft()
-            due = min((plan.ready_at(q[0][0]) for q in state.backwards if q), default=math.inf) \
-                if policy.wait_for_backward and backward is None else math.inf
-            for c in (reversed(range(V)) if policy.later_forward_first else range(V)):
-                queue = state.forwards[c]
-                if queue and plan.ready_at(queue[0][0]) <= now and admissible(state, queue[0]):
-                    if due < now + sum(plan.duration[s] for s in queue[0]):
-                        return None
-                    return queue.popleft()
-            if backward is not None:
-                return backward.popleft()
-            if state.owed:
-                return state.owed.popleft()
-            return None
+    def choose(self, rank: int, state: _Rank, now: float) -> Optional[Steps]:
+        plan, policy = self.plan, self.policy
+        output = self.output_for(rank, state, now) if self.outputs else None
+        if output is not None:      # the last stage's B waits for it: first
+            return (output,)
+        # the ready backward of the oldest micro-batch (the later chunk's first, or the
+        # earlier's, by the policy)
+        backward: Optional[deque[Steps]] = None
+        best = (0, 0)
+        for c, q in enumerate(state.backwards):
+            if q and plan.ready_at(q[0][0]) <= now and \
+                    (self.at_once or q[0][0] not in self.promised or self.room(state, q[0])):
+                key = (plan.microbatch(q[0][0]), -c if policy.later_backward_first else c)
+                if backward is None or key < best:
+                    backward, best = q, key
+        if backward is not None and not policy.forward_first:
+            return backward.popleft()
+        due = math.inf
+        if policy.wait_for_backward and backward is None:
+            for q in state.backwards:
+                if q:
+                    due = min(due, plan.ready_at(q[0][0]))
+        V = self.problem.chunks
+        for c in (reversed(range(V)) if policy.later_forward_first else range(V)):
+            queue = state.forwards[c]
+            if queue and plan.ready_at(queue[0][0]) <= now and self.admissible(state, queue[0]):
+                if due < now + sum((plan.duration[s] for s in queue[0]), 0.0):
+                    return None
+                return queue.popleft()
+        if backward is not None:
+            return backward.popleft()
+        if state.owed:
+            return state.owed.popleft()
+        return None
 
-        wake = [(0.0, rank) for rank in range(problem.pp)]
-        asleep: dict[int, float] = {}   # rank -> when it looks again (inf: woken by `watchers`)
-        watchers: dict[int, list[int]] = {}   # unplaced step -> ranks asleep until it is placed
+    def sleep(self, rank: int, now: float, heads: list[int]) -> None:
+        """Idle `rank` until one of `heads` (the actions it waits for) may have become ready:
+        at the soonest ready time after `now` among them, or when a dependency of one not
+        ready yet is placed. Nothing else changes what `choose` returns: the rank's own bytes
+        and queues change only when it runs an action, and a head once ready stays ready.
+        (Waking every idle rank at every action's end instead gave the same programs, with a
+        `choose` per idle rank per action placed.)"""
+        plan, soonest = self.plan, math.inf
+        for head in heads:
+            ready = plan.ready_at(head)
+            if ready == math.inf:
+                for need in plan.needs[head]:
+                    if plan.finished[need] == math.inf:
+                        self.watchers.setdefault(need, []).append(rank)
+            elif now < ready < soonest:
+                soonest = ready
+        self.asleep[rank] = soonest
+        if soonest < math.inf:
+            heapq.heappush(self.wake, (soonest, rank))
+
+    def run(self) -> Placed:
+        problem, plan, promise, promised = self.problem, self.plan, self.promise, self.promised
+        ranks, wake, asleep, size = self.ranks, self.wake, self.asleep, self.size
         makespan = 0.0
-
-        def sleep(rank: int, now: float, heads: list[int]) -> None:
-            """Idle `rank` until one of `heads` (the actions it waits for) may have become
-            ready: at the soonest ready time after `now` among them, or when a dependency of
-            one not ready yet is placed. Nothing else changes what `choose` returns: the
-            rank's own bytes and queues change only when it runs an action, and a head once
-            ready stays ready. (Waking every idle rank at every action's end instead gave the
-            same programs, with a `choose` per idle rank per action placed.)"""
-            soonest = math.inf
-            for head in heads:
-                ready = plan.ready_at(head)
-                if ready == math.inf:
-                    for need in plan.needs[head]:
-                        if plan.finished[need] == math.inf:
-                            watchers.setdefault(need, []).append(rank)
-                elif now < ready < soonest:
-                    soonest = ready
-            asleep[rank] = soonest
-            if soonest < math.inf:
-                heapq.heappush(wake, (soonest, rank))
-
         while wake:
             now, rank = heapq.heappop(wake)
             state = ranks[rank]
@@ -429,13 +464,13 @@ class Placer:
             if state.program and plan.finished[state.program[-1]] > now:
                 continue                  # a stale wake-up: the rank is busy
             if not state.current:
-                unit = choose(rank, state, now)
+                unit = self.choose(rank, state, now)
                 if unit is not None:
                     state.current.extend(unit)
             if not state.current:
-                if not state.done() or outputs:
-                    sleep(rank, now, [q[0][0] for q in state.backwards + state.forwards if q]
-                          + outputs[:2 * problem.pp])
+                if not state.done() or self.outputs:
+                    self.sleep(rank, now, [q[0][0] for q in state.backwards + state.forwards if q]
+                               + self.outputs[:2 * problem.pp])
                 continue
             step = state.current[0]
             start = plan.ready_at(step)
@@ -443,7 +478,7 @@ class Placer:
                 if start < math.inf:
                     heapq.heappush(wake, (start, rank))
                 else:
-                    sleep(rank, now, [step])
+                    self.sleep(rank, now, [step])
                 continue
             state.current.popleft()
             end = now + plan.duration[step]
@@ -455,24 +490,25 @@ class Placer:
             state.reserved += promise.get(step, 0.0) - (plan.alloc[step] if step in promised
                                                         else 0.0)
             state.in_flight += 1 if op == "F" else -1 if op == "B" else 0
-            if policy.promises == "in turn":
+            if self.in_turn:
                 _account(state, plan.microbatch(step), plan.alloc[step] - plan.release[step],
                          promise.get(step, 0.0) - (plan.alloc[step] if step in promised else 0.0),
-                         cap)
+                         self.cap)
             if op == "B" and not state.current:
-                state.owed.append(tuple(s + to_weight for s in state.program[-size:]))
+                state.owed.append(tuple(s + self.to_weight for s in state.program[-size:]))
             heapq.heappush(wake, (end, rank))
-            for other in watchers.pop(step, ()):     # it waited for this: look again then
+            for other in self.watchers.pop(step, []):   # it waited for this: look again then
                 if asleep.get(other, -1.0) > end:
                     asleep[other] = end
                     heapq.heappush(wake, (end, other))
-        stuck = [rank for rank, state in enumerate(ranks) if not state.done() or outputs]
+        m, k, V = problem.microbatches, problem.splits, problem.chunks
+        stuck = [rank for rank, state in enumerate(ranks) if not state.done() or self.outputs]
         if stuck:
             raise ScheduleError(
-                f"no order of F, B and W fits a memory cap of {cap:g} (pp={problem.pp}, "
+                f"no order of F, B and W fits a memory cap of {self.cap:g} (pp={problem.pp}, "
                 f"m={m}, k={k}, V={V}): ranks {stuck} cannot go on; raise the cap")
         return Placed([[plan.action(step) for step in state.program] for state in ranks],
-                      makespan, held_back)
+                      makespan, self.held_back)
 
 
 def _account(state: _Rank, microbatch: int, held: float, claim: float, cap: float) -> None:
@@ -508,7 +544,7 @@ def _promises(plan: _Plan, problem: Problem) -> tuple[dict[int, float], set[int]
                               for c in ((0, 1) if vshape else (chunk,))] if j == 0 else []
                     if vshape:
                         caused.append(plan.step(rank, 1, "F", j, i))
-                    promise[plan.step(rank, chunk, "F", j, i)] = sum(plan.alloc[s]
-                                                                    for s in caused)
+                    promise[plan.step(rank, chunk, "F", j, i)] = sum(
+                        (plan.alloc[s] for s in caused), 0.0)
                     promised.update(caused)
     return promise, promised
