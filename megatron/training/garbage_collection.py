@@ -29,17 +29,17 @@ class ManualCollection:
         self.around_evaluation = args.manual_gc_eval
 
     @contextlib.contextmanager
-    def running(self) -> Iterator[ManualCollection]:
+    def running(self) -> Iterator[None]:
         """The training run: the automatic collector off (one full collection first), then
         back to how it was."""
         if not self.enabled:
-            yield self
+            yield
             return
         was_enabled = gc.isenabled()
         gc.disable()
         gc.collect()
         try:
-            yield self
+            yield
         finally:
             if was_enabled:
                 gc.enable()

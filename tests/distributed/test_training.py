@@ -625,9 +625,10 @@ def test_schedules_give_the_same_loss_at_every_iteration(results, other):
                                        rel=1e-4)
 
 
-def test_manual_gc_collects_where_megatron_does_and_changes_no_figure(results):
+def test_manual_gc_collects_where_megatron_does(results):
     # 10 iterations, --manual-gc-interval 4, an evaluation at 5 and 10: a full collection at the
-    # start, after iterations 4 and 8, before each evaluation, and generation 0 after each
+    # start, after iterations 4 and 8, before each evaluation, and generation 0 after each (the
+    # case's losses are 1f1b's: test_schedules_give_the_same_loss_at_every_iteration)
     assert results["seq1f1b"]["manual_collections"] == {
         "generations": [2, 2, 2, 0, 2, 2, 0], "enabled_after": True}
     # without the flag the collector is never turned off
