@@ -201,6 +201,11 @@ def _add_training_args(parser: ArgumentParser) -> None:
     g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", dest="manual_gc_eval",
                    action="store_false",
                    help="with --manual-gc, do not collect around evaluations")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="return the CUDA caching allocator's unused blocks to the device: 1 "
+                        "after each iteration's forward-backward and each evaluation step, 2 "
+                        "also after each optimizer step (default 0: never; slower, less "
+                        "fragmented; nothing on a CPU)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="gradient of the global batch's token mean (default: mean over "
                         "micro-batches of each one's token mean, as Megatron)")

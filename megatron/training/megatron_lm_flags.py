@@ -73,7 +73,7 @@ NO_OPS: dict[str, str] = {
                                                 "attention needs none)",
     "--num-workers": "micro-batches are read in the training process (no DataLoader workers)",
     "--dataloader-type": "micro-batches follow Megatron's pretraining sampler order (single)",
-    "--empty-unused-memory-level": _PERF, "--no-pin-cpu-grads": _PERF,
+    "--no-pin-cpu-grads": _PERF,
     "--no-pin-cpu-params": _PERF, "--high-priority-stream-groups": _PERF,
     "--use-cpu-initialization": "parameters are initialised on the CPU whenever there is no GPU",
     "--tiktoken-pattern": "read only by --tokenizer-type TikTokenizer (not available here)",

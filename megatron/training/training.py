@@ -174,6 +174,7 @@ class _Run:
         function = self.schedule.for_iteration(self.iteration + 1)
         with self.memory.measure():
             losses = self._run_schedule(function, iterators, forward_only=False)
+        self._empty_unused_memory(1)
         if self.args.check_for_nan_in_loss_and_grad:
             self._check_numerics(losses)
         self.timers("optimizer", log_level=1).start(barrier=self.args.barrier_with_L1_time)
@@ -181,6 +182,7 @@ class _Run:
         self.timers("optimizer").stop()
         if update_successful:
             self.scheduler.step(increment=self.args.global_batch_size)
+        self._empty_unused_memory(2)
         self.iteration += 1
         self.consumed_train_samples += self.args.global_batch_size
         return IterationRecord(self.iteration,
@@ -189,6 +191,12 @@ class _Run:
                                learning_rate, not update_successful,
                                None if num_zeros is None else int(num_zeros),
                                get_canonical_lr_for_logging(self.optimizer.param_groups))
+
+    def _empty_unused_memory(self, level: int) -> None:
+        """--empty-unused-memory-level at `level` or above: the caching allocator's unused
+        blocks back to the device, at Megatron-LM's points (a no-op before CUDA is in use)."""
+        if self.args.empty_unused_memory_level >= level:
+            torch.cuda.empty_cache()
 
     def _check_numerics(self, losses: list) -> None:
         """--check-for-nan-in-loss-and-grad, before the update (megatron/training/numerics.py)."""
@@ -272,6 +280,7 @@ class _Run:
             for _ in range(self.args.eval_iters):
                 totals.append(self._run_schedule(self.schedule.function, iterators,
                                                  forward_only=True))
+                self._empty_unused_memory(1)
         for chunk in self.model:
             chunk.train()
         losses = reduce_losses([entry for batch in totals for entry in batch],

@@ -363,7 +363,9 @@ def results(data_prefix, tmp_path_factory):
             "--seq1f1b-partition", "fit", "--seq1f1b-fit-iterations", str(FIT_ITERS),
             "--timeline-path", str(root / "timeline" / "timeline.png"),
             "--timeline-iteration", str(TIMELINE_AT)]},
-        "megatron-1f1b": {"argv": _schedule_flags(data_prefix, "megatron-1f1b", 1)},
+        # with Megatron-LM's cache emptying (a no-op on the CPU, counted by the worker)
+        "megatron-1f1b": {"argv": _schedule_flags(data_prefix, "megatron-1f1b", 1) + [
+            "--empty-unused-memory-level", "2"]},
         "documents-1f1b": {"argv": _document_flags(data_prefix, "1f1b", 1)},
         "documents-seq1f1b": {"argv": _document_flags(data_prefix, "seq1f1b", 4)},
         "llama3_script": {"argv": llama3.cpu_flags(str(root / "llama3"))},
@@ -633,6 +635,13 @@ def test_manual_gc_collects_where_megatron_does(results):
         "generations": [2, 2, 2, 0, 2, 2, 0], "enabled_after": True}
     # without the flag the collector is never turned off
     assert results["1f1b"]["manual_collections"] == {"generations": [], "enabled_after": True}
+
+
+def test_empty_unused_memory_level_empties_the_cache_where_megatron_does(results):
+    # level 2, 10 iterations: after each forward-backward and each optimizer step (20), and after
+    # each evaluation step (one at 5, at 10 and at the end on the validation and the test split)
+    assert results["megatron-1f1b"]["empty_cache_calls"] == 2 * SCHEDULE_ITERS + 4
+    assert results["1f1b"]["empty_cache_calls"] == 0      # level 0, the default
 
 
 def test_packed_documents_train_alike_under_1f1b_and_seq1f1b(results):

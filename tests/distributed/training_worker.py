@@ -9,8 +9,8 @@ per-iteration history, the evaluations, the start and end iteration, why it stop
 the case printed on that rank (the log lines), how many gradient bucket reductions (after the
 first iteration, which only learns the buckets) were launched while the schedule ran versus after
 it (`--overlap-grad-reduce` must launch them all while it runs), the collections made while the
-collector was off (--manual-gc's) and whether it is on again, and the seconds it took, or the
-error.
+collector was off (--manual-gc's) and whether it is on again, how many times
+torch.cuda.empty_cache was called, and the seconds it took, or the error.
 
 Imports of megatron-core happen inside the functions: a checkpoint save starts a `spawn` helper
 process that re-imports this file, and each of the four ranks would pay for them again.
@@ -119,6 +119,26 @@ class CollectionProbe:
         return {"generations": taken, "enabled_after": gc.isenabled()}
 
 
+class EmptyCacheProbe:
+    """Counts the calls of torch.cuda.empty_cache (--empty-unused-memory-level's; on the CPU
+    each one does nothing)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.calls, empty_cache = 0, torch.cuda.empty_cache
+
+        def counted() -> None:
+            self.calls += 1
+            empty_cache()
+
+        torch.cuda.empty_cache = counted
+
+    def take(self) -> int:
+        calls, self.calls = self.calls, 0
+        return calls
+
+
 class ReductionProbe:
     """Counts megatron's bucket reductions launched inside and outside the executor's run."""
 
@@ -160,7 +180,7 @@ def main(cases_path: str, results_path: str) -> None:
     warnings.simplefilter("ignore", UserWarning)
     torch.set_num_threads(1)
     init_distributed(timeout_s=300)
-    probe, collections = ReductionProbe(), CollectionProbe()
+    probe, collections, empty_caches = ReductionProbe(), CollectionProbe(), EmptyCacheProbe()
     # what every case imports, frozen once: each case's collections skip its ~330k objects
     import pretrain_gpt  # noqa: F401
     import torch._dynamo  # noqa: F401  (torch.optim's first parameter group imports it)
@@ -179,6 +199,7 @@ def main(cases_path: str, results_path: str) -> None:
         result["stdout"] = printed.getvalue()
         result["grad_reductions"] = probe.take()
         result["manual_collections"] = collections.take()
+        result["empty_cache_calls"] = empty_caches.take()
         result["seconds"] = round(time.perf_counter() - start, 2)
         results.append(result)
         gc.collect()    # not the case's groups: see CASES_PER_LAUNCH in test_training.py
