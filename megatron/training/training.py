@@ -9,7 +9,10 @@ happen in `optimizer.step()`), advance the LR schedule by one global batch. Arou
 every --log-interval, evaluate every --eval-interval (forward only, same schedule and spans), save
 every --save-interval and at the end (with --async-save in the background: async_checkpoint),
 stop at --exit-interval, on --exit-signal-handler's signal or after --exit-duration-in-mins
-(saving first). --skip-train loads the checkpoint and only evaluates. The flow follows
+(saving first). With --manual-gc Python's collector runs only at fixed points, the same on
+every rank (garbage_collection), and --empty-unused-memory-level empties the CUDA cache after
+the forward-backward, evaluation steps and (2) the optimizer step, as Megatron-LM.
+--skip-train loads the checkpoint and only evaluates. The flow follows
 Megatron-LM's `pretrain()`; the user supplies the same three functions a Megatron
 `pretrain_gpt.py` does.
 
